@@ -1,0 +1,19 @@
+"""jsparse: sparse long-context attention for JAX on NVIDIA GPUs.
+
+Shape letters used throughout (docstrings, jaxtyping annotations):
+
+    B    batch (sequences)            T    queries (tokens asking)
+    S    keys (tokens in the cache)   H    query / indexer heads
+    Hkv  key-value heads              G    query heads per KV head (H // Hkv)
+    D    head dim                     Dv   value head dim
+    K    top_k (indexer Top-K)        R    rank of a scoring subspace
+    budget  tokens selected per KV head in decoding (the paper's "top-B")
+
+Index outputs are int32 with ``-1`` marking an empty slot; their scores are ``-inf``.
+"""
+
+from jsparse import backend
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "backend"]

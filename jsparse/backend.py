@@ -1,0 +1,142 @@
+"""Implementation names, device detection and dispatch with fallback.
+
+Every public op takes ``implementation=``:
+
+* ``None``: the op's preferred order for the current device. On an NVIDIA GPU that
+  is its Pallas kernels (fastest first); elsewhere the jnp reference. A kernel that
+  raises ``NotImplementedError`` for the given input hands over to the next name.
+* a name (``"reference"``, ``"triton"``, ``"mosaic"``): exactly that one; its
+  errors propagate, nothing falls back silently.
+* a sequence of names: tried in order, falling back on ``NotImplementedError``.
+
+Pallas kernels run compiled on a GPU, or in Pallas interpret mode anywhere (the
+kernel body executed as plain XLA ops, slow but faithful to the kernel's logic).
+Interpret mode is switched on with :func:`interpret_mode` (tests, CPU benchmarks)
+or ``JSPARSE_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import jax
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "Implementation",
+    "dispatch",
+    "has_nvidia_gpu",
+    "interpret_mode",
+    "is_interpret",
+    "resolve",
+]
+
+Implementation = Literal["reference", "triton", "mosaic"]
+IMPLEMENTATIONS: tuple[str, ...] = ("reference", "triton", "mosaic")
+PALLAS_IMPLEMENTATIONS = frozenset({"triton", "mosaic"})
+
+_log = logging.getLogger("jsparse")
+_state = threading.local()
+
+
+@functools.cache
+def has_nvidia_gpu() -> bool:
+    """True when jax's default backend is an NVIDIA GPU."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
+
+
+def is_interpret() -> bool:
+    """Whether Pallas kernels run in interpret mode (see :func:`interpret_mode`)."""
+    flag = getattr(_state, "interpret", None)
+    if flag is None:
+        return os.environ.get("JSPARSE_INTERPRET", "0") not in ("", "0", "false", "False")
+    return flag
+
+
+@contextlib.contextmanager
+def interpret_mode(enabled: bool = True) -> Iterator[None]:
+    """Run Pallas kernels in interpret mode inside this block (thread-local)."""
+    previous = getattr(_state, "interpret", None)
+    _state.interpret = enabled
+    try:
+        yield
+    finally:
+        _state.interpret = previous
+
+
+def _available(name: str) -> bool:
+    if name == "reference":
+        return True
+    return is_interpret() or has_nvidia_gpu()
+
+
+def resolve(
+    implementation: str | Sequence[str] | None,
+    preferred: Sequence[str],
+) -> tuple[list[str], bool]:
+    """Turns an ``implementation=`` argument into an ordered list of names.
+
+    Returns ``(names, may_fall_back)``. ``preferred`` is the op's own order of its
+    implementations, fastest first; it also defines which names the op knows.
+    """
+    known = tuple(preferred)
+    if implementation is None:
+        # Interpret mode counts as "kernels available": whoever switched it on wants them.
+        names = [n for n in known if n != "reference" and _available(n)]
+        if "reference" in known:
+            names.append("reference")
+        return names, True
+    if isinstance(implementation, str):
+        names, may_fall_back = [implementation], False
+    else:
+        names, may_fall_back = list(implementation), True
+        if not names:
+            raise ValueError("implementation: got an empty sequence; expected one or more names")
+    for name in names:
+        if name not in known:
+            raise ValueError(f"implementation: got {name!r}; this op knows {list(known)}")
+    return names, may_fall_back
+
+
+def dispatch(
+    op: str,
+    implementations: dict[str, Callable[..., Any]],
+    implementation: str | Sequence[str] | None,
+    /,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Calls the first implementation of ``op`` that accepts the input.
+
+    ``implementations`` maps names to callables in the op's preferred order.
+    """
+    names, may_fall_back = resolve(implementation, tuple(implementations))
+    errors: list[str] = []
+    for name in names:
+        if name in PALLAS_IMPLEMENTATIONS and not _available(name):
+            message = (
+                f"{op}: implementation {name!r} needs an NVIDIA GPU, or Pallas interpret mode "
+                "(jsparse.backend.interpret_mode() or JSPARSE_INTERPRET=1)"
+            )
+            if may_fall_back:
+                errors.append(message)
+                continue
+            raise NotImplementedError(message)
+        try:
+            return implementations[name](*args, **kwargs)
+        except NotImplementedError as err:
+            if not may_fall_back:
+                raise
+            errors.append(f"{name}: {err}")
+            _log.debug("%s: %s declined (%s), falling back", op, name, err)
+    raise NotImplementedError(f"{op}: no implementation accepted the input: {'; '.join(errors)}")
