@@ -13,7 +13,8 @@ Index outputs are int32 with ``-1`` marking an empty slot; their scores are ``-i
 """
 
 from jsparse import backend
+from jsparse.ops.indexer import IndexerTopK, indexer_scores, indexer_topk
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "backend"]
+__all__ = ["IndexerTopK", "__version__", "backend", "indexer_scores", "indexer_topk"]

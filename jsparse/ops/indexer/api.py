@@ -1,0 +1,368 @@
+"""Public entry points of the DSA indexer: scores and exact Top-K.
+
+    s[t, i] = k_scale[i] · Σ_h weights[t, h] · relu(q[t, h] · k[i]),   kv_start[t] ≤ i < kv_end[t]
+
+Methods of :func:`indexer_topk` (MATH.md §1.9 names):
+
+* ``xla``: the naive baseline, einsum → relu → einsum → ``lax.top_k``, always XLA.
+* ``base``: score every visible key, write every score, then exact selection.
+* ``full``: score a seed set first; its K-th score τ is a lower bound on the true K-th
+  score (MATH.md §1.2), so the full pass writes only records with score ≥ τ and
+  selection reads only those (the LiteTopK idea).
+* ``dense`` / ``dosa``: certified screening first (see :mod:`jsparse.certified`).
+
+``base``, ``full``, ``dense`` and ``dosa`` of one implementation share one scorer, so
+their answers are identical id for id. Answers are ordered by score descending, then
+key id ascending; rows with fewer than ``top_k`` visible keys are padded with -1/-inf.
+
+Non-finite values: scores follow IEEE arithmetic with a NaN-propagating relu, and
+selection ranks NaN above +inf (and treats -0 as +0), so a NaN score is returned at the
+top of its row rather than silently dropped. ``full`` remains exact under that total
+order; the certified methods fall back to full scoring for such queries.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jsparse import _checks, backend
+from jsparse.ops.indexer import reference
+from jsparse.ops.indexer.methods import default_seed_count
+from jsparse.ops.indexer.result import IndexerTopK
+from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
+from jsparse.ops.topk.reference import select_topk_reference
+
+METHODS = ("xla", "base", "full", "dense", "dosa")
+
+
+def _validate(q, weights, k, k_scale, kv_start, kv_end):
+    """Checks shapes, dtypes and (when concrete) values; returns defaulted ranges."""
+    _checks.check_rank("q", q, 3, "[T, H, D]")
+    _checks.check_rank("weights", weights, 2, "[T, H]")
+    _checks.check_rank("k", k, 2, "[S, D]")
+    _checks.check_dtype("q", q, _checks.INPUT_FLOATS)
+    _checks.check_dtype("k", k, _checks.INPUT_FLOATS)
+    _checks.check_dtype("weights", weights, (jnp.float32,))
+    t, h, d = q.shape
+    s = k.shape[0]
+    if weights.shape != (t, h):
+        raise ValueError(
+            f"weights: shape {tuple(weights.shape)} does not match q {tuple(q.shape)}; "
+            f"expected [T, H] = ({t}, {h})"
+        )
+    if k.shape[1] != d:
+        raise ValueError(
+            f"k: shape {tuple(k.shape)} has head dim {k.shape[1]}; q {tuple(q.shape)} has D = {d}"
+        )
+    if t == 0 or h == 0 or d == 0:
+        raise ValueError(f"q: shape {tuple(q.shape)} has an empty axis; expected T, H, D ≥ 1")
+    if k_scale is not None:
+        _checks.check_rank("k_scale", k_scale, 1, "[S]")
+        _checks.check_dtype("k_scale", k_scale, (jnp.float32,))
+        if k_scale.shape[0] != s:
+            raise ValueError(
+                f"k_scale: shape {tuple(k_scale.shape)}; expected [S] = ({s},) to match "
+                f"k {tuple(k.shape)}"
+            )
+        values = _checks.concrete(k_scale)
+        if values is not None and values.size:
+            bad = ~(np.isfinite(values) & (values > 0))
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(
+                    f"k_scale: every scale must be finite and > 0; k_scale[{i}] = {values[i]} "
+                    f"({int(bad.sum())} bad of {values.size})"
+                )
+    ranges = []
+    for name, value, default in (("kv_start", kv_start, 0), ("kv_end", kv_end, s)):
+        if value is None:
+            ranges.append(jnp.full((t,), default, jnp.int32))
+            continue
+        _checks.check_rank(name, value, 1, "[T]")
+        _checks.check_dtype(name, value, (jnp.int32,))
+        if value.shape[0] != t:
+            raise ValueError(
+                f"{name}: shape {tuple(value.shape)}; expected [T] = ({t},) to match q "
+                f"{tuple(q.shape)}"
+            )
+        ranges.append(value)
+    start, end = ranges
+    start_np, end_np = _checks.concrete(start), _checks.concrete(end)
+    if start_np is not None and end_np is not None:
+        for name, v in (("kv_start", start_np), ("kv_end", end_np)):
+            bad = (v < 0) | (v > s)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"{name}: {name}[{i}] = {v[i]} is outside [0, S] = [0, {s}]")
+        bad = start_np > end_np
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"kv_start > kv_end at query {i}: kv_start[{i}] = {start_np[i]}, "
+                f"kv_end[{i}] = {end_np[i]}; a query's visible range must be "
+                "[kv_start, kv_end) with kv_start ≤ kv_end"
+            )
+    return start, end
+
+
+def _check_top_k(top_k) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer):
+        raise ValueError(f"top_k: expected a positive Python int, got {top_k!r}")
+    if top_k <= 0:
+        raise ValueError(f"top_k: expected top_k ≥ 1, got {top_k}")
+    return int(top_k)
+
+
+def indexer_scores(
+    q: Float[Array, "T H D"],
+    weights: Float[Array, "T H"],
+    k: Float[Array, "S D"],
+    *,
+    k_scale: Float[Array, " S"] | None = None,
+    kv_start: Int[Array, " T"] | None = None,
+    kv_end: Int[Array, " T"] | None = None,
+    implementation: str | Sequence[str] | None = None,
+) -> Float[Array, "T S"]:
+    """Indexer scores of every key for every query (f32), ``-inf`` where not visible.
+
+    Args:
+      q: [T, H, D] queries (float32, bfloat16 or float8_e4m3fn).
+      weights: [T, H] float32 signed head weights.
+      k: [S, D] keys (float32, bfloat16 or float8_e4m3fn).
+      k_scale: optional [S] float32 > 0 multiplying key i (FP8 dequantisation scale).
+      kv_start, kv_end: optional [T] int32; query t sees keys kv_start[t] ≤ i < kv_end[t]
+        (default: all S keys).
+      implementation: see :mod:`jsparse.backend`.
+    """
+    start, end = _validate(q, weights, k, k_scale, kv_start, kv_end)
+    return backend.dispatch(
+        "indexer_scores",
+        _score_implementations(),
+        implementation,
+        q,
+        weights,
+        k,
+        k_scale,
+        start,
+        end,
+    )
+
+
+def indexer_topk(
+    q: Float[Array, "T H D"],
+    weights: Float[Array, "T H"],
+    k: Float[Array, "S D"],
+    top_k: int,
+    *,
+    k_scale: Float[Array, " S"] | None = None,
+    kv_start: Int[Array, " T"] | None = None,
+    kv_end: Int[Array, " T"] | None = None,
+    method: str = "base",
+    seeds: int | Int[Array, "T N"] | None = None,
+    implementation: str | Sequence[str] | None = None,
+) -> IndexerTopK:
+    """Exact Top-K keys of the indexer score for every query.
+
+    Args:
+      q, weights, k, k_scale, kv_start, kv_end: as in :func:`indexer_scores`.
+      top_k: K, the number of keys to return per query.
+      method: ``"xla"``, ``"base"``, ``"full"``, ``"dense"`` or ``"dosa"`` (module doc).
+      seeds: for the thresholded methods: the number of seed keys per query (default
+        a heuristic, see :func:`default_seed_ids`) or explicit [T, N] int32 seed ids
+        (-1 = unused slot; each must be visible to its query and distinct).
+      implementation: see :mod:`jsparse.backend`; ignored by ``xla``.
+
+    Returns:
+      :class:`IndexerTopK`.
+    """
+    start, end = _validate(q, weights, k, k_scale, kv_start, kv_end)
+    top_k = _check_top_k(top_k)
+    if method not in METHODS:
+        raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
+    if method == "xla":
+        return _topk_xla(q, weights, k, k_scale, start, end, top_k)
+    seeds = _check_seeds(seeds, q.shape[0], start, end)
+    if method in ("dense", "dosa"):
+        from jsparse import certified  # the planner stays off the import path until used
+
+        return certified.certified_topk(
+            q, weights, k, top_k, k_scale, start, end, seeds,
+            method=method, implementation=implementation,
+        )  # fmt: skip
+    return backend.dispatch(
+        f"indexer_topk[{method}]",
+        _topk_implementations(method),
+        implementation,
+        q,
+        weights,
+        k,
+        top_k,
+        k_scale,
+        start,
+        end,
+        seeds,
+    )
+
+
+def _check_seeds(seeds, t, start, end):
+    """None, a positive seed count, or validated explicit [T, N] seed ids."""
+    if seeds is None:
+        return None
+    if isinstance(seeds, int | np.integer) and not isinstance(seeds, bool):
+        if seeds < 1:
+            raise ValueError(f"seeds: expected a positive count or [T, N] int32 ids, got {seeds}")
+        return int(seeds)
+    _checks.check_rank("seeds", seeds, 2, "[T, N]")
+    _checks.check_dtype("seeds", seeds, (jnp.int32,))
+    if seeds.shape[0] != t:
+        raise ValueError(f"seeds: shape {tuple(seeds.shape)}; expected [T, N] with T = {t}")
+    ids = _checks.concrete(seeds)
+    s_np, e_np = _checks.concrete(start), _checks.concrete(end)
+    if ids is not None and s_np is not None and e_np is not None:
+        used = ids >= 0
+        outside = used & ((ids < s_np[:, None]) | (ids >= e_np[:, None]))
+        if outside.any():
+            row, col = np.argwhere(outside)[0]
+            raise ValueError(
+                f"seeds: seeds[{row}, {col}] = {ids[row, col]} is not visible to query {row} "
+                f"(range [{s_np[row]}, {e_np[row]}))"
+            )
+        for row in range(ids.shape[0]):
+            r = ids[row][used[row]]
+            if np.unique(r).size != r.size:
+                raise ValueError(f"seeds: row {row} lists a key more than once")
+    return seeds
+
+
+def default_seed_ids(
+    kv_start: Int[Array, " T"],
+    kv_end: Int[Array, " T"],
+    top_k: int,
+    *,
+    n_seeds: int | None = None,
+    num_keys: int,
+) -> Int[Array, "T N"]:
+    """Distinct visible seed keys per query: the most recent half, a strided sample of the rest.
+
+    Recent keys score high on causal text (locality); the strided sample covers the
+    rest of the range. Queries with fewer visible keys than seeds use all of them.
+    """
+    n = default_seed_count(top_k, num_keys) if n_seeds is None else n_seeds
+    n = min(n, num_keys)
+    recent = n // 2
+    j = jnp.arange(n, dtype=jnp.int32)[None, :]
+    start = kv_start[:, None]
+    end = kv_end[:, None]
+    length = end - start
+    # recent part: end-1, end-2, ...; sampled part: evenly spread over [start, end - recent)
+    rest = jnp.maximum(length - recent, 0)
+    n_sample = n - recent
+    sample_j = jnp.maximum(j - recent, 0)
+    sampled = start + (sample_j * rest) // jnp.maximum(n_sample, 1)
+    ids = jnp.where(j < recent, end - 1 - j, sampled)
+    ids = jnp.where(length <= n, start + j, ids)  # short ranges: every visible key
+    return jnp.where(j < jnp.minimum(length, n), ids, -1).astype(jnp.int32)
+
+
+def _topk_xla(q, weights, k, k_scale, start, end, top_k):
+    scores = reference.indexer_scores_einsum(q, weights, k, k_scale, start, end)
+    t, s = scores.shape
+    pad = max(0, top_k - s)
+    if pad:
+        scores = jnp.pad(scores, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    values, idx = jax.lax.top_k(scores, top_k)
+    visible = (end - start).astype(jnp.int32)
+    empty = jnp.arange(top_k)[None, :] >= visible[:, None]
+    return IndexerTopK(
+        indices=jnp.where(empty, -1, idx).astype(jnp.int32),
+        scores=jnp.where(empty, -jnp.inf, values),
+        visible=visible,
+        candidates=visible,
+        survivors=visible,
+        threshold=jnp.full((t,), -jnp.inf, jnp.float32),
+        fallback=jnp.zeros((t,), bool),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",))
+def _topk_base_reference(q, weights, k, top_k, k_scale, start, end, seeds):
+    del seeds
+    ids = reference.visible_key_ids(start, end, k.shape[0])
+    scores = reference.score_keys_reference(q, weights, k, ids, k_scale)
+    indices, values = select_topk_reference(scores, ids, top_k)
+    visible = (end - start).astype(jnp.int32)
+    t = q.shape[0]
+    return IndexerTopK(
+        indices=indices,
+        scores=values,
+        visible=visible,
+        candidates=visible,
+        survivors=visible,
+        threshold=jnp.full((t,), -jnp.inf, jnp.float32),
+        fallback=jnp.zeros((t,), bool),
+    )
+
+
+def _topk_full_reference(q, weights, k, top_k, k_scale, start, end, seeds):
+    if seeds is None or isinstance(seeds, int):
+        seeds = default_seed_ids(start, end, top_k, n_seeds=seeds, num_keys=k.shape[0])
+    return _topk_full_reference_jit(q, weights, k, top_k, k_scale, start, end, seeds)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",))
+def _topk_full_reference_jit(q, weights, k, top_k, k_scale, start, end, seed_ids):
+    seed_scores = reference.score_keys_reference(q, weights, k, seed_ids, k_scale)
+    tau_code = seed_threshold_code(seed_scores, seed_ids, top_k)
+    ids = reference.visible_key_ids(start, end, k.shape[0])
+    scores = reference.score_keys_reference(q, weights, k, ids, k_scale)
+    codes = jnp.where(ids >= 0, score_code(scores), EMPTY_CODE)
+    keep = (ids >= 0) & (codes >= tau_code[:, None])
+    record_ids = jnp.where(keep, ids, -1)
+    indices, values = select_topk_reference(scores, record_ids, top_k)
+    visible = (end - start).astype(jnp.int32)
+    return IndexerTopK(
+        indices=indices,
+        scores=values,
+        visible=visible,
+        candidates=jnp.sum(keep, axis=1).astype(jnp.int32),
+        survivors=visible,
+        threshold=code_to_score(tau_code),
+        fallback=jnp.zeros(q.shape[:1], bool),
+    )
+
+
+def seed_threshold_code(
+    seed_scores: Float[Array, "T N"], seed_ids: Int[Array, "T N"], top_k: int
+) -> Int[Array, " T"]:
+    """Code of τ, the K-th largest seed score; ``EMPTY_CODE`` when fewer than K seeds.
+
+    With fewer than K seeds there is no certified lower bound on the K-th score, so
+    every visible key must be kept (EMPTY_CODE is below every real code).
+    """
+    codes = jnp.where(seed_ids >= 0, score_code(seed_scores), EMPTY_CODE)
+    if codes.shape[1] < top_k:
+        return jnp.full(codes.shape[:1], EMPTY_CODE, jnp.int32)
+    return jax.lax.top_k(codes, top_k)[0][:, top_k - 1]
+
+
+def _score_implementations():
+    from jsparse.ops.indexer import triton as triton_impl  # Pallas imports only when used
+
+    return {
+        "triton": triton_impl.indexer_scores_triton,
+        "reference": jax.jit(reference.indexer_scores_reference),
+    }
+
+
+def _topk_implementations(method):
+    from jsparse.ops.indexer import triton as triton_impl  # Pallas imports only when used
+
+    if method == "base":
+        return {"triton": triton_impl.topk_base_triton, "reference": _topk_base_reference}
+    return {"triton": triton_impl.topk_full_triton, "reference": _topk_full_reference}

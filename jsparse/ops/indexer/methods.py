@@ -1,0 +1,150 @@
+"""``base`` and ``full`` composed from the Triton scorer and selection kernels.
+
+base:  scorer → dense [T, S] scores → compact_rows → select_candidates → order
+full:  scorer on seed keys → τ (K-th seed code) → scorer writes records ≥ τ
+       → select_candidates → order; a query whose records overflow the buffer is
+       answered by ``base`` instead (reported in ``fallback``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jsparse.ops.indexer import triton as scorer
+from jsparse.ops.indexer.result import IndexerTopK
+from jsparse.ops.topk import triton as select
+from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def candidate_capacity(top_k: int, num_keys: int) -> int:
+    """Slots per row for compact_rows: 2·K plus room for the sample's granularity."""
+    spacing = -(-num_keys // (select.SAMPLE_BLOCKS * select.SelectConfig().sample_block))
+    return _round_up(2 * top_k + 16 * spacing, 256)
+
+
+def default_seed_count(top_k: int, num_keys: int) -> int:
+    """Seeds per query block for ``full``: √(K·S/6), between 2·K and S.
+
+    τ is the K-th seed score, so on unstructured data about S·K/n keys score above it.
+    Scoring a key costs ~6× writing and selecting its record (H=64, D=128 on an H200),
+    so n = √(K·S/6) balances the two; structured data (recency) does better.
+    """
+    n = int(math.sqrt(top_k * num_keys / 6))
+    return min(num_keys, _round_up(max(2 * top_k, n), 256))
+
+
+def default_record_capacity(top_k: int, num_keys: int) -> int:
+    return min(_round_up(num_keys, 256), 16 * top_k)
+
+
+def block_seed_ids(start, end, block_t, n_seeds, num_keys):
+    """One seed list per query block, from the block's combined range.
+
+    Half the seeds are the most recent keys, half a strided sample of the rest (recent
+    keys score high on causal text). The kernel masks each seed by its query's own
+    range, so every seed a query uses is visible to it, and the list is distinct.
+    """
+    t = start.shape[0]
+    pad = (-t) % block_t
+    s_blk = jnp.pad(start, (0, pad), constant_values=num_keys).reshape(-1, block_t)
+    e_blk = jnp.pad(end, (0, pad), constant_values=0).reshape(-1, block_t)
+    lo = jnp.min(jnp.where(e_blk > s_blk, s_blk, num_keys), axis=1)
+    hi = jnp.max(jnp.where(e_blk > s_blk, e_blk, 0), axis=1)
+    lo = jnp.minimum(lo, hi)
+    n = n_seeds
+    recent = n // 2
+    j = jnp.arange(n, dtype=jnp.int32)[None, :]
+    length = (hi - lo)[:, None]
+    rest = jnp.maximum(length - recent, 0)
+    sampled = lo[:, None] + (jnp.maximum(j - recent, 0) * rest) // max(n - recent, 1)
+    ids = jnp.where(j < recent, hi[:, None] - 1 - j, sampled)
+    ids = jnp.where(length <= n, lo[:, None] + j, ids)
+    return jnp.where(j < jnp.minimum(length, n), ids, -1).astype(jnp.int32)
+
+
+def block_union_ids(seed_ids, block_t):
+    """Per query block, the distinct ids of its queries' explicit seed lists."""
+    t, n = seed_ids.shape
+    pad = (-t) % block_t
+    ids = jnp.pad(seed_ids, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, block_t * n)
+    ids = jnp.sort(jnp.where(ids < 0, jnp.iinfo(jnp.int32).max, ids), axis=1)
+    dup = jnp.concatenate([jnp.zeros_like(ids[:, :1], bool), ids[:, 1:] == ids[:, :-1]], axis=1)
+    return jnp.where(dup | (ids == jnp.iinfo(jnp.int32).max), -1, ids)
+
+
+def _result(indices, values, start, end, candidates, tau_codes, fallback):
+    visible = (end - start).astype(jnp.int32)
+    return IndexerTopK(
+        indices=indices,
+        scores=values,
+        visible=visible,
+        candidates=candidates.astype(jnp.int32),
+        survivors=visible,
+        threshold=code_to_score(tau_codes),
+        fallback=fallback,
+    )
+
+
+def _select_dense(scores, start, end, top_k):
+    cap = candidate_capacity(top_k, scores.shape[1])
+    codes, ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
+    sel_codes, sel_ids, _ = select.select_candidates(codes, ids, count, top_k)
+    return select.order_topk(sel_codes, sel_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "cfg"))
+def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None):
+    """Every visible score written, then exact selection."""
+    (scores,) = scorer._launch(q, weights, k, k_scale, start, end, cfg=cfg)
+    indices, values = _select_dense(scores, start, end, top_k)
+    t = q.shape[0]
+    empty = jnp.full((t,), EMPTY_CODE, jnp.int32)
+    return _result(indices, values, start, end, end - start, empty, jnp.zeros((t,), bool))
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "n_seeds", "capacity", "cfg"))
+def topk_full(
+    q, weights, k, top_k, k_scale, start, end, seed_ids=None, *,
+    n_seeds=None, capacity=None, cfg=None,
+):  # fmt: skip
+    """Seed threshold τ, records ≥ τ only, exact selection over the records."""
+    t, s = q.shape[0], k.shape[0]
+    cfg = cfg or scorer.default_config(t, q.shape[1])
+    if seed_ids is None:
+        n = n_seeds or default_seed_count(top_k, s)
+        seeds = block_seed_ids(start, end, cfg.block_t, min(n, s), s)
+    else:
+        seeds = block_union_ids(seed_ids, cfg.block_t)
+    keep_all = jnp.full((t,), EMPTY_CODE, jnp.int32)
+    seed_cap = _round_up(seeds.shape[1], 128)
+    seed_codes, seed_rec_ids, seed_counts = scorer.score_records_triton(
+        q, weights, k, k_scale, start, end, keep_all, seed_cap, key_ids=seeds, cfg=cfg
+    )
+    # τ: the K-th largest seed score (EMPTY_CODE, keeping everything, below K seeds).
+    _, _, tau = select.select_candidates(seed_codes, seed_rec_ids, seed_counts, top_k)
+    cap = capacity or default_record_capacity(top_k, s)
+    codes, ids, counts = scorer.score_records_triton(
+        q, weights, k, k_scale, start, end, tau, cap, cfg=cfg
+    )
+    overflow = counts > cap
+    sel_codes, sel_ids, _ = select.select_candidates(codes, ids, jnp.minimum(counts, cap), top_k)
+    indices, values = select.order_topk(sel_codes, sel_ids)
+
+    def recover(iv):
+        # Records were dropped for these queries: only full scoring is exact there.
+        base = topk_base(q, weights, k, top_k, k_scale, start, end, cfg=cfg)
+        return (
+            jnp.where(overflow[:, None], base.indices, iv[0]),
+            jnp.where(overflow[:, None], base.scores, iv[1]),
+        )
+
+    indices, values = jax.lax.cond(jnp.any(overflow), recover, lambda iv: iv, (indices, values))
+    return _result(indices, values, start, end, counts, tau, overflow)

@@ -1,0 +1,159 @@
+"""The indexer scorer in plain jnp: the reference every kernel is tested against.
+
+    s[t, i] = k_scale[i] · Σ_h w[t, h] · relu(q[t, h] · k[i])          (MATH.md §1.1)
+
+The reference accumulates in a fixed order (over D, then over H) with elementwise f32
+arithmetic only. That makes the score of a (query, key) pair a pure function of the
+pair, independent of array shapes, batching or which other keys are scored alongside
+it. Every reference method (``base``, ``full``, ``dense``, ``dosa``) scores through
+:func:`score_keys_reference`, so they agree id for id by construction, which is the
+contract the exactness theorem needs (MATH.md §1.8: "the same scorer").
+
+``relu`` here is ``where(x < 0, 0, x)``: NaN propagates into the score (a NaN input
+gives a NaN score, which selection ranks first, visibly), on every backend.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def relu_keep_nan(x: jax.Array) -> jax.Array:
+    return jnp.where(x < 0, jnp.zeros_like(x), x)
+
+
+def _score_chunk(q, weights, k_rows, scale_rows, valid):
+    # q [T, H, D] f32, weights [T, H], k_rows [T, N, D] f32, scale_rows/valid [T, N]
+    t, h, d = q.shape
+    n = k_rows.shape[1]
+
+    def add_dim(i, acc):  # acc [T, H, N]
+        qd = jax.lax.dynamic_index_in_dim(q, i, axis=2, keepdims=False)  # [T, H]
+        kd = jax.lax.dynamic_index_in_dim(k_rows, i, axis=2, keepdims=False)  # [T, N]
+        return acc + qd[:, :, None] * kd[:, None, :]
+
+    logits = jax.lax.fori_loop(0, d, add_dim, jnp.zeros((t, h, n), jnp.float32))
+    relu = relu_keep_nan(logits)
+
+    def add_head(i, acc):  # acc [T, N]
+        wi = jax.lax.dynamic_index_in_dim(weights, i, axis=1, keepdims=False)  # [T]
+        ri = jax.lax.dynamic_index_in_dim(relu, i, axis=1, keepdims=False)  # [T, N]
+        return acc + wi[:, None] * ri
+
+    scores = jax.lax.fori_loop(0, h, add_head, jnp.zeros((t, n), jnp.float32))
+    return jnp.where(valid, scores * scale_rows, -jnp.inf)
+
+
+def score_keys_reference(
+    q: Float[Array, "T H D"],
+    weights: Float[Array, "T H"],
+    k: Float[Array, "S D"],
+    key_ids: Int[Array, "T N"],
+    k_scale: Float[Array, " S"] | None = None,
+    *,
+    query_chunk: int = 64,
+) -> Float[Array, "T N"]:
+    """Scores of the listed keys for each query; ``-inf`` where ``key_ids == -1``.
+
+    Inputs of any supported dtype are widened to f32 exactly (bf16 and fp8 embed in
+    f32), so the arithmetic is the same for every dtype. Queries are processed in
+    chunks of ``query_chunk`` to bound the [chunk, H, N] intermediate.
+    """
+    t, h, d = q.shape
+    n = key_ids.shape[1]
+    qf = q.astype(jnp.float32)
+    kf = k.astype(jnp.float32)
+    scale = jnp.ones((k.shape[0],), jnp.float32) if k_scale is None else k_scale
+    scale = scale.astype(jnp.float32)
+    weights = weights.astype(jnp.float32)
+
+    chunk = max(1, min(query_chunk, t))
+    pad = (-t) % chunk
+    if pad:
+        qf = jnp.pad(qf, ((0, pad), (0, 0), (0, 0)))
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        key_ids = jnp.pad(key_ids, ((0, pad), (0, 0)), constant_values=-1)
+    n_chunks = (t + pad) // chunk
+
+    def one_chunk(args):
+        qc, wc, ic = args
+        valid = ic >= 0
+        safe = jnp.where(valid, ic, 0)
+        return _score_chunk(qc, wc, kf[safe], scale[safe], valid)
+
+    out = jax.lax.map(
+        one_chunk,
+        (
+            qf.reshape(n_chunks, chunk, h, d),
+            weights.reshape(n_chunks, chunk, h),
+            key_ids.reshape(n_chunks, chunk, n),
+        ),
+    )
+    return out.reshape(n_chunks * chunk, n)[:t]
+
+
+def visible_key_ids(
+    kv_start: Int[Array, " T"], kv_end: Int[Array, " T"], num_keys: int
+) -> Int[Array, "T S"]:
+    """Key ids ``0..S-1`` per query, ``-1`` outside ``[kv_start, kv_end)``."""
+    ids = jnp.arange(num_keys, dtype=jnp.int32)[None, :]
+    visible = (ids >= kv_start[:, None]) & (ids < kv_end[:, None])
+    return jnp.where(visible, ids, -1)
+
+
+def indexer_scores_reference(
+    q: Float[Array, "T H D"],
+    weights: Float[Array, "T H"],
+    k: Float[Array, "S D"],
+    k_scale: Float[Array, " S"] | None,
+    kv_start: Int[Array, " T"],
+    kv_end: Int[Array, " T"],
+) -> Float[Array, "T S"]:
+    """Scores of every key for every query; ``-inf`` where a key is not visible."""
+    ids = visible_key_ids(kv_start, kv_end, k.shape[0])
+    return score_keys_reference(q, weights, k, ids, k_scale)
+
+
+def indexer_scores_einsum(
+    q: Float[Array, "T H D"],
+    weights: Float[Array, "T H"],
+    k: Float[Array, "S D"],
+    k_scale: Float[Array, " S"] | None,
+    kv_start: Int[Array, " T"],
+    kv_end: Int[Array, " T"],
+    *,
+    query_chunk: int = 64,
+) -> Float[Array, "T S"]:
+    """The naive XLA formulation (einsum → relu → einsum), queries in chunks.
+
+    This is the ``xla`` baseline of the benchmarks: what a JAX user writes today. It
+    is close to, but not bitwise equal to, :func:`indexer_scores_reference`.
+    """
+    t, h, d = q.shape
+    s = k.shape[0]
+    compute = jnp.promote_types(q.dtype, k.dtype)
+    if compute == jnp.float8_e4m3fn:
+        compute = jnp.bfloat16  # XLA has no generic fp8 einsum; fp8 widens to bf16 exactly
+    kc = k.astype(compute)
+    chunk = max(1, min(query_chunk, t))
+    pad = (-t) % chunk
+    qp = jnp.pad(q.astype(compute), ((0, pad), (0, 0), (0, 0)))
+    wp = jnp.pad(weights.astype(jnp.float32), ((0, pad), (0, 0)))
+    n_chunks = (t + pad) // chunk
+
+    def one_chunk(args):
+        qc, wc = args
+        logits = jnp.einsum("thd,sd->ths", qc, kc, preferred_element_type=jnp.float32)
+        return jnp.einsum("th,ths->ts", wc, relu_keep_nan(logits))
+
+    out = jax.lax.map(
+        one_chunk, (qp.reshape(n_chunks, chunk, h, d), wp.reshape(n_chunks, chunk, h))
+    )
+    out = out.reshape(n_chunks * chunk, s)[:t]
+    if k_scale is not None:
+        out = out * k_scale.astype(jnp.float32)[None, :]
+    ids = jnp.arange(s)[None, :]
+    visible = (ids >= kv_start[:, None]) & (ids < kv_end[:, None])
+    return jnp.where(visible, out, -jnp.inf)

@@ -1,0 +1,347 @@
+"""The indexer scorer as a Pallas Triton kernel, and the Top-K methods built on it.
+
+One kernel body scores every (query, key) pair the library ever scores on this
+backend: all visible keys (``base``), seed keys and thresholded records (``full``),
+screening survivors (``dense``/``dosa``). It is specialised statically by
+
+* where its keys come from: a range (every key a query block can see) or a list of
+  key ids per query block (seeds, survivors), and
+* where its scores go: a dense [T, S] matrix, or compacted records (score code, key
+  id) of the scores ≥ a per-query threshold τ.
+
+The arithmetic between loading a key tile and producing its scores is the same code
+with the same tile config in every case (:func:`_score_tile`), which is what makes the
+methods agree id for id (MATH.md §1.8, "the same scorer").
+
+Tile of one program step (BT queries share each key tile, MATH.md §1.1):
+
+    keys    [BS, D]      gathered by id (contiguous ids for a range)
+    queries [BT·H, D]    the BT queries' heads, stacked
+    logits  [BS, BT·H]   one tensor-core dot, f32 accumulation
+    scores  [BT, BS]     relu, times weights, summed over H, times k_scale
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jsparse import backend
+from jsparse.ops.topk import codes as codes_lib
+
+_NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorerConfig:
+    """Tiles of the scorer kernel. Every launch of one indexer call uses one config."""
+
+    block_t: int = 2  # queries per program; they share every key tile
+    block_s: int = 128  # keys per tile (M of the dot)
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_t", "block_s", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"ScorerConfig.{name} must be a power of two, got {value}")
+        if self.block_s < 16:
+            raise ValueError(f"ScorerConfig.block_s must be ≥ 16, got {self.block_s}")
+        if self.num_stages < 1:
+            raise ValueError(f"ScorerConfig.num_stages must be ≥ 1, got {self.num_stages}")
+
+
+def default_config(num_queries: int, heads: int) -> ScorerConfig:
+    # One query per program when there is only one; otherwise two share each key tile
+    # (N = 2·H of the dot), which halves key traffic at no cost in registers for H ≤ 64.
+    block_t = 1 if num_queries == 1 or heads >= 128 else 2
+    return ScorerConfig(block_t=block_t)
+
+
+def _next_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def compute_dtype(q_dtype, k_dtype):
+    """Dtype both operands of the tensor-core dot are cast to (exact widening only)."""
+    q_dtype, k_dtype = jnp.dtype(q_dtype), jnp.dtype(k_dtype)
+    if jnp.float32 in (q_dtype, k_dtype):
+        return jnp.dtype(jnp.float32)
+    if jnp.bfloat16 in (q_dtype, k_dtype):
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(jnp.float8_e4m3fn)
+
+
+def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
+    """Scores [BT, BS] of one key tile for a block of queries (the one shared scorer).
+
+    q2: [BT·H, D] compute dtype; w: [BT, H] f32; k_tile: [BS, D] compute dtype;
+    scale: [BS] f32.
+    """
+    precision = jax.lax.Precision.HIGHEST if q2.dtype == jnp.float32 else None
+    logits = jax.lax.dot_general(
+        k_tile, q2, (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32, precision=precision,
+    )  # fmt: skip
+    # [BS, BT·H]; relu as where(x < 0) so NaN propagates (jnp.maximum drops it on GPU).
+    relu = jnp.where(logits < 0, 0.0, logits)
+    block_s = k_tile.shape[0]
+    weighted = relu.reshape(block_s, block_t, heads) * w[None, :, :]
+    scores = jnp.sum(weighted, axis=2) * scale[:, None]  # [BS, BT]
+    return scores.T
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static facts of one scorer launch."""
+
+    t: int
+    s: int
+    heads: int  # padded to a power of two
+    dim: int  # padded to a power of two
+    cfg: ScorerConfig
+    compute: np.dtype
+    key_list: bool  # keys come from a per-block id list, not a range
+    list_len: int  # length of that list (multiple of block_s)
+    records: bool  # write records ≥ τ instead of a dense matrix
+    cap: int  # record capacity per query
+    splits: int
+    fill: bool  # dense output: write -inf where a query sees nothing
+    interpret: bool
+
+
+def _kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref, *refs, p):
+    bt, bs = p.cfg.block_t, p.cfg.block_s
+    i = pl.program_id(0)
+    split = pl.program_id(1)
+    rows = i * bt + jnp.arange(bt, dtype=jnp.int32)
+    row_ok = rows < p.t
+    row_safe = jnp.where(row_ok, rows, 0)
+    # Rows past T see nothing: start = S, end = 0.
+    start = jnp.where(row_ok, plt.load(start_ref.at[row_safe]), p.s)
+    end = jnp.where(row_ok, plt.load(end_ref.at[row_safe]), 0)
+    q = plt.load(q_ref.at[pl.ds(i * bt, bt), :, :], mask=row_ok[:, None, None], other=0)
+    q2 = q.astype(p.compute).reshape(bt * p.heads, p.dim)
+    w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
+    dims = jnp.arange(p.dim, dtype=jnp.int32)
+
+    def tile_scores(ids):
+        """ids [BS] (-1 or ≥ S: no key) -> (scores [BT, BS], visible [BT, BS])."""
+        ok = (ids >= 0) & (ids < p.s)
+        safe = jnp.where(ok, ids, 0)
+        k_tile = plt.load(k_ref.at[safe[:, None], dims[None, :]], mask=ok[:, None], other=0)
+        scale = plt.load(scale_ref.at[safe], mask=ok, other=0.0)
+        scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
+        visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
+        return scores, visible
+
+    if p.key_list:
+        n_tiles = p.list_len // bs
+        first, last = 0, n_tiles
+
+        def tile_ids(j):
+            return plt.load(ids_ref.at[i, pl.ds(j * bs, bs)])
+    else:
+        # Only the key tiles some query of this block can see (causal: about half).
+        lo = jnp.min(jnp.where(row_ok, start, p.s))
+        hi = jnp.max(jnp.where(row_ok & (end > start), end, 0))
+        first = lo // bs
+        last = jnp.where(hi > lo, (hi + bs - 1) // bs, first)
+
+        def tile_ids(j):
+            return j * bs + jnp.arange(bs, dtype=jnp.int32)
+
+    per_split = (last - first + p.splits - 1) // p.splits
+    begin = first + split * per_split
+    stop = jnp.minimum(begin + per_split, last)
+
+    if p.records:
+        codes_ref, rec_ids_ref, count_ref = refs[-3:]  # (aliased initial values come first)
+        tau = jnp.where(row_ok, plt.load(tau_ref.at[row_safe]), codes_lib.EMPTY_CODE)
+        row_iota = jnp.arange(bt, dtype=jnp.int32)[:, None]
+
+        def body(j, carry):
+            ids = tile_ids(j)
+            scores, visible = tile_scores(ids)
+            code = codes_lib.score_code(scores)
+            keep = visible & (code >= tau[:, None])  # [BT, BS]
+            keep_i = keep.astype(jnp.int32)
+            counts = jnp.sum(keep_i, axis=1)  # [BT]
+            # Reserve room per query with scalar fetch-and-add (vector int atomics are
+            # unreliable on this backend); records keep no order, selection needs none.
+            base = jnp.zeros((bt,), jnp.int32)
+            for r in range(bt):
+                n_r = jnp.sum(jnp.where(row_iota[:, 0] == r, counts, 0))
+                t_r = jnp.minimum(i * bt + r, p.t - 1)
+                old = plt.atomic_add(count_ref, (t_r.astype(jnp.int32),), n_r)
+                base = jnp.where(row_iota[:, 0] == r, old, base)
+            pos = base[:, None] + jnp.cumsum(keep_i, axis=1) - 1
+            store = keep & (pos < p.cap)
+            # Lanes not stored point past the end: interpret mode drops them, the GPU masks them.
+            dst = jnp.where(store, rows[:, None] * p.cap + pos, p.t * p.cap)
+            plt.store(codes_ref.at[dst], code, mask=store)
+            plt.store(rec_ids_ref.at[dst], jnp.broadcast_to(ids[None, :], (bt, bs)), mask=store)
+            return carry
+
+        jax.lax.fori_loop(begin, stop, body, 0)
+        return
+
+    (out_ref,) = refs
+
+    def dense_body(j, carry):
+        ids = tile_ids(j)
+        scores, visible = tile_scores(ids)
+        scores = jnp.where(visible, scores, _NEG_INF)
+        in_bounds = row_ok[:, None] & (ids[None, :] < p.s)
+        col = jnp.where(in_bounds, ids[None, :], p.s)
+        plt.store(out_ref.at[rows[:, None], col], scores, mask=in_bounds)
+        return carry
+
+    jax.lax.fori_loop(begin, stop, dense_body, 0)
+    if p.fill:
+        # Tiles outside [first, last) are invisible to every query of the block.
+        n_all = (p.s + bs - 1) // bs
+        outside = n_all - (last - first)
+        per = (outside + p.splits - 1) // p.splits
+
+        def fill_body(j, carry):
+            tile = jnp.where(j < first, j, j + (last - first))
+            ids = tile * bs + jnp.arange(bs, dtype=jnp.int32)
+            in_bounds = row_ok[:, None] & (ids[None, :] < p.s)
+            col = jnp.where(in_bounds, ids[None, :], p.s)
+            plt.store(
+                out_ref.at[rows[:, None], col],
+                jnp.full((bt, bs), _NEG_INF, jnp.float32),
+                mask=in_bounds,
+            )
+            return carry
+
+        jax.lax.fori_loop(split * per, jnp.minimum((split + 1) * per, outside), fill_body, 0)
+
+
+def _pad_heads_dims(q, weights, k):
+    """Pads H and D to powers of two (Triton block shapes); zeros change no score."""
+    _, h, d = q.shape
+    hp = _next_pow2(h)
+    dp = _next_pow2(d, 16)
+    if hp != h:
+        q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+        weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
+    if dp != d:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, dp - d)))
+        k = jnp.pad(k, ((0, 0), (0, dp - d)))
+    return q, weights, k
+
+
+def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
+    # Enough programs to fill the GPU a few times over; decode (few queries) splits the
+    # key range instead.
+    target = 4 * 132
+    return int(max(1, min(n_key_tiles, -(-target // n_query_blocks))))
+
+
+def _launch(
+    q, weights, k, k_scale, start, end, *,
+    tau_codes=None, key_ids=None, records_cap=None, fill=False, cfg=None, splits=None,
+):  # fmt: skip
+    t, _, _ = q.shape
+    s = k.shape[0]
+    cfg = cfg or default_config(t, q.shape[1])
+    cdt = compute_dtype(q.dtype, k.dtype)
+    q, weights, k = _pad_heads_dims(q, weights, k)
+    hp, dp = q.shape[1], q.shape[2]
+    if cfg.block_t * hp < 16:
+        raise NotImplementedError(
+            f"indexer triton kernel: block_t·H = {cfg.block_t}·{hp} < 16 is below the "
+            "smallest tensor-core tile; use more heads or a larger block_t"
+        )
+    n_tb = -(-t // cfg.block_t)
+    if key_ids is None:
+        list_len = 0
+        ids = jnp.zeros((1, cfg.block_s), jnp.int32)
+        n_tiles = -(-s // cfg.block_s)
+    else:
+        list_len = -(-key_ids.shape[1] // cfg.block_s) * cfg.block_s
+        ids = jnp.pad(key_ids, ((0, 0), (0, list_len - key_ids.shape[1])), constant_values=-1)
+        n_tiles = list_len // cfg.block_s
+    splits = splits or _default_splits(n_tb, n_tiles)
+    scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale
+    tau = jnp.zeros((t,), jnp.int32) if tau_codes is None else tau_codes
+    records = records_cap is not None
+    p = _Plan(
+        t=t, s=s, heads=hp, dim=dp, cfg=cfg, compute=cdt, key_list=key_ids is not None,
+        list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill=fill,
+        interpret=backend.is_interpret(),
+    )  # fmt: skip
+    if records:
+        out_shape = (
+            jax.ShapeDtypeStruct((t * p.cap,), jnp.int32),
+            jax.ShapeDtypeStruct((t * p.cap,), jnp.int32),
+            jax.ShapeDtypeStruct((t,), jnp.int32),
+        )
+        initial = (
+            jnp.full((t * p.cap,), codes_lib.EMPTY_CODE, jnp.int32),
+            jnp.full((t * p.cap,), -1, jnp.int32),
+            jnp.zeros((t,), jnp.int32),
+        )
+    else:
+        out_shape = (jax.ShapeDtypeStruct((t, s), jnp.float32),)
+        initial = ()
+    n_in = 8
+    outs = pl.pallas_call(
+        functools.partial(_kernel, p=p),
+        grid=(n_tb, splits),
+        out_shape=out_shape,
+        input_output_aliases={n_in + j: j for j in range(len(initial))},
+        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=p.interpret,
+        name="jsparse_indexer_records" if records else "jsparse_indexer_scores",
+    )(q, weights, k, scale, start, end, tau, ids, *initial)
+    return outs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def indexer_scores_triton(q, weights, k, k_scale, start, end, *, cfg=None):
+    """Dense [T, S] scores with -inf where not visible (the public ``indexer_scores``)."""
+    (scores,) = _launch(q, weights, k, k_scale, start, end, fill=True, cfg=cfg)
+    return scores
+
+
+def score_records_triton(
+    q, weights, k, k_scale, start, end, tau_codes, capacity, *, key_ids=None, cfg=None
+):
+    """Records (code, key id) of every visible score with code ≥ ``tau_codes[t]``.
+
+    Keys come from the whole visible range, or from ``key_ids`` [ceil(T/BT), N] (one id
+    list per query block; -1 = unused). Returns flat codes and ids [T·capacity] (row t
+    at t·capacity) and the true count per query, which may exceed ``capacity``
+    (overflow: records past the capacity are not stored).
+    """
+    codes, ids, counts = _launch(
+        q, weights, k, k_scale, start, end,
+        tau_codes=tau_codes, key_ids=key_ids, records_cap=capacity, cfg=cfg,
+    )  # fmt: skip
+    t = q.shape[0]
+    return codes.reshape(t, capacity), ids.reshape(t, capacity), counts
+
+
+def topk_base_triton(q, weights, k, top_k, k_scale, start, end, seeds):
+    from jsparse.ops.indexer import methods  # methods builds on this module
+
+    del seeds
+    return methods.topk_base(q, weights, k, top_k, k_scale, start, end)
+
+
+def topk_full_triton(q, weights, k, top_k, k_scale, start, end, seeds):
+    from jsparse.ops.indexer import methods
+
+    if seeds is None or isinstance(seeds, int):
+        return methods.topk_full(q, weights, k, top_k, k_scale, start, end, n_seeds=seeds)
+    return methods.topk_full(q, weights, k, top_k, k_scale, start, end, seeds)
