@@ -97,7 +97,7 @@ def indexer_topk_decode(
       selected ids).
     """
     _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k)
-    b, s_max, d = k_cache.shape
+    b = k_cache.shape[0]
     if witnesses is None:
         witnesses = jnp.full((b, 1), -1, jnp.int32)
     result = backend.dispatch(
@@ -224,6 +224,4 @@ def _decode_triton(q, weights, k_cache, top_k, k_scale, lengths, witnesses, *, c
 
     s_max = k_cache.shape[1]
     cap = capacity or methods.default_record_capacity(top_k, s_max)
-    return _decode_triton_jit(
-        q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity=cap
-    )
+    return _decode_triton_jit(q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity=cap)

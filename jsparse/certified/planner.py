@@ -142,7 +142,8 @@ class Plan:
       omitted_pos: Bool[T, H] P, omitted positive heads.
       est_survival: Float32[T] fraction of sampled seed keys the bound keeps.
       sample_count: Int32[T] sampled seed keys behind p_h and est_survival.
-      variant, widths: static.
+      variant, widths: static (the variant's name is informative; the certificate's
+        behaviour comes from traced flags, see :func:`variant_flags`).
     """
 
     tau_code: Int[Array, " T"]
@@ -214,19 +215,18 @@ def key_norms(
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    variant: str
     width: int
     wmax: int
     numerics: Numerics
 
 
-def _retained(w, qn, p, r, variant):
+def _retained(w, qn, p, r, strength_only):
     """Retained set R per query (§1.3): Bool[T, H]."""
     t, h = w.shape
     pos = w > 0
     neg = w < 0
     strength = jnp.abs(w) * qn
-    neg_priority = strength if variant == "strength_only" else strength * jnp.minimum(p, 1 - p)
+    neg_priority = jnp.where(strength_only, strength, strength * jnp.minimum(p, 1 - p))
     group = jnp.where(pos, 0, jnp.where(neg, 1, 2)).astype(jnp.int32)
     key = jnp.where(pos, -strength, -neg_priority)
     heads = jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32), (t, h))
@@ -236,13 +236,14 @@ def _retained(w, qn, p, r, variant):
     return (rank < r[:, None]) & (group < 2), order
 
 
-def _certificate(q32, w, qn_up, gram, p, r, st: _Static):
+def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     """Rows, folded weights, allowances and guard of one width for every query."""
     t, h, d = q32.shape
     num = st.numerics
     screen_dtype = jnp.dtype(st.numerics.screen_dtype)
     n_ret = min(st.width - AUX_ROWS, h)
-    retained, order = _retained(w, qn_up, p, r, st.variant)
+    neg_mode, strength_only, no_proj = flags[0], flags[1] != 0, flags[2] != 0
+    retained, order = _retained(w, qn_up, p, r, strength_only)
     pos, neg = w > 0, w < 0
     omitted_pos = pos & ~retained
     omitted_neg = neg & ~retained
@@ -256,8 +257,7 @@ def _certificate(q32, w, qn_up, gram, p, r, st: _Static):
     anchor = jnp.argmin(res2, axis=2).astype(jnp.int32)  # [T, H]
     beta = jnp.take_along_axis(beta_all, anchor[:, :, None], axis=2)[:, :, 0]
     use_proj = omitted_pos & jnp.any(retained, axis=1, keepdims=True)
-    if st.variant == "no_proj":
-        use_proj = jnp.zeros_like(use_proj)
+    use_proj = use_proj & ~no_proj
     beta = jnp.where(use_proj, beta, 0.0)
     q_anchor = jnp.take_along_axis(q32, anchor[:, :, None], axis=1)  # [T, H, D]
     d_vec = q32 - beta[:, :, None] * q_anchor
@@ -278,12 +278,8 @@ def _certificate(q32, w, qn_up, gram, p, r, st: _Static):
     e_pos = _positive_allowance(w_pos, d_vec, dn_up, d_err, omitted_pos)
 
     # §1.5 negative aggregate A and v_A = Σ_A |w_h| q_h.
-    if st.variant == "no_neg":
-        neg_set = jnp.zeros_like(omitted_neg)
-    elif st.variant == "neg_all":
-        neg_set = omitted_neg
-    else:
-        neg_set = omitted_neg & (p >= 0.5)
+    majority = omitted_neg & (p >= 0.5)
+    neg_set = jnp.where(neg_mode == 1, omitted_neg, majority) & (neg_mode != 2)
     a_w = jnp.where(neg_set, jnp.abs(w), 0.0)
     v = jnp.einsum("th,thd->td", a_w, q32, precision=jax.lax.Precision.HIGHEST)
     v_err = jnp.float32(gamma(h + 1)) * jnp.sum(a_w * qn_up, axis=1)
@@ -315,7 +311,9 @@ def _certificate(q32, w, qn_up, gram, p, r, st: _Static):
         [hi[:, None, :], lo[:, None, :], q_tilde, jnp.zeros((t, pad, d), screen_dtype)], axis=1
     )
     row_weights = jnp.pad(omega, ((0, 0), (AUX_ROWS, pad)))
-    heads = jnp.pad(jnp.where(slot_ok, slot_heads, -1), ((0, 0), (AUX_ROWS, pad)), constant_values=-1)
+    heads = jnp.pad(
+        jnp.where(slot_ok, slot_heads, -1), ((0, 0), (AUX_ROWS, pad)), constant_values=-1
+    )
 
     # §1.7 guard C (payload units): every term bounds an error as a multiple of ‖k‖.
     abs_omega = jnp.abs(omega)
@@ -458,7 +456,7 @@ def _refine_cost(survival):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("top_k", "group", "widths", "variant", "numerics", "policy", "list_capacity"),
+    static_argnames=("top_k", "group", "widths", "numerics", "policy", "list_capacity"),
 )
 def plan_from_threshold(
     q: Float[Array, "T H D"],
@@ -473,11 +471,11 @@ def plan_from_threshold(
     knorm: Float[Array, " S"],
     kmax: Float[Array, ""],
     smax: Float[Array, ""],
+    flags: Int[Array, " 3"],
     *,
     top_k: int,
     group: int,
     widths: tuple[int, ...],
-    variant: str,
     numerics: Numerics,
     policy: str = "auto",
     list_capacity: int | None = None,
@@ -489,7 +487,7 @@ def plan_from_threshold(
     smallest width of ``widths`` with W − 2 ≥ r.
     """
     del top_k
-    t, h, d = q.shape
+    t, h, _ = q.shape
     q32 = q.astype(jnp.float32)
     w = weights.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
@@ -508,14 +506,13 @@ def plan_from_threshold(
     n_valid = jnp.sum(valid, axis=1)
     active = jnp.sum(jnp.where(valid[:, None, :], x > 0, False), axis=2)
     p = jnp.where(n_valid[:, None] > 0, active / jnp.maximum(n_valid, 1)[:, None], 0.5)
-    tau_f = code_to_score(tau_code)
     relu_x = jnp.where(x < 0, 0.0, x)
 
     certs, costs, survs = [], [], []
     for width in widths:
         r_w = jnp.full((t,), min(width - AUX_ROWS, h), jnp.int32) if r is None else r
-        st = _Static(variant=variant, width=width, wmax=wmax, numerics=numerics)
-        c = _certificate(q32, w, qn_up, gram, p, jnp.minimum(r_w, width - AUX_ROWS), st)
+        st = _Static(width=width, wmax=wmax, numerics=numerics)
+        c = _certificate(q32, w, qn_up, gram, p, jnp.minimum(r_w, width - AUX_ROWS), flags, st)
         ret = jnp.einsum("th,thn->tn", c["omega_by_head"], relu_x)
         agg = jnp.einsum("th,thn->tn", c["a_w"], x)
         u_est = (ret - jnp.where(agg < 0, 0.0, agg) + c["e_coef"][:, None] * s_norm) * s_scale
@@ -552,7 +549,7 @@ def plan_from_threshold(
     reason |= jnp.where(too_big & ~nonfinite, REASON_RANGE, 0)
     if policy == "auto":
         reason |= jnp.where((best >= 0.9) | (n_valid < 16), REASON_USELESS, 0)
-    if list_capacity is not None:
+    if list_capacity is not None and policy == "auto":
         expected = 1.5 * surv * (end - start).astype(jnp.float32)
         reason |= jnp.where(expected > 0.5 * list_capacity, REASON_CAPACITY, 0)
     prune = reason == 0
@@ -574,7 +571,6 @@ def plan_from_threshold(
         omitted_pos=pick("omitted_pos"),
         est_survival=surv.astype(jnp.float32),
         sample_count=n_valid.astype(jnp.int32),
-        variant=variant,
         widths=widths,
     )
 
@@ -613,6 +609,19 @@ def check_variant(variant: str) -> str:
     if variant not in VARIANTS:
         raise ValueError(f"variant: got {variant!r}; expected one of {VARIANTS}")
     return variant
+
+
+def variant_flags(variant: str) -> jax.Array:
+    """The variant as traced data (negative-set mode, strength-only, no projection).
+
+    Traced rather than static so that every variant shares one compiled pipeline.
+    Negative-set mode: 0 majority-active omitted negatives, 1 all, 2 none.
+    """
+    check_variant(variant)
+    neg_mode = {"neg_all": 1, "no_neg": 2}.get(variant, 0)
+    return jnp.asarray(
+        [neg_mode, variant == "strength_only", variant == "no_proj"], dtype=jnp.int32
+    )
 
 
 def make_plan(
@@ -654,8 +663,9 @@ def make_plan(
     cols = sample_seed_columns(n, n // 2 if sample_skip is None else sample_skip)
     knorm, kmax, smax = key_norms(k, k_scale)
     numerics = numerics_for("reference", q.dtype, k.dtype, d)
-    return plan_from_threshold(
+    plan = plan_from_threshold(
         q, weights, k, k_scale, start, end, tau, seed_ids[:, cols], r_arr, knorm, kmax, smax,
-        top_k=top_k, group=1, widths=widths, variant=variant, numerics=numerics,
+        variant_flags(variant), top_k=top_k, group=1, widths=widths, numerics=numerics,
         policy=policy,
     )  # fmt: skip
+    return plan.replace(variant=variant)

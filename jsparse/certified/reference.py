@@ -115,24 +115,24 @@ def certified_topk_reference(
     ``survivor_capacity`` (optional) models a survivor buffer: a query with more
     survivors falls back to full scoring, as the kernels do.
     """
-    planner.check_variant(variant)
     seed_ids, is_default = default_seeds(seeds, start, end, top_k, k.shape[0])
     t, h, _ = q.shape
     widths, r_arr = planner.resolve_r(r, t, h)
-    return _pipeline(
-        q, weights, k, k_scale, start, end, seed_ids, r_arr,
-        top_k=top_k, method=method, variant=variant, widths=widths, policy=policy,
+    result, info = _pipeline(
+        q, weights, k, k_scale, start, end, seed_ids, r_arr, planner.variant_flags(variant),
+        jnp.asarray(method == "dense"), top_k=top_k, widths=widths, policy=policy,
         skip=seed_ids.shape[1] // 2 if is_default else 0, capacity=survivor_capacity,
     )  # fmt: skip
+    return result, info.replace(plan=info.plan.replace(variant=variant))
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("top_k", "method", "variant", "widths", "policy", "skip", "capacity"),
+    static_argnames=("top_k", "widths", "policy", "skip", "capacity"),
 )
 def _pipeline(
-    q, weights, k, k_scale, start, end, seed_ids, r_arr, *,
-    top_k, method, variant, widths, policy, skip, capacity,
+    q, weights, k, k_scale, start, end, seed_ids, r_arr, flags, dense, *,
+    top_k, widths, policy, skip, capacity,
 ):  # fmt: skip
     from jsparse.ops.indexer.api import seed_threshold_code
 
@@ -144,7 +144,7 @@ def _pipeline(
     numerics = planner.numerics_for("reference", q.dtype, k.dtype, q.shape[2])
     plan = planner.plan_from_threshold(
         q, weights, k, k_scale, start, end, tau, seed_ids[:, cols], r_arr, knorm, kmax, smax,
-        top_k=top_k, group=1, widths=widths, variant=variant, numerics=numerics, policy=policy,
+        flags, top_k=top_k, group=1, widths=widths, numerics=numerics, policy=policy,
         list_capacity=capacity,
     )  # fmt: skip
     ids = scorer.visible_key_ids(start, end, s)
@@ -163,10 +163,8 @@ def _pipeline(
     # and masking gives the same values (the reference score of a pair is context-free).
     scores = scorer.score_keys_reference(q, weights, k, ids, k_scale)
     above = score_code(scores) >= tau[:, None]
-    if method == "dense":
-        records = survive & (screened[:, None] | above)
-    else:
-        records = survive & above
+    # dense: every survivor of a screened query is written; dosa: only those ≥ τ.
+    records = survive & (above | (dense & screened[:, None]))
     indices, values = select_topk_reference(scores, jnp.where(records, ids, -1), top_k)
     n_visible = (end - start).astype(jnp.int32)
     result = IndexerTopK(

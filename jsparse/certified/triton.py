@@ -272,16 +272,16 @@ def default_list_capacity(top_k: int, num_keys: int) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "top_k", "method", "variant", "widths", "policy", "n_seeds", "list_capacity",
+        "top_k", "method", "widths", "policy", "n_seeds", "list_capacity",
         "record_capacity", "cfg", "screen_cfg", "splits",
     ),
 )  # fmt: skip
 def _pipeline(
-    q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, *,
-    method, variant, widths, policy, n_seeds, list_capacity, record_capacity, cfg,
+    q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags, *,
+    method, widths, policy, n_seeds, list_capacity, record_capacity, cfg,
     screen_cfg, splits,
 ):  # fmt: skip
-    t, h, d = q.shape
+    t, _, d = q.shape
     s = k.shape[0]
     bt = cfg.block_t
     if seed_ids is None:
@@ -303,8 +303,8 @@ def _pipeline(
     numerics = planner.numerics_for("triton", q.dtype, k.dtype, d)
     plan = planner.plan_from_threshold(
         q, weights, k, k_scale, start, end, tau, seeds[:, cols], r_arr, knorm, kmax, smax,
-        top_k=top_k, group=bt, widths=widths, variant=variant, numerics=numerics,
-        policy=policy, list_capacity=list_capacity,
+        flags, top_k=top_k, group=bt, widths=widths, numerics=numerics, policy=policy,
+        list_capacity=list_capacity,
     )  # fmt: skip
 
     lists, list_counts, n_surv = screen(
@@ -349,14 +349,10 @@ def _pipeline(
             jnp.where(full_q, n1, n0),
         )
 
-    codes, ids, counts = jax.lax.cond(
-        jnp.any(full_q), with_full, lambda a: a, (codes, ids, counts)
-    )
+    codes, ids, counts = jax.lax.cond(jnp.any(full_q), with_full, lambda a: a, (codes, ids, counts))
     cap_q = jnp.where(full_q, record_capacity, rec_cap)
     rec_overflow = counts > cap_q
-    sel_codes, sel_ids, _ = select.select_candidates(
-        codes, ids, jnp.minimum(counts, cap_q), top_k
-    )
+    sel_codes, sel_ids, _ = select.select_candidates(codes, ids, jnp.minimum(counts, cap_q), top_k)
     indices, values = select.order_topk(sel_codes, sel_ids)
 
     def recover(iv):
@@ -369,9 +365,7 @@ def _pipeline(
             jnp.where(rec_overflow[:, None], base.scores, iv[1]),
         )
 
-    indices, values = jax.lax.cond(
-        jnp.any(rec_overflow), recover, lambda iv: iv, (indices, values)
-    )
+    indices, values = jax.lax.cond(jnp.any(rec_overflow), recover, lambda iv: iv, (indices, values))
     visible = (end - start).astype(jnp.int32)
     q_list = jnp.where(screened, list_counts[q_block], visible)
     result = IndexerTopK(
@@ -407,7 +401,6 @@ def certified_topk_triton(
     to ``base`` run with the same block); ``screen_cfg`` :class:`ScreenConfig`;
     ``splits`` programs per screening tile along the keys.
     """
-    planner.check_variant(variant)
     t, h, _ = q.shape
     s = k.shape[0]
     widths, r_arr = planner.resolve_r(r, t, h)
@@ -416,10 +409,12 @@ def certified_topk_triton(
         cfg = dataclasses.replace(cfg, block_t=refine_block)
     explicit = seeds is not None and not isinstance(seeds, int)
     n_seeds = seeds if isinstance(seeds, int) else None
-    return _pipeline(
+    result, info = _pipeline(
         q, weights, k, top_k, k_scale, start, end, seeds if explicit else None, r_arr,
-        method=method, variant=variant, widths=widths, policy=policy, n_seeds=n_seeds,
+        planner.variant_flags(variant), method=method, widths=widths, policy=policy,
+        n_seeds=n_seeds,
         list_capacity=list_capacity or default_list_capacity(top_k, s),
         record_capacity=record_capacity or methods.default_record_capacity(top_k, s),
         cfg=cfg, screen_cfg=screen_cfg or ScreenConfig(), splits=splits,
     )  # fmt: skip
+    return result, info.replace(plan=info.plan.replace(variant=variant))
