@@ -264,9 +264,13 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
 
 
 def default_list_capacity(top_k: int, num_keys: int) -> int:
-    """Survivor slots per scorer block: S/8, at least 4·K, at most S (rounded to 256)."""
+    """Survivor slots per scorer block: S/4, at least 4·K, at most S (rounded to 256).
+
+    The planner screens a query only when its estimated block list fits in half of this
+    (about 8% survival), so overflows stay rare; 8192 × 128K keys: 512 MB of lists.
+    """
     s_r = methods._round_up(num_keys, 256)
-    return min(s_r, max(methods._round_up(4 * top_k, 256), methods._round_up(num_keys // 8, 256)))
+    return min(s_r, max(methods._round_up(4 * top_k, 256), methods._round_up(num_keys // 4, 256)))
 
 
 @functools.partial(

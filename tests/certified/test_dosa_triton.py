@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dosa_cases import Config, make_inputs
+from dosa_cases import ADVERSARIAL, CONFIGS, Config, make_inputs
 
 import jsparse
 from jsparse.certified import dosa_topk, planner
@@ -170,3 +170,37 @@ def test_gpu_guard_covers_measured_scorer_error():
         kn = np.linalg.norm(np.asarray(k, np.float64), axis=1)
         allowed = (numerics.scorer_rel + planner.gamma(h + 2)) * b[:, None] * kn[None, :]
         assert np.all(err <= allowed), (q_dtype, k_dtype, float((err / allowed).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.h * 2 >= 16], ids=lambda c: c.id)
+def test_gpu_triton_property_cases(cfg):
+    # The reference property cases, compiled: every adversarial family, method, variant.
+    for seed, adversarial in enumerate(ADVERSARIAL):
+        inputs = make_inputs(cfg, seed, adversarial)
+        base, _ = _base_and_full(inputs, cfg.top_k, "triton")
+        for method in ("dense", "dosa"):
+            for variant in planner.VARIANTS:
+                res, _ = _dosa(inputs, cfg.top_k, "triton", method=method, variant=variant)
+                _assert_same(base, res)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_equals_base():
+    from jsparse.certified import indexer_topk_decode, workloads
+
+    wl = workloads.make_decode("deepseek_like", 8, 16384, 4, seed=1)
+    b, s_max, d = wl.k_cache.shape
+    flat, offset = wl.k_cache.reshape(b * s_max, d), jnp.arange(b, dtype=jnp.int32) * s_max
+    witnesses = jnp.full((b, 2048), -1, jnp.int32)
+    for n in range(4):
+        q, w, lengths = wl.step(n)
+        res, witnesses = indexer_topk_decode(
+            q, w, wl.k_cache, 2048, k_scale=wl.k_scale, lengths=lengths, witnesses=witnesses
+        )
+        base = jsparse.indexer_topk(
+            q, w, flat, 2048, k_scale=wl.k_scale.reshape(-1), kv_start=offset,
+            kv_end=offset + lengths,
+        )  # fmt: skip
+        ids = jnp.where(base.indices >= 0, base.indices - offset[:, None], -1)
+        np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
