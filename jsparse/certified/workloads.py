@@ -23,6 +23,7 @@ directly. Generation runs in JAX on the default device (a GPU for the benchmark 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -97,14 +98,25 @@ def iid(
     seed: int = 0, fp8_queries: bool = False,
 ) -> Workload:  # fmt: skip
     """i.i.d. N(0, 1) queries and keys, N(0, 1/(H·D)) signed weights; FP8 keys."""
-    kq, kk, kw = jax.random.split(jax.random.key(seed), 3)
+    q, w, k8, k_scale = _iid_core(
+        jax.random.key(seed), num_queries=num_queries, num_keys=num_keys, heads=heads, dim=dim,
+        fp8_queries=fp8_queries,
+    )  # fmt: skip
+    start, end = _ranges(num_queries, num_keys, causal)
+    return Workload("iid", q, w, k8, k_scale, start, end)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("num_queries", "num_keys", "heads", "dim", "fp8_queries")
+)
+def _iid_core(key, *, num_queries, num_keys, heads, dim, fp8_queries):
+    kq, kk, kw = jax.random.split(key, 3)
     q = jax.random.normal(kq, (num_queries, heads, dim), jnp.float32)
     k = jax.random.normal(kk, (num_keys, dim), jnp.float32)
     w = jax.random.normal(kw, (num_queries, heads), jnp.float32) / math.sqrt(heads * dim)
     k8, k_scale = quantize_fp8(k)
     q, w = _queries(q, w, fp8_queries)
-    start, end = _ranges(num_queries, num_keys, causal)
-    return Workload("iid", q, w, k8, k_scale, start, end)
+    return q, w, k8, k_scale
 
 
 def _queries(q, w, fp8):
@@ -125,7 +137,8 @@ def _hadamard(x: Float[Array, "... D"]) -> Float[Array, "... D"]:
 
 
 def _rope_half(x, positions, rope_dim: int, theta: float = 10000.0):
-    """RoPE on the first ``rope_dim`` dims, non-interleaved (rotate-half) layout."""
+    """RoPE on the first ``rope_dim`` dims (at most half of them), rotate-half layout."""
+    rope_dim = min(rope_dim, x.shape[-1] // 2)
     half = rope_dim // 2
     freqs = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
     ang = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [N, half]
@@ -225,18 +238,38 @@ def _indexer_weights(key, heads, dim, p: DeepSeekLikeParams) -> _IndexerWeights:
     return _IndexerWeights(wq_a, wq_b, wk, w_proj)
 
 
-def _indexer_inputs(x, positions, weights: _IndexerWeights, heads, dim, p, fp8_queries):
-    """Queries, weights, keys of the DeepSeek-V3.2 ``Indexer.forward`` from hidden states."""
+def _query_inputs(x, positions, weights: _IndexerWeights, heads, dim, p, fp8_queries):
+    """Queries and weights of the DeepSeek-V3.2 ``Indexer.forward`` from hidden states."""
     qr = _rms_norm(x @ weights.wq_a)  # MLA: qr = q_norm(wq_a(x))
     q = (qr @ weights.wq_b).reshape(x.shape[0], heads, dim)  # wq_b(qr), 'b s (h d)'
     q = _rope_half(q, positions, p.rope_dim, p.rope_theta)  # rope on q_pe = q[..., :64]
-    k = _layer_norm(x @ weights.wk)  # k_norm(wk(x)): LayerNorm
-    k = _rope_half(k, positions, p.rope_dim, p.rope_theta)
-    q, k = _hadamard(q), _hadamard(k)  # rotate_activation on both
-    k8, k_scale = quantize_fp8(k)  # act_quant(k, 128): one scale per key
+    q = _hadamard(q)  # rotate_activation
     # weights_proj(x) · H^-1/2, then · q_scale · D^-1/2 (softmax_scale)
     w = (x @ weights.w_proj) * heads**-0.5 * dim**-0.5
-    q, w = _queries(q, w, fp8_queries)
+    return _queries(q, w, fp8_queries)  # act_quant(q, 128): per (token, head)
+
+
+def _keys_chunked(x, positions, weights, p, chunk: int = 16384):
+    """FP8 keys of every token (``k_norm(wk(x))``, RoPE, Hadamard, ``act_quant``)."""
+    outs, scales = [], []
+    for i in range(0, x.shape[0], chunk):
+        xi, pi = x[i : i + chunk], positions[i : i + chunk]
+        k = _layer_norm(xi @ weights.wk)  # k_norm is a LayerNorm
+        k = _hadamard(_rope_half(k, pi, p.rope_dim, p.rope_theta))
+        k8, s = quantize_fp8(k)  # one scale per key (D = 128 = the block size)
+        outs.append(k8)
+        scales.append(s)
+    return jnp.concatenate(outs), jnp.concatenate(scales)
+
+
+@functools.partial(jax.jit, static_argnames=("num_keys", "heads", "dim", "fp8_queries", "p"))
+def _deepseek_core(key, query_positions, *, num_keys, heads, dim, fp8_queries, p):
+    kx, kw = jax.random.split(key)
+    x = _hidden_states(kx, num_keys, p)
+    weights = _indexer_weights(kw, heads, dim, p)
+    positions = jnp.arange(num_keys, dtype=jnp.int32)
+    k8, k_scale = _keys_chunked(x, positions, weights, p)
+    q, w = _query_inputs(x[query_positions], query_positions, weights, heads, dim, p, fp8_queries)
     return q, w, k8, k_scale
 
 
@@ -271,29 +304,13 @@ def deepseek_like(
     whole prefill when T = S) and sees keys 0 .. its position (``causal``).
     """
     p = params or DeepSeekLikeParams()
-    kx, kw = jax.random.split(jax.random.key(seed))
-    x = _hidden_states(kx, num_keys, p)
-    weights = _indexer_weights(kw, heads, dim, p)
-    positions = jnp.arange(num_keys, dtype=jnp.int32)
-    k8, k_scale = _keys_chunked(x, positions, weights, heads, dim, p)
-    qx = x[num_keys - num_queries :]
-    qpos = positions[num_keys - num_queries :]
-    q, w, _, _ = _indexer_inputs(qx, qpos, weights, heads, dim, p, fp8_queries)
+    qpos = jnp.arange(num_keys - num_queries, num_keys, dtype=jnp.int32)
+    q, w, k8, k_scale = _deepseek_core(
+        jax.random.key(seed), qpos, num_keys=num_keys, heads=heads, dim=dim,
+        fp8_queries=fp8_queries, p=p,
+    )  # fmt: skip
     start, end = _ranges(num_queries, num_keys, causal)
     return Workload("deepseek_like", q, w, k8, k_scale, start, end)
-
-
-def _keys_chunked(x, positions, weights, heads, dim, p, chunk: int = 16384):
-    """FP8 keys of every token, in chunks (the key path alone is cheap)."""
-    outs, scales = [], []
-    for i in range(0, x.shape[0], chunk):
-        xi, pi = x[i : i + chunk], positions[i : i + chunk]
-        k = _layer_norm(xi @ weights.wk)
-        k = _hadamard(_rope_half(k, pi, p.rope_dim, p.rope_theta))
-        k8, s = quantize_fp8(k)
-        outs.append(k8)
-        scales.append(s)
-    return jnp.concatenate(outs), jnp.concatenate(scales)
 
 
 def low_survival(
@@ -312,7 +329,19 @@ def low_survival(
       recent keys, which the recent half of the default seeds contains: τ ≈ τ*.
     Survival is then about K / (visible keys) plus FP8 blur.
     """
-    kk, kq, kd, kn = jax.random.split(jax.random.key(seed), 4)
+    q, w, k8, k_scale = _low_survival_core(
+        jax.random.key(seed), num_queries=num_queries, num_keys=num_keys, heads=heads, dim=dim,
+        positive_heads=positive_heads,
+    )  # fmt: skip
+    start, end = _ranges(num_queries, num_keys, causal)
+    return Workload("low_survival", q, w, k8, k_scale, start, end)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("num_queries", "num_keys", "heads", "dim", "positive_heads")
+)
+def _low_survival_core(key, *, num_queries, num_keys, heads, dim, positive_heads):
+    kk, kq, kd, kn = jax.random.split(key, 4)
     mean = jax.random.normal(kd, (dim,))
     mean = mean / jnp.linalg.norm(mean)
     target = jax.random.normal(kn, (dim,))
@@ -332,8 +361,7 @@ def low_survival(
         axis=1,
     ) / math.sqrt(heads * dim)
     k8, k_scale = quantize_fp8(k)
-    start, end = _ranges(num_queries, num_keys, causal)
-    return Workload("low_survival", q.astype(jnp.bfloat16), w, k8, k_scale, start, end)
+    return q.astype(jnp.bfloat16), w, k8, k_scale
 
 
 def from_arrays(
@@ -379,22 +407,33 @@ def make_decode(
 ) -> DecodeWorkload:  # fmt: skip
     """``batch`` independent sequences of different lengths decoded for ``steps`` steps.
 
-    Sequence b has ``lengths[b]`` ∈ [(1 − spread)·length, length] keys before step 0;
-    its keys and step queries come from one run of the named generator over
-    ``length + steps`` tokens (so step queries follow the context: temporal coherence).
+    Sequence b has ``lengths[b]`` ∈ [(1 − spread)·length, length] keys before step 0.
+    Every sequence is generated over ``length + steps`` tokens (one compile); step n's
+    query of sequence b is the token at position lengths[b] + n, so successive queries
+    follow the context (temporal coherence). ``name``: "deepseek_like" or "iid".
     """
     total = length + steps
     rng = np.random.default_rng(seed)
     lengths = np.maximum(1, length - rng.integers(0, int(length * length_spread) + 1, batch))
     caches, scales, qs, ws = [], [], [], []
     for b in range(batch):
-        n_b = int(lengths[b]) + steps
-        wl = make(name, steps, n_b, heads=heads, dim=dim, seed=seed * 1000 + b, causal=True)
-        pad = total - n_b
-        caches.append(jnp.pad(wl.k, ((0, pad), (0, 0))))
-        scales.append(jnp.pad(wl.k_scale, (0, pad), constant_values=1.0))
-        qs.append(wl.q)
-        ws.append(wl.weights)
+        key = jax.random.key(seed * 1000 + b)
+        if name == "deepseek_like":
+            qpos = jnp.asarray(lengths[b] + np.arange(steps), jnp.int32)
+            q, w, k8, k_scale = _deepseek_core(
+                key, qpos, num_keys=total, heads=heads, dim=dim, fp8_queries=True,
+                p=DeepSeekLikeParams(),
+            )  # fmt: skip
+        elif name == "iid":
+            q, w, k8, k_scale = _iid_core(
+                key, num_queries=steps, num_keys=total, heads=heads, dim=dim, fp8_queries=False
+            )
+        else:
+            raise ValueError(f"make_decode: workload {name!r} is not one of 'deepseek_like', 'iid'")
+        caches.append(k8)
+        scales.append(k_scale)
+        qs.append(q)
+        ws.append(w)
     return DecodeWorkload(
         name,
         jnp.stack(qs, axis=1),
