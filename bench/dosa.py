@@ -181,7 +181,7 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
     flat_scale = wl.k_scale.reshape(-1)
     offset = jnp.arange(b, dtype=jnp.int32) * s_max
     top_k = min(args.top_k, int(np.min(np.asarray(wl.lengths))))
-    witnesses = jnp.full((b, top_k), -1, jnp.int32)
+    witnesses = jnp.full((b, 2 * top_k), -1, jnp.int32)
     rows = []
     for n in range(steps):
         q, w, lengths = wl.step(n)

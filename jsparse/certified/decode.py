@@ -1,14 +1,22 @@
 """Decoding with witness thresholds (MATH.md §1.10).
 
-One query per sequence and step. The keys the previous step selected (the witnesses)
-are still visible and usually still score high, so their current scores give a seed
-threshold τ_b (the K-th largest, when at least K witnesses are visible): every key with
-score < τ_b is out of the Top-K. The full scorer then writes only records ≥ τ_b, and an
-exact selection over the records gives the Top-K, which becomes the next witnesses.
+One query per sequence and step. Keys selected in recent steps (the witnesses) are still
+visible and usually still score high, so their current scores give a seed threshold τ_b
+(the K-th largest, when at least K witnesses are visible): every key with score < τ_b is
+out of the Top-K. The full scorer then writes only records ≥ τ_b, and an exact selection
+over the records gives the Top-K.
+
+The witness buffer holds W ≥ K distinct ids (default W = 2K): after each step, the new
+Top-K plus the previous witnesses that score best under the current query. With exactly
+K witnesses τ would be the *smallest* current score among them, and one witness that
+dropped far is enough to make τ useless; with 2K of them τ is their K-th best, robust to
+half the set moving away (measured: about 5× fewer records at 32K keys on
+``deepseek_like``). Every witness is a key selected in some recent step, so this is
+MATH.md §1.10's "distinct keys selected in recent steps".
 
 Sequences with fewer than K valid witnesses (the first step) use the default seed set
 (recent keys plus a strided sample) instead. A record buffer overflow falls back to
-``base`` for that sequence; nothing is ever dropped.
+scoring every key of that sequence; nothing is ever dropped.
 
 The key cache is dense, [B, S_max, D], with ``lengths[b]`` valid keys per sequence;
 ids in and out are positions within the sequence.
@@ -76,8 +84,9 @@ def indexer_topk_decode(
     k_scale: Float[Array, "B S"] | None = None,
     lengths: Int[Array, " B"],
     witnesses: Int[Array, "B W"] | None = None,
+    witness_capacity: int | None = None,
     implementation: str | Sequence[str] | None = None,
-) -> tuple[IndexerTopK, Int[Array, "B K"]]:
+) -> tuple[IndexerTopK, Int[Array, "B W"]]:
     """Exact Top-K of one decode step per sequence, thresholded by witnesses.
 
     Args:
@@ -88,25 +97,29 @@ def indexer_topk_decode(
       top_k: K.
       k_scale: optional [B, S_max] float32 > 0 per-key scales.
       lengths: [B] int32 valid keys per sequence.
-      witnesses: optional [B, W] int32 key ids (-1 = empty) from the previous step,
-        typically its ``indices``; ids ≥ lengths[b] are ignored. Distinct per row.
+      witnesses: optional [B, W] int32 key ids (-1 = empty): the witnesses this
+        function returned at the previous step (or any distinct ids, e.g. a previous
+        Top-K); ids ≥ lengths[b] are ignored. Distinct per row.
+      witness_capacity: W of the returned buffer (default max(2·K, W of ``witnesses``)).
       implementation: see :mod:`jsparse.backend`.
 
     Returns:
-      (IndexerTopK with ids relative to each sequence, the new witnesses [B, K]: the
-      selected ids).
+      (IndexerTopK with ids relative to each sequence, the new witnesses [B, W]: this
+      step's Top-K first, then the previous witnesses scoring best now, -1 padded).
     """
     _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k)
     b = k_cache.shape[0]
     if witnesses is None:
         witnesses = jnp.full((b, 1), -1, jnp.int32)
-    result = backend.dispatch(
+    capacity = witness_capacity or max(2 * top_k, witnesses.shape[1])
+    if capacity < top_k:
+        raise ValueError(f"witness_capacity: {capacity} < top_k = {top_k}; expected ≥ top_k")
+    return backend.dispatch(
         "indexer_topk_decode",
         {"triton": _decode_triton, "reference": _decode_reference},
         implementation,
-        q, weights, k_cache, top_k, k_scale, lengths, witnesses,
+        q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity,
     )  # fmt: skip
-    return result, result.indices
 
 
 def _flat(k_cache, k_scale, lengths, witnesses):
@@ -138,8 +151,39 @@ def _relative(result, offset):
     return result.replace(indices=ids.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("top_k",))
-def _decode_reference(q, weights, k_cache, top_k, k_scale, lengths, witnesses):
+def _carry_witnesses(top_ids, seed_ids, seed_codes, capacity, offset):
+    """Next witnesses: this step's Top-K, then the best-scoring previous seeds (distinct).
+
+    top_ids [B, K] and seed_ids [B, N] are global ids (-1 empty); seed_codes [B, N] the
+    seeds' current score codes. Returns relative ids [B, capacity], -1 padded.
+    """
+    int_max = jnp.iinfo(jnp.int32).max
+    ids = jnp.concatenate([top_ids, seed_ids], axis=1)
+    # Top-K first (above any score code), then seeds by their current score.
+    rank = jnp.concatenate(
+        [
+            jnp.where(top_ids >= 0, int_max, EMPTY_CODE),
+            jnp.where(seed_ids >= 0, seed_codes, EMPTY_CODE),
+        ],
+        axis=1,
+    ).astype(jnp.int32)
+    rank = jnp.where(ids >= 0, rank, EMPTY_CODE)
+    # Drop duplicates (a seed that is also in the Top-K): sort by id, keep the first.
+    key_ids = jnp.where(ids >= 0, ids, int_max)
+    s_ids, s_neg_rank = jax.lax.sort((key_ids, ~rank), dimension=1, num_keys=2)
+    dup = jnp.concatenate(
+        [jnp.zeros_like(s_ids[:, :1], bool), s_ids[:, 1:] == s_ids[:, :-1]], axis=1
+    )
+    s_rank = jnp.where(dup | (s_ids == int_max), EMPTY_CODE, ~s_neg_rank)
+    width = min(capacity, s_ids.shape[1])
+    best, pos = jax.lax.top_k(s_rank, width)
+    chosen = jnp.take_along_axis(s_ids, pos, axis=1)
+    chosen = jnp.where(best == EMPTY_CODE, -1, chosen - offset[:, None])
+    return jnp.pad(chosen, ((0, 0), (0, capacity - width)), constant_values=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "capacity"))
+def _decode_reference(q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity):
     from jsparse.ops.indexer.api import seed_threshold_code
 
     k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses)
@@ -162,11 +206,15 @@ def _decode_reference(q, weights, k_cache, top_k, k_scale, lengths, witnesses):
         threshold=code_to_score(tau),
         fallback=jnp.zeros(lengths.shape, bool),
     )
-    return _relative(result, offset)
+    seed_codes = jnp.where(seeds >= 0, score_code(seed_scores), EMPTY_CODE)
+    new_witnesses = _carry_witnesses(indices, seeds, seed_codes, capacity, offset)
+    return _relative(result, offset), new_witnesses
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "capacity"))
-def _decode_triton_jit(q, weights, k_cache, top_k, k_scale, lengths, witnesses, *, capacity):
+@functools.partial(jax.jit, static_argnames=("top_k", "capacity", "witness_capacity"))
+def _decode_triton_jit(
+    q, weights, k_cache, top_k, k_scale, lengths, witnesses, *, capacity, witness_capacity
+):
     from jsparse.ops.indexer import methods
     from jsparse.ops.indexer import triton as scorer_triton
     from jsparse.ops.topk import triton as select
@@ -216,12 +264,15 @@ def _decode_triton_jit(q, weights, k_cache, top_k, k_scale, lengths, witnesses, 
         threshold=code_to_score(tau),
         fallback=overflow,
     )
-    return _relative(result, offset)
+    new_witnesses = _carry_witnesses(indices, seed_ids, seed_codes, witness_capacity, offset)
+    return _relative(result, offset), new_witnesses
 
 
-def _decode_triton(q, weights, k_cache, top_k, k_scale, lengths, witnesses, *, capacity=None):
+def _decode_triton(q, weights, k_cache, top_k, k_scale, lengths, witnesses, witness_capacity):
     from jsparse.ops.indexer import methods
 
-    s_max = k_cache.shape[1]
-    cap = capacity or methods.default_record_capacity(top_k, s_max)
-    return _decode_triton_jit(q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity=cap)
+    cap = methods.default_record_capacity(top_k, k_cache.shape[1])
+    return _decode_triton_jit(
+        q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity=cap,
+        witness_capacity=witness_capacity,
+    )  # fmt: skip

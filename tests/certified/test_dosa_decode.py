@@ -48,7 +48,7 @@ def test_decode_equals_base_over_steps(impl, request):
     if impl == "triton":
         request.getfixturevalue("interpret")
     k_cache, scale, qs, ws, lengths0 = _sequence()
-    witnesses = jnp.full((B, K), -1, jnp.int32)
+    witnesses = jnp.full((B, 2 * K), -1, jnp.int32)
     for n, (q, w) in enumerate(zip(qs, ws, strict=True)):
         lengths = jnp.asarray(lengths0 + n, jnp.int32)
         res, witnesses = indexer_topk_decode(
@@ -58,7 +58,15 @@ def test_decode_equals_base_over_steps(impl, request):
         ids, scores = _base(q, w, k_cache, scale, lengths, impl)
         np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
         np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(scores))
-        np.testing.assert_array_equal(np.asarray(witnesses), np.asarray(res.indices))
+        # New witnesses: distinct visible ids, the Top-K among them, 2K slots.
+        wit = np.asarray(witnesses)
+        assert wit.shape == (B, 2 * K)
+        for row in range(B):
+            live = wit[row][wit[row] >= 0]
+            assert len(set(live.tolist())) == len(live)
+            assert np.all(live < int(lengths[row]))
+            top = np.asarray(res.indices)[row]
+            assert set(top[top >= 0].tolist()) <= set(live.tolist())
         assert not np.asarray(res.fallback).any()
         if n > 0:
             # Witness thresholds: far fewer records than visible keys.

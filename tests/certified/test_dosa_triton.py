@@ -192,7 +192,7 @@ def test_gpu_decode_equals_base():
     wl = workloads.make_decode("deepseek_like", 8, 16384, 4, seed=1)
     b, s_max, d = wl.k_cache.shape
     flat, offset = wl.k_cache.reshape(b * s_max, d), jnp.arange(b, dtype=jnp.int32) * s_max
-    witnesses = jnp.full((b, 2048), -1, jnp.int32)
+    witnesses = jnp.full((b, 4096), -1, jnp.int32)
     for n in range(4):
         q, w, lengths = wl.step(n)
         res, witnesses = indexer_topk_decode(
