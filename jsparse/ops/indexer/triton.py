@@ -127,7 +127,8 @@ def _kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref
     # Rows past T see nothing: start = S, end = 0.
     start = jnp.where(row_ok, plt.load(start_ref.at[row_safe]), p.s)
     end = jnp.where(row_ok, plt.load(end_ref.at[row_safe]), 0)
-    q = plt.load(q_ref.at[pl.ds(i * bt, bt), :, :], mask=row_ok[:, None, None], other=0)
+    zero = jnp.zeros((), q_ref.dtype)  # a typed `other`: Triton cannot cast i32 to fp8
+    q = plt.load(q_ref.at[pl.ds(i * bt, bt), :, :], mask=row_ok[:, None, None], other=zero)
     q2 = q.astype(p.compute).reshape(bt * p.heads, p.dim)
     w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
     dims = jnp.arange(p.dim, dtype=jnp.int32)
@@ -136,7 +137,11 @@ def _kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref
         """ids [BS] (-1 or ≥ S: no key) -> (scores [BT, BS], visible [BT, BS])."""
         ok = (ids >= 0) & (ids < p.s)
         safe = jnp.where(ok, ids, 0)
-        k_tile = plt.load(k_ref.at[safe[:, None], dims[None, :]], mask=ok[:, None], other=0)
+        k_tile = plt.load(
+            k_ref.at[safe[:, None], dims[None, :]],
+            mask=ok[:, None],
+            other=jnp.zeros((), k_ref.dtype),
+        )
         scale = plt.load(scale_ref.at[safe], mask=ok, other=0.0)
         scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
@@ -226,10 +231,13 @@ def _kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref
         jax.lax.fori_loop(split * per, jnp.minimum((split + 1) * per, outside), fill_body, 0)
 
 
-def _pad_heads_dims(q, weights, k):
-    """Pads H and D to powers of two (Triton block shapes); zeros change no score."""
+def _pad_heads_dims(q, weights, k, block_t):
+    """Pads H and D to powers of two, BT·H and D to ≥ 16 (the smallest tensor-core tile).
+
+    Padded heads have weight 0 and padded dims are zero, so no score changes.
+    """
     _, h, d = q.shape
-    hp = _next_pow2(h)
+    hp = _next_pow2(h, max(1, 16 // block_t))
     dp = _next_pow2(d, 16)
     if hp != h:
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
@@ -255,13 +263,8 @@ def _launch(
     s = k.shape[0]
     cfg = cfg or default_config(t, q.shape[1])
     cdt = compute_dtype(q.dtype, k.dtype)
-    q, weights, k = _pad_heads_dims(q, weights, k)
+    q, weights, k = _pad_heads_dims(q, weights, k, cfg.block_t)
     hp, dp = q.shape[1], q.shape[2]
-    if cfg.block_t * hp < 16:
-        raise NotImplementedError(
-            f"indexer triton kernel: block_t·H = {cfg.block_t}·{hp} < 16 is below the "
-            "smallest tensor-core tile; use more heads or a larger block_t"
-        )
     n_tb = -(-t // cfg.block_t)
     if key_ids is None:
         list_len = 0

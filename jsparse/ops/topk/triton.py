@@ -140,7 +140,7 @@ def _compact_kernel(scores_ref, start_ref, end_ref, codes_ref, ids_ref, count_re
     theta = jax.lax.cond(
         length > cap,
         lambda: _bisect_code(lambda th: _count_ge(sample_codes, th), rank),
-        lambda: jnp.int32(EMPTY_CODE),  # the whole row fits: keep every visible key
+        lambda: length * 0 + EMPTY_CODE,  # the whole row fits: keep every visible key
     )
     no_tie = jnp.zeros((blk,), bool)
     stored = compact(lambda c, ties: (c >= theta, no_tie))
@@ -230,12 +230,11 @@ def _select_kernel(codes_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kt
 
             return jax.lax.fori_loop(0, 31, step, jnp.int32(0))
 
-        cut = jax.lax.cond(n_eq > need, id_cut, lambda: _INT_MAX)
+        cut = jax.lax.cond(n_eq > need, id_cut, lambda: need * 0 + _INT_MAX)
         return kth, cut
 
-    kth, cut = jax.lax.cond(
-        n >= top_k, threshold, lambda: (jnp.int32(EMPTY_CODE), jnp.int32(_INT_MAX))
-    )
+    # (Branch results are derived from a traced value: Triton's scf.if cannot yield constants.)
+    kth, cut = jax.lax.cond(n >= top_k, threshold, lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX))
     trash = count_ref.shape[0] * top_k  # one past the last slot: never a live index
 
     def write(j, stored):
