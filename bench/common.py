@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -24,6 +25,9 @@ BACKENDS = {"pallas-gpu": "triton", "interpret": "triton", "xla": "reference"}
 
 
 def git_commit() -> str:
+    """The commit being measured (JSPARSE_COMMIT overrides: copies without .git)."""
+    if os.environ.get("JSPARSE_COMMIT"):
+        return os.environ["JSPARSE_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

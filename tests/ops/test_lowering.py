@@ -6,6 +6,7 @@ import pytest
 
 from jsparse.ops.indexer import methods
 from jsparse.ops.indexer import triton as indexer_triton
+from jsparse.ops.topk import triton as select
 from tests.lowering import lower_for_h200
 
 T, H, D, S, K = 64, 64, 128, 8192, 2048
@@ -37,3 +38,17 @@ KERNELS = {
 def test_lowers_to_cuda(name, dtype, t):
     lowered = lower_for_h200(KERNELS[name], *_structs(dtype, t))
     assert "triton" in lowered.as_text().lower() or "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def test_selection_kernels_lower_to_cuda():
+    i32 = jnp.int32
+    t, s, cap, n = 256, 65536, 4608, 30000
+    scores = jax.ShapeDtypeStruct((t, s), jnp.float32)
+    rng = jax.ShapeDtypeStruct((t,), i32)
+    lower_for_h200(lambda x, a, b: select.compact_rows(x, a, b, K, cap), scores, rng, rng)
+    rec = jax.ShapeDtypeStruct((t, n), i32)
+    lower_for_h200(lambda c, i, m: select.compact_records(c, i, m, K, cap), rec, rec, rng)
+    buf = jax.ShapeDtypeStruct((t, cap), i32)
+    lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), buf, buf, rng)
+    big = jax.ShapeDtypeStruct((t, 3 * 8192), i32)  # too long to hold in registers
+    lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), big, big, rng)

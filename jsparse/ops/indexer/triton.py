@@ -46,6 +46,10 @@ class ScorerConfig:
     block_s: int = 128  # keys per tile (M of the dot)
     num_warps: int = 8
     num_stages: int = 2
+    # FP8 × FP8 on the FP8 tensor cores; off by default: widening both to bf16 in
+    # registers is exact, keeps f32 accumulation (Hopper's FP8 MMA accumulates with
+    # fewer bits) and measured faster in this kernel (WORKSPACE.md, 2026-11-29).
+    fp8_dot: bool = False
 
     def __post_init__(self):
         for name in ("block_t", "block_s", "num_warps"):
@@ -69,12 +73,12 @@ def _next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def compute_dtype(q_dtype, k_dtype):
+def compute_dtype(q_dtype, k_dtype, fp8_dot: bool = False):
     """Dtype both operands of the tensor-core dot are cast to (exact widening only)."""
     q_dtype, k_dtype = jnp.dtype(q_dtype), jnp.dtype(k_dtype)
     if jnp.float32 in (q_dtype, k_dtype):
         return jnp.dtype(jnp.float32)
-    if jnp.bfloat16 in (q_dtype, k_dtype):
+    if jnp.bfloat16 in (q_dtype, k_dtype) or not fp8_dot:
         return jnp.dtype(jnp.bfloat16)
     return jnp.dtype(jnp.float8_e4m3fn)
 
@@ -172,30 +176,37 @@ def _kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref
         tau = jnp.where(row_ok, plt.load(tau_ref.at[row_safe]), codes_lib.EMPTY_CODE)
         row_iota = jnp.arange(bt, dtype=jnp.int32)[:, None]
 
-        def body(j, carry):
+        def body(j, written):
             ids = tile_ids(j)
             scores, visible = tile_scores(ids)
             code = codes_lib.score_code(scores)
             keep = visible & (code >= tau[:, None])  # [BT, BS]
             keep_i = keep.astype(jnp.int32)
             counts = jnp.sum(keep_i, axis=1)  # [BT]
-            # Reserve room per query with scalar fetch-and-add (vector int atomics are
-            # unreliable on this backend); records keep no order, selection needs none.
-            base = jnp.zeros((bt,), jnp.int32)
-            for r in range(bt):
-                n_r = jnp.sum(jnp.where(row_iota[:, 0] == r, counts, 0))
-                t_r = jnp.minimum(i * bt + r, p.t - 1)
-                old = plt.atomic_add(count_ref, (t_r.astype(jnp.int32),), n_r)
-                base = jnp.where(row_iota[:, 0] == r, old, base)
+            if p.splits == 1:
+                # This program owns its queries' records: a running offset, and the
+                # records come out in ascending id order.
+                base = written
+            else:
+                # Splits share a query: reserve room with scalar fetch-and-add (vector int
+                # atomics are unreliable on this backend). Order is then arbitrary.
+                base = jnp.zeros((bt,), jnp.int32)
+                for r in range(bt):
+                    n_r = jnp.sum(jnp.where(row_iota[:, 0] == r, counts, 0))
+                    t_r = jnp.minimum(i * bt + r, p.t - 1)
+                    old = plt.atomic_add(count_ref, (t_r.astype(jnp.int32),), n_r)
+                    base = jnp.where(row_iota[:, 0] == r, old, base)
             pos = base[:, None] + jnp.cumsum(keep_i, axis=1) - 1
             store = keep & (pos < p.cap)
             # Lanes not stored point past the end: interpret mode drops them, the GPU masks them.
             dst = jnp.where(store, rows[:, None] * p.cap + pos, p.t * p.cap)
             plt.store(codes_ref.at[dst], code, mask=store)
             plt.store(rec_ids_ref.at[dst], jnp.broadcast_to(ids[None, :], (bt, bs)), mask=store)
-            return carry
+            return written + counts
 
-        jax.lax.fori_loop(begin, stop, body, 0)
+        written = jax.lax.fori_loop(begin, stop, body, jnp.zeros((bt,), jnp.int32))
+        if p.splits == 1:
+            plt.store(count_ref.at[jnp.where(row_ok, rows, p.t)], written, mask=row_ok)
         return
 
     (out_ref,) = refs
@@ -248,6 +259,13 @@ def _pad_heads_dims(q, weights, k, block_t):
     return q, weights, k
 
 
+def _splits_for(t, h, s, key_ids, cfg):
+    cfg = cfg or default_config(t, h)
+    n_tb = -(-t // cfg.block_t)
+    n = s if key_ids is None else key_ids.shape[1]
+    return _default_splits(n_tb, -(-n // cfg.block_s))
+
+
 def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
     # Enough programs to fill the GPU a few times over; decode (few queries) splits the
     # key range instead.
@@ -262,7 +280,7 @@ def _launch(
     t, _, _ = q.shape
     s = k.shape[0]
     cfg = cfg or default_config(t, q.shape[1])
-    cdt = compute_dtype(q.dtype, k.dtype)
+    cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
     q, weights, k = _pad_heads_dims(q, weights, k, cfg.block_t)
     hp, dp = q.shape[1], q.shape[2]
     n_tb = -(-t // cfg.block_t)
@@ -323,16 +341,18 @@ def score_records_triton(
     """Records (code, key id) of every visible score with code ≥ ``tau_codes[t]``.
 
     Keys come from the whole visible range, or from ``key_ids`` [ceil(T/BT), N] (one id
-    list per query block; -1 = unused). Returns flat codes and ids [T·capacity] (row t
-    at t·capacity) and the true count per query, which may exceed ``capacity``
-    (overflow: records past the capacity are not stored).
+    list per query block; -1 = unused). Returns codes and ids [T, capacity], the true
+    count per query, which may exceed ``capacity`` (overflow: records past the capacity
+    are not stored), and whether each row's records are in ascending id order (one
+    program per query block: the key range or list is not split).
     """
+    splits = _splits_for(q.shape[0], q.shape[1], k.shape[0], key_ids, cfg)
     codes, ids, counts = _launch(
         q, weights, k, k_scale, start, end,
-        tau_codes=tau_codes, key_ids=key_ids, records_cap=capacity, cfg=cfg,
+        tau_codes=tau_codes, key_ids=key_ids, records_cap=capacity, cfg=cfg, splits=splits,
     )  # fmt: skip
     t = q.shape[0]
-    return codes.reshape(t, capacity), ids.reshape(t, capacity), counts
+    return codes.reshape(t, capacity), ids.reshape(t, capacity), counts, splits == 1
 
 
 def topk_base_triton(q, weights, k, top_k, k_scale, start, end, seeds):
