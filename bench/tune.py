@@ -55,8 +55,14 @@ def tune_dtype(args, dtype, floors, configs, rows):
 
     want = np.asarray(reference.indexer_scores_reference(*sub))
     best = None
-    for bt, bs, nw, ns in configs:
-        cfg = scorer.ScorerConfig(block_t=bt, block_s=bs, num_warps=nw, num_stages=ns)
+    for bt, bs, nw, ns, *fp8_dot in configs:
+        cfg = scorer.ScorerConfig(
+            block_t=bt,
+            block_s=bs,
+            num_warps=nw,
+            num_stages=ns,
+            fp8_dot=bool(fp8_dot and fp8_dot[0]),
+        )
         fn = jax.jit(lambda *a, cfg=cfg: scorer._launch(*a, cfg=cfg)[0])
         try:
             got = np.asarray(fn(*a))[np.asarray(ref_rows)]
