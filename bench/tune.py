@@ -73,7 +73,7 @@ def tune_dtype(args, dtype, floors, configs, rows):
         err = np.max(np.abs(got[vis] - want[vis])) / np.max(np.abs(want[vis]))
         t = common.time_fn(fn, [a], budget_s=0.5)
         tf = flops / t.median_s / 1e12
-        row = dict(stage="score", dtype=dtype, config=f"{bt},{bs},{nw},{ns}", ms=1e3 * t.median_s,
+        row = dict(stage="score", dtype=dtype, config=str(cfg), ms=1e3 * t.median_s,
                    tflops=tf, pct_xla=100 * tf * 1e12 / rate, rel_err=err)  # fmt: skip
         rows.append(row)
         print(row, flush=True)
