@@ -122,6 +122,11 @@ class Floors:
     def as_dict(self):
         return dataclasses.asdict(self)
 
+    def describe(self) -> str:
+        rates = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in self.matmul_flops_per_s.items())
+        copy = self.copy_bytes_per_s / 1e9
+        return f"floors: copy {copy:.4g} GB/s (read+write) | XLA matmul {rates}"
+
 
 def measure_floors(dtypes: Sequence[str], *, on_gpu: bool) -> Floors:
     """Copy bandwidth (read + write) and XLA matmul rates for the dtypes in use."""

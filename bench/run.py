@@ -57,10 +57,7 @@ def main(argv=None) -> int:
     print(f"op {args.op} | preset {args.preset} | backend {args.backend} | methods {methods}")
     cases = common.expand_cases(common.load_presets(args.op)[args.preset])
     floors = common.measure_floors(sorted({c["dtype"] for c in cases}), on_gpu=on_gpu)
-    rates = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in floors.matmul_flops_per_s.items())
-    print(
-        f"floors: copy {floors.copy_bytes_per_s / 1e12:.2f} TB/s (read+write) | XLA matmul {rates}"
-    )
+    print(floors.describe())
 
     impl = common.BACKENDS[args.backend]
     with backend.interpret_mode(args.backend == "interpret"):

@@ -40,6 +40,16 @@ CONFIGS = [
 ]
 
 
+SELECT_CONFIGS = [
+    (1024, 4, 1),
+    (1024, 4, 3),
+    (2048, 8, 3),
+    (4096, 8, 2),
+    (4096, 16, 2),
+    (8192, 16, 1),
+]
+
+
 def tune_dtype(args, dtype, floors, configs, rows):
     """Config sweep of the scorer, then per-stage timing with the best config."""
     case = dict(t=args.t, s=args.s, h=args.h, d=args.d, top_k=args.top_k, dtype=dtype,
@@ -86,7 +96,18 @@ def tune_dtype(args, dtype, floors, configs, rows):
     start, end = x["kv_start"], x["kv_end"]
     k = args.top_k
     cap = methods.candidate_capacity(k, args.s)
-    compact = jax.jit(lambda s, a, b: select.compact_rows(s, a, b, k, cap))
+    best_sel = None
+    for blk, nw, ns in SELECT_CONFIGS:
+        scfg = select.SelectConfig(block=blk, num_warps=nw, num_stages=ns)
+        fn = jax.jit(lambda s, a, b, scfg=scfg: select.compact_rows(s, a, b, k, cap, scfg))
+        t = common.time_fn(fn, [(scores, start, end)], budget_s=0.3)
+        row = dict(stage="compact_rows", dtype=dtype, config=str(scfg), ms=1e3 * t.median_s)
+        rows.append(row)
+        print(row, flush=True)
+        if best_sel is None or t.median_s < best_sel[1]:
+            best_sel = (scfg, t.median_s)
+    scfg = best_sel[0]
+    compact = jax.jit(lambda s, a, b: select.compact_rows(s, a, b, k, cap, scfg))
     cc, ci, cn, slow = compact(scores, start, end)
     sel = jax.jit(lambda c, i, n: select.select_candidates(c, i, n, k))
     sc, si, _ = sel(cc, ci, cn)
@@ -105,6 +126,8 @@ def tune_dtype(args, dtype, floors, configs, rows):
         "lax.top_k on scores": (jax.jit(lambda s: jax.lax.top_k(s, k)), (scores,)),
         "topk_base (all stages)": (
             jax.jit(lambda *a: methods.topk_base(*a[:3], k, *a[3:], cfg=cfg)), a),
+        "topk_base unsorted": (
+            jax.jit(lambda *a: methods.topk_base(*a[:3], k, *a[3:], cfg=cfg, sort=False)), a),
         "topk_full (all stages)": (
             jax.jit(lambda *a: methods.topk_full(*a[:3], k, *a[3:], cfg=cfg)), a),
     }  # fmt: skip
@@ -134,8 +157,7 @@ def main(argv=None):
     env = common.environment()
     print(" | ".join(f"{k} {v}" for k, v in env.items()))
     floors = common.measure_floors(args.dtype, on_gpu=backend.has_nvidia_gpu())
-    print(f"floors: copy {floors.copy_bytes_per_s / 1e12:.3g} TB/s; matmul", {
-        k: f"{v / 1e12:.0f} TFLOP/s" for k, v in floors.matmul_flops_per_s.items()})  # fmt: skip
+    print(floors.describe())
     configs = CONFIGS
     if args.configs:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]

@@ -142,6 +142,23 @@ def test_triton_methods_match_oracle_and_each_other(case, dtype, kernel_impl):
     assert np.all(np.asarray(full.candidates) <= visible)
 
 
+@pytest.mark.parametrize("method", ["base", "full"])
+def test_unsorted_is_the_same_set(method, kernel_impl):
+    case = CASES[2]
+    inputs = make_inputs(case, jnp.bfloat16, seed=8)
+    ordered = jsparse.indexer_topk(
+        **inputs, top_k=case.top_k, method=method, implementation=kernel_impl
+    )
+    loose = jsparse.indexer_topk(
+        **inputs, top_k=case.top_k, method=method, sorted=False, implementation=kernel_impl
+    )
+    for t in range(case.t):
+        a, b = np.asarray(ordered.indices[t]), np.asarray(loose.indices[t])
+        assert sorted(a.tolist()) == sorted(b.tolist())
+        score_of = dict(zip(b.tolist(), np.asarray(loose.scores[t]).tolist(), strict=True))
+        np.testing.assert_array_equal([score_of[i] for i in a], np.asarray(ordered.scores[t]))
+
+
 def test_triton_f32_interpret(kernel_impl):
     case = CASES[0]
     inputs = make_inputs(case, jnp.float32, seed=2)

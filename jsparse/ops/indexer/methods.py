@@ -98,36 +98,43 @@ def _result(indices, values, start, end, candidates, tau_codes, fallback):
     )
 
 
-def _select_dense(scores, start, end, top_k):
+def _finish(sel_codes, sel_ids, *, id_ordered, sort):
+    if sort:
+        return select.order_topk(sel_codes, sel_ids, id_ordered=id_ordered)
+    empty = sel_codes == EMPTY_CODE
+    return jnp.where(empty, -1, sel_ids), jnp.where(empty, -jnp.inf, code_to_score(sel_codes))
+
+
+def _select_dense(scores, start, end, top_k, sort):
     cap = candidate_capacity(top_k, scores.shape[1])
     codes, ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
     sel_codes, sel_ids, _ = select.select_candidates(codes, ids, count, top_k)
-    return select.order_topk(sel_codes, sel_ids, id_ordered=True)
+    return _finish(sel_codes, sel_ids, id_ordered=True, sort=sort)
 
 
-def select_records(codes, ids, counts, top_k, *, id_ordered):
-    """Exact Top-K of record rows (no overflow: counts ≤ capacity), ordered."""
+def select_records(codes, ids, counts, top_k, *, id_ordered, sort=True):
+    """Exact Top-K of record rows (no overflow: counts ≤ capacity)."""
     cap = candidate_capacity(top_k, codes.shape[1])
     if codes.shape[1] > cap:  # long record rows: shrink to a sampled-threshold buffer first
         codes, ids, counts, _ = select.compact_records(codes, ids, counts, top_k, cap)
     sel_codes, sel_ids, _ = select.select_candidates(codes, ids, counts, top_k)
-    return select.order_topk(sel_codes, sel_ids, id_ordered=id_ordered)
+    return _finish(sel_codes, sel_ids, id_ordered=id_ordered, sort=sort)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "cfg"))
-def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None):
+@functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
+def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True):
     """Every visible score written, then exact selection."""
     (scores,) = scorer._launch(q, weights, k, k_scale, start, end, cfg=cfg)
-    indices, values = _select_dense(scores, start, end, top_k)
+    indices, values = _select_dense(scores, start, end, top_k, sort)
     t = q.shape[0]
     empty = jnp.full((t,), EMPTY_CODE, jnp.int32)
     return _result(indices, values, start, end, end - start, empty, jnp.zeros((t,), bool))
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "n_seeds", "capacity", "cfg"))
+@functools.partial(jax.jit, static_argnames=("top_k", "n_seeds", "capacity", "cfg", "sort"))
 def topk_full(
     q, weights, k, top_k, k_scale, start, end, seed_ids=None, *,
-    n_seeds=None, capacity=None, cfg=None,
+    n_seeds=None, capacity=None, cfg=None, sort=True,
 ):  # fmt: skip
     """Seed threshold τ, records ≥ τ only, exact selection over the records."""
     t, s = q.shape[0], k.shape[0]
@@ -151,12 +158,12 @@ def topk_full(
     )
     overflow = counts > cap
     indices, values = select_records(
-        codes, ids, jnp.minimum(counts, cap), top_k, id_ordered=id_ordered
+        codes, ids, jnp.minimum(counts, cap), top_k, id_ordered=id_ordered, sort=sort
     )
 
     def recover(iv):
         # Records were dropped for these queries: only full scoring is exact there.
-        base = topk_base(q, weights, k, top_k, k_scale, start, end, cfg=cfg)
+        base = topk_base(q, weights, k, top_k, k_scale, start, end, cfg=cfg, sort=sort)
         return (
             jnp.where(overflow[:, None], base.indices, iv[0]),
             jnp.where(overflow[:, None], base.scores, iv[1]),

@@ -46,9 +46,10 @@ class ScorerConfig:
     block_s: int = 128  # keys per tile (M of the dot)
     num_warps: int = 8
     num_stages: int = 2
-    # FP8 × FP8 on the FP8 tensor cores; off by default: widening both to bf16 in
-    # registers is exact, keeps f32 accumulation (Hopper's FP8 MMA accumulates with
-    # fewer bits) and measured faster in this kernel (WORKSPACE.md, 2026-11-29).
+    # FP8 × FP8 on the FP8 tensor cores; off by default: widening both to f16 in
+    # registers is exact (every e4m3 value is an f16), keeps true f32 accumulation
+    # (Hopper's FP8 MMA accumulates with fewer bits) and measured faster in this kernel
+    # (WORKSPACE.md, 2026-11-29). f16, not bf16: e4m3 → f16 is one instruction on sm_90.
     fp8_dot: bool = False
 
     def __post_init__(self):
@@ -78,9 +79,9 @@ def compute_dtype(q_dtype, k_dtype, fp8_dot: bool = False):
     q_dtype, k_dtype = jnp.dtype(q_dtype), jnp.dtype(k_dtype)
     if jnp.float32 in (q_dtype, k_dtype):
         return jnp.dtype(jnp.float32)
-    if jnp.bfloat16 in (q_dtype, k_dtype) or not fp8_dot:
+    if jnp.bfloat16 in (q_dtype, k_dtype):
         return jnp.dtype(jnp.bfloat16)
-    return jnp.dtype(jnp.float8_e4m3fn)
+    return jnp.dtype(jnp.float8_e4m3fn if fp8_dot else jnp.float16)
 
 
 def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
@@ -355,16 +356,17 @@ def score_records_triton(
     return codes.reshape(t, capacity), ids.reshape(t, capacity), counts, splits == 1
 
 
-def topk_base_triton(q, weights, k, top_k, k_scale, start, end, seeds):
+def topk_base_triton(q, weights, k, top_k, k_scale, start, end, seeds, sort=True):
     from jsparse.ops.indexer import methods  # methods builds on this module
 
     del seeds
-    return methods.topk_base(q, weights, k, top_k, k_scale, start, end)
+    return methods.topk_base(q, weights, k, top_k, k_scale, start, end, sort=sort)
 
 
-def topk_full_triton(q, weights, k, top_k, k_scale, start, end, seeds):
+def topk_full_triton(q, weights, k, top_k, k_scale, start, end, seeds, sort=True):
     from jsparse.ops.indexer import methods
 
+    args = (q, weights, k, top_k, k_scale, start, end)
     if seeds is None or isinstance(seeds, int):
-        return methods.topk_full(q, weights, k, top_k, k_scale, start, end, n_seeds=seeds)
-    return methods.topk_full(q, weights, k, top_k, k_scale, start, end, seeds)
+        return methods.topk_full(*args, n_seeds=seeds, sort=sort)
+    return methods.topk_full(*args, seeds, sort=sort)
