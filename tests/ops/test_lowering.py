@@ -45,9 +45,15 @@ def test_selection_kernels_lower_to_cuda():
     t, s, cap, n = 256, 65536, 4608, 30000
     scores = jax.ShapeDtypeStruct((t, s), jnp.float32)
     rng = jax.ShapeDtypeStruct((t,), i32)
-    lower_for_h200(lambda x, a, b: select.compact_rows(x, a, b, K, cap), scores, rng, rng)
+    for chunks in (1, 8):
+        lower_for_h200(
+            lambda x, a, b, c=chunks: select.compact_rows(x, a, b, K, cap, chunks=c),
+            scores,
+            rng,
+            rng,
+        )
     rec = jax.ShapeDtypeStruct((t, n), i32)
-    lower_for_h200(lambda c, i, m: select.compact_records(c, i, m, K, cap), rec, rec, rng)
+    lower_for_h200(lambda c, i, m: select.compact_records(c, i, m, K, cap, chunks=4), rec, rec, rng)
     buf = jax.ShapeDtypeStruct((t, cap), i32)
     lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), buf, buf, rng)
     big = jax.ShapeDtypeStruct((t, 3 * 8192), i32)  # too long to hold in registers

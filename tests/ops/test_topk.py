@@ -52,8 +52,9 @@ def test_select_candidates_unordered_records(distinct, n, counts, kernel_impl):
     np.testing.assert_array_equal(got_kth, want_kth)
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values"])
-def test_compact_rows_keeps_the_exact_top_k(kind, kernel_impl):
+def test_compact_rows_keeps_the_exact_top_k(kind, chunks, kernel_impl):
     rng = np.random.default_rng(1)
     t, s, top_k = 3, 9000, 40
     scores = rng.standard_normal((t, s)).astype(np.float32)
@@ -65,7 +66,7 @@ def test_compact_rows_keeps_the_exact_top_k(kind, kernel_impl):
     end = np.array([9000, 7000, 9000], np.int32)
     cap = 512
     cc, ci, cn, slow = select.compact_rows(
-        jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap
+        jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=chunks
     )
     sc, si, _ = select.select_candidates(cc, ci, cn, top_k)
     got = select.order_topk(sc, si, id_ordered=True)
@@ -78,12 +79,13 @@ def test_compact_rows_keeps_the_exact_top_k(kind, kernel_impl):
         assert np.asarray(slow)[:2].all()
 
 
-def test_compact_records_then_select(kernel_impl):
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_compact_records_then_select(chunks, kernel_impl):
     rng = np.random.default_rng(2)
     codes, ids = _records(rng, 2, 6000, True)
     counts = np.array([6000, 5000], np.int32)
     cc, ci, cn, _ = select.compact_records(
-        jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), 30, 512
+        jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), 30, 512, chunks=chunks
     )
     sc, si, _ = select.select_candidates(cc, ci, cn, 30)
     got = select.order_topk(sc, si)

@@ -138,7 +138,7 @@ def topk_full(
 ):  # fmt: skip
     """Seed threshold τ, records ≥ τ only, exact selection over the records."""
     t, s = q.shape[0], k.shape[0]
-    cfg = cfg or scorer.default_config(t, q.shape[1])
+    cfg = cfg or scorer.default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     if seed_ids is None:
         n = min(n_seeds or default_seed_count(top_k, s), s)
         seeds = block_seed_ids(start, end, cfg.block_t, n, s)

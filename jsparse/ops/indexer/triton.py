@@ -63,11 +63,15 @@ class ScorerConfig:
             raise ValueError(f"ScorerConfig.num_stages must be ≥ 1, got {self.num_stages}")
 
 
-def default_config(num_queries: int, heads: int) -> ScorerConfig:
-    # One query per program when there is only one; otherwise two share each key tile
-    # (N = 2·H of the dot), which halves key traffic at no cost in registers for H ≤ 64.
-    block_t = 1 if num_queries == 1 or heads >= 128 else 2
-    return ScorerConfig(block_t=block_t)
+def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> ScorerConfig:
+    """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3, 8192 × 64K, H=64, D=128).
+
+    Queries share each key tile (N = block_t·H of the dot): two for bf16 keys; four for
+    fp8 keys, whose tiles are widened in registers, so more reuse per widened tile pays.
+    """
+    if num_queries == 1 or heads >= 128:
+        return ScorerConfig(block_t=1)
+    return ScorerConfig(block_t=4 if fp8_keys and num_queries >= 4 else 2)
 
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
@@ -260,8 +264,8 @@ def _pad_heads_dims(q, weights, k, block_t):
     return q, weights, k
 
 
-def _splits_for(t, h, s, key_ids, cfg):
-    cfg = cfg or default_config(t, h)
+def _splits_for(t, h, s, key_ids, cfg, fp8_keys):
+    cfg = cfg or default_config(t, h, fp8_keys)
     n_tb = -(-t // cfg.block_t)
     n = s if key_ids is None else key_ids.shape[1]
     return _default_splits(n_tb, -(-n // cfg.block_s))
@@ -280,7 +284,7 @@ def _launch(
 ):  # fmt: skip
     t, _, _ = q.shape
     s = k.shape[0]
-    cfg = cfg or default_config(t, q.shape[1])
+    cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
     q, weights, k = _pad_heads_dims(q, weights, k, cfg.block_t)
     hp, dp = q.shape[1], q.shape[2]
@@ -347,7 +351,8 @@ def score_records_triton(
     are not stored), and whether each row's records are in ascending id order (one
     program per query block: the key range or list is not split).
     """
-    splits = _splits_for(q.shape[0], q.shape[1], k.shape[0], key_ids, cfg)
+    fp8_keys = k.dtype == jnp.float8_e4m3fn
+    splits = _splits_for(q.shape[0], q.shape[1], k.shape[0], key_ids, cfg, fp8_keys)
     codes, ids, counts = _launch(
         q, weights, k, k_scale, start, end,
         tau_codes=tau_codes, key_ids=key_ids, records_cap=capacity, cfg=cfg, splits=splits,

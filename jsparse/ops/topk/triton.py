@@ -50,9 +50,11 @@ MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in regist
 
 @dataclasses.dataclass(frozen=True)
 class SelectConfig:
-    block: int = 2048  # entries per step of a streaming pass
-    num_warps: int = 8
-    num_stages: int = 3  # software pipelining of the streaming loads
+    """Measured on an H200 (WORKSPACE.md run 3): small blocks and 4 warps stream best."""
+
+    block: int = 1024  # entries per step of a streaming pass
+    num_warps: int = 4
+    num_stages: int = 1
 
 
 def _bisect_code(count_ge, rank, bits=32):
@@ -88,122 +90,268 @@ def _id_cut(count_ties, need):
     return jax.lax.cond(n_ties > need, bisect, lambda: need * 0 + _INT_MAX)
 
 
-def _compact_kernel(*refs, dense, top_k, cap, cfg):
+def _row_source(refs, dense, row):
+    """(entries, start, length) of a dense score row or a record row.
+
+    ``entries(pos)`` gives (codes, ids, ok) at row positions ``pos`` (any shape), with
+    EMPTY codes where ``pos`` is past the row.
+    """
     if dense:
-        scores_ref, start_ref, end_ref = refs[:3]
-    else:
-        in_codes_ref, in_ids_ref, in_count_ref = refs[:3]
-    codes_ref, ids_ref, count_ref, slow_ref = refs[-4:]
-    row = pl.program_id(0)
-    if dense:
+        scores_ref, start_ref, end_ref = refs
         start = plt.load(start_ref.at[row])
         length = plt.load(end_ref.at[row]) - start
-    else:
-        start = row * 0
-        length = jnp.minimum(plt.load(in_count_ref.at[row]), in_codes_ref.shape[1])
-    blk = cfg.block
-    lanes = jnp.arange(blk, dtype=jnp.int32)
-    trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
+
+        def entries(pos):
+            ok = pos < length
+            x = plt.load(scores_ref.at[row, start + jnp.where(ok, pos, 0)], mask=ok, other=0.0)
+            return jnp.where(ok, score_code(x), EMPTY_CODE), start + pos, ok
+
+        return entries, length
+
+    codes_ref, ids_ref, count_ref = refs
+    length = jnp.minimum(plt.load(count_ref.at[row]), codes_ref.shape[1])
 
     def entries(pos):
-        """(codes, ids, ok) of row positions ``pos`` (any shape); EMPTY where not ok."""
         ok = pos < length
         safe = jnp.where(ok, pos, 0)
-        if dense:
-            x = plt.load(scores_ref.at[row, start + safe], mask=ok, other=0.0)
-            return jnp.where(ok, score_code(x), EMPTY_CODE), start + pos, ok
-        c = plt.load(in_codes_ref.at[row, safe], mask=ok, other=EMPTY_CODE)
-        i = plt.load(in_ids_ref.at[row, safe], mask=ok, other=-1)
+        c = plt.load(codes_ref.at[row, safe], mask=ok, other=EMPTY_CODE)
+        i = plt.load(ids_ref.at[row, safe], mask=ok, other=-1)
         return jnp.where(ok, c, EMPTY_CODE), i, ok
 
-    n_blocks = (length + blk - 1) // blk
+    return entries, length
 
-    def count_row(pred):
+
+def _streaming(entries, lo, hi, blk):
+    """count(pred) and compact(keep, out, base, cap) over row positions [lo, hi)."""
+    lanes = jnp.arange(blk, dtype=jnp.int32)
+    n_blocks = (hi - lo + blk - 1) // blk
+
+    def block(j):
+        pos = lo + j * blk + lanes
+        c, i, ok = entries(pos)
+        return c, i, ok & (pos < hi)
+
+    def count(pred):
         def body(j, acc):
-            c, i, ok = entries(j * blk + lanes)
+            c, i, ok = block(j)
             return acc + jnp.sum((ok & pred(c, i)).astype(jnp.int32))
 
-        return jax.lax.fori_loop(0, n_blocks, body, row * 0)
+        return jax.lax.fori_loop(0, n_blocks, body, lo * 0)
 
-    def compact(keep_fn):
-        """Stores the entries keep_fn(code, id) selects, in row order; returns the count."""
+    def compact(keep_fn, out_codes, out_ids, base, cap, trash):
+        """Stores entries keep_fn(code, id) selects, in row order, at out[base + n] for
+        n < cap; returns how many it selected (which may exceed cap)."""
 
         def body(j, stored):
-            c, ids, ok = entries(j * blk + lanes)
-            keep = keep_fn(c, ids) & ok
+            c, i, ok = block(j)
+            keep = keep_fn(c, i) & ok
             keep_i = keep.astype(jnp.int32)
             pos = stored + jnp.cumsum(keep_i) - 1
             store = keep & (pos < cap)
-            dst = jnp.where(store, row * cap + pos, trash)
-            plt.store(codes_ref.at[dst], c, mask=store)
-            plt.store(ids_ref.at[dst], ids, mask=store)
+            dst = jnp.where(store, base + pos, trash)
+            plt.store(out_codes.at[dst], c, mask=store)
+            plt.store(out_ids.at[dst], i, mask=store)
             return stored + jnp.sum(keep_i)
 
-        return jax.lax.fori_loop(0, n_blocks, body, row * 0)
+        return jax.lax.fori_loop(0, n_blocks, body, lo * 0)
 
-    # θ from a sample: the whole row when short, else 32 evenly spaced blocks of 128.
+    return count, compact
+
+
+def _sample_threshold(entries, length, top_k, cap):
+    """θ ≤ (probably a little below) the K-th code; EMPTY_CODE when the row fits in cap.
+
+    The sample is the whole row when short (θ is then exactly the K-th code), else 32
+    evenly spaced blocks of 128 (the last ending at the row's end), ranked so that the
+    expected count of entries ≥ θ over the row is about 1.3·K plus a few spacings.
+    """
     n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
     whole = length <= n_sample
     k = jnp.arange(n_sample, dtype=jnp.int32)
     spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
     sample, _, _ = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
-    # A whole row gives the exact K-th code. A sample takes the rank whose expected
-    # count over the row is about 1.3·K plus a few sample spacings.
     spaced = (top_k * n_sample * 13 + 10 * length - 1) // (10 * jnp.maximum(length, 1)) + 8
     rank = jnp.where(whole, top_k, jnp.minimum(spaced, n_sample))
-    theta = jax.lax.cond(
+    return jax.lax.cond(
         length > cap,
         lambda: _bisect_code(
             lambda th: jnp.sum((sample >= th).astype(jnp.int32)), rank, SAMPLE_BITS
         ),
         lambda: length * 0 + EMPTY_CODE,  # the whole row fits: keep every entry
     )
-    stored = compact(lambda c, i: c >= theta)
+
+
+def _exact_compact(count, compact, top_k):
+    """The slow path: exactly the K best entries (ties by smallest id), via bisection."""
+    kth = _bisect_code(lambda th: count(lambda c, i: c >= th), top_k)
+    need = top_k - count(lambda c, i: c > kth)
+    cut = _id_cut(lambda pred: count(lambda c, i: (c == kth) & pred(i)), need)
+    return compact(lambda c, i: (c > kth) | ((c == kth) & (i <= cut)))
+
+
+def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
+    """Program (row, chunk): compacts entries ≥ θ of its chunk of the row.
+
+    With one chunk it writes the final buffer and handles the slow path itself; with
+    several it writes segment (row, chunk) and the merge kernel finishes the row.
+    """
+    source = refs[:3]
+    codes_ref, ids_ref, count_ref = refs[-3:] if chunks > 1 else refs[-4:-1]
+    row, chunk = pl.program_id(0), pl.program_id(1)
+    entries, length = _row_source(source, dense, row)
+    blk = cfg.block
+    size = ((length + chunks - 1) // chunks + blk - 1) // blk * blk
+    lo = jnp.minimum(chunk * size, length)
+    hi = jnp.minimum(lo + size, length)
+    count, compact = _streaming(entries, lo, hi, blk)
+    theta = _sample_threshold(entries, length, top_k, cap)
+    segment = row * chunks + chunk
+    trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
+    stored = compact(lambda c, i: c >= theta, codes_ref, ids_ref, segment * cap, cap, trash)
+    if chunks > 1:
+        plt.store(count_ref.at[segment], stored)
+        return
+    slow_ref = refs[-1]
     fast_ok = (stored >= jnp.minimum(top_k, length)) & (stored <= cap)
-
-    def exact_path():
-        kth = _bisect_code(lambda th: count_row(lambda c, i: c >= th), top_k)
-        need = top_k - count_row(lambda c, i: c > kth)
-        cut = _id_cut(lambda pred: count_row(lambda c, i: (c == kth) & pred(i)), need)
-        return compact(lambda c, i: (c > kth) | ((c == kth) & (i <= cut)))
-
-    final = jax.lax.cond(fast_ok, lambda: stored, exact_path)
+    final = jax.lax.cond(
+        fast_ok,
+        lambda: stored,
+        lambda: _exact_compact(
+            count,
+            lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash),
+            top_k,
+        ),
+    )
     plt.store(count_ref.at[row], jnp.minimum(final, cap))
     plt.store(slow_ref.at[row], jnp.where(fast_ok, 0, 1).astype(jnp.int32))
 
 
-def _compact_call(inputs, t, top_k, cap, dense, cfg):
-    kernel = functools.partial(_compact_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg)
-    init = (jnp.full((t * cap,), EMPTY_CODE, jnp.int32), jnp.full((t * cap,), -1, jnp.int32))
-    codes, ids, count, slow = pl.pallas_call(
-        kernel,
-        grid=(t,),
+def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
+    """Program (row): concatenates the row's segments, or runs the exact slow path."""
+    source = refs[:3]
+    seg_codes_ref, seg_ids_ref, seg_count_ref = refs[3:6]
+    codes_ref, ids_ref, count_ref, slow_ref = refs[-4:]
+    row = pl.program_id(0)
+    entries, length = _row_source(source, dense, row)
+    c_pad = 1 << (chunks - 1).bit_length()
+    lane = jnp.arange(c_pad, dtype=jnp.int32)
+    seg_counts = plt.load(
+        seg_count_ref.at[row * chunks + jnp.where(lane < chunks, lane, 0)],
+        mask=lane < chunks, other=0,
+    )  # fmt: skip
+    total = jnp.sum(seg_counts)
+    fast_ok = (total >= jnp.minimum(top_k, length)) & (total <= cap)
+    trash = count_ref.shape[0] * cap
+    blk = cfg.block
+    lanes = jnp.arange(blk, dtype=jnp.int32)
+
+    def merge():
+        def one_segment(c, offset):
+            n = jnp.sum(jnp.where(lane == c, seg_counts, 0))
+            src = (row * chunks + c) * cap
+
+            def copy(j, carry):
+                pos = j * blk + lanes
+                ok = pos < n
+                safe = src + jnp.where(ok, pos, 0)
+                vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
+                vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
+                dst = jnp.where(ok, row * cap + offset + pos, trash)
+                plt.store(codes_ref.at[dst], vc, mask=ok)
+                plt.store(ids_ref.at[dst], vi, mask=ok)
+                return carry
+
+            jax.lax.fori_loop(0, (n + blk - 1) // blk, copy, 0)
+            return offset + n
+
+        return jax.lax.fori_loop(0, chunks, one_segment, row * 0)
+
+    def exact():
+        count, compact = _streaming(entries, length * 0, length, blk)
+        return _exact_compact(
+            count, lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash), top_k
+        )
+
+    final = jax.lax.cond(fast_ok, merge, exact)
+    plt.store(count_ref.at[row], jnp.minimum(final, cap))
+    plt.store(slow_ref.at[row], jnp.where(fast_ok, 0, 1).astype(jnp.int32))
+
+
+def default_chunks(rows: int, length: int) -> int:
+    """Programs per row: enough rows × chunks to fill an H200, chunks ≥ 4096 entries."""
+    return int(max(1, min(-(-4 * 132 // rows), length // 4096, 64)))
+
+
+def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
+    compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    interpret = backend.is_interpret()
+    i32 = jnp.int32
+    empty = lambda n: (jnp.full((n,), EMPTY_CODE, i32), jnp.full((n,), -1, i32))  # noqa: E731
+    statics = dict(dense=dense, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
+    if chunks == 1:
+        codes, ids, count, slow = pl.pallas_call(
+            functools.partial(_chunk_kernel, **statics),
+            grid=(t, 1),
+            out_shape=(
+                jax.ShapeDtypeStruct((t * cap,), i32),
+                jax.ShapeDtypeStruct((t * cap,), i32),
+                jax.ShapeDtypeStruct((t,), i32),
+                jax.ShapeDtypeStruct((t,), i32),
+            ),
+            input_output_aliases={3: 0, 4: 1},
+            compiler_params=compiler,
+            interpret=interpret,
+            name="jsparse_topk_compact",
+        )(*inputs, *empty(t * cap))
+        return codes.reshape(t, cap), ids.reshape(t, cap), count, slow
+    n_seg = t * chunks
+    seg_codes, seg_ids, seg_count = pl.pallas_call(
+        functools.partial(_chunk_kernel, **statics),
+        grid=(t, chunks),
         out_shape=(
-            jax.ShapeDtypeStruct((t * cap,), jnp.int32),
-            jax.ShapeDtypeStruct((t * cap,), jnp.int32),
-            jax.ShapeDtypeStruct((t,), jnp.int32),
-            jax.ShapeDtypeStruct((t,), jnp.int32),
+            jax.ShapeDtypeStruct((n_seg * cap,), i32),
+            jax.ShapeDtypeStruct((n_seg * cap,), i32),
+            jax.ShapeDtypeStruct((n_seg,), i32),
         ),
         input_output_aliases={3: 0, 4: 1},
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=backend.is_interpret(),
-        name="jsparse_topk_compact",
-    )(*inputs, *init)
+        compiler_params=compiler,
+        interpret=interpret,
+        name="jsparse_topk_compact_chunks",
+    )(*inputs, *empty(n_seg * cap))
+    codes, ids, count, slow = pl.pallas_call(
+        functools.partial(_merge_kernel, **statics),
+        grid=(t,),
+        out_shape=(
+            jax.ShapeDtypeStruct((t * cap,), i32),
+            jax.ShapeDtypeStruct((t * cap,), i32),
+            jax.ShapeDtypeStruct((t,), i32),
+            jax.ShapeDtypeStruct((t,), i32),
+        ),
+        input_output_aliases={6: 0, 7: 1},
+        compiler_params=compiler,
+        interpret=interpret,
+        name="jsparse_topk_merge",
+    )(*inputs, seg_codes, seg_ids, seg_count, *empty(t * cap))
     return codes.reshape(t, cap), ids.reshape(t, cap), count, slow
 
 
-def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig()):
+def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None):
     """Candidate buffers [T, cap] (codes, ids; id order) holding each row's exact Top-K.
 
     ``scores`` [T, S] is read only inside ``[start[t], end[t])``. Returns (codes, ids,
     count [T], slow [T] int32: 1 where the exact slow path ran). ``cap ≥ top_k``.
+    ``chunks`` programs share a row (default: :func:`default_chunks`), for few rows.
     """
-    return _compact_call((scores, start, end), scores.shape[0], top_k, cap, True, cfg)
+    t, s = scores.shape
+    chunks = chunks or default_chunks(t, s)
+    return _compact_call((scores, start, end), t, top_k, cap, True, cfg, chunks)
 
 
-def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig()):
+def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=None):
     """:func:`compact_rows` for record rows (codes, ids [T, C], valid counts [T])."""
-    return _compact_call((codes, ids, counts), codes.shape[0], top_k, cap, False, cfg)
+    t, n = codes.shape
+    chunks = chunks or default_chunks(t, n)
+    return _compact_call((codes, ids, counts), t, top_k, cap, False, cfg, chunks)
 
 
 def _select_kernel(codes_ref, ids_ref, count_ref, _c0, _i0, out_codes_ref, out_ids_ref, kth_ref,
