@@ -123,8 +123,15 @@ def test_reference_methods_match_oracle(case, dtype):
     np.testing.assert_array_equal(results["full"].scores, results["base"].scores)
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"] + (["f32"] if backend.has_nvidia_gpu() else []))
+# Interpret mode compiles every kernel per shape (~10 s each on 2 cores): on the CPU, bf16
+# runs every case and fp8 the cases where its rounding matters; the GPU runs all.
+TRITON_CASES = [(c, "bf16") for c in CASES] + [
+    (c, dt) for c in CASES for dt in ("fp8", "f32")
+    if backend.has_nvidia_gpu() or (dt == "fp8" and c.name in ("odd", "prefill-chunk"))
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "dtype"), TRITON_CASES, ids=lambda x: str(x))
 def test_triton_methods_match_oracle_and_each_other(case, dtype, kernel_impl):
     inputs = make_inputs(case, DTYPES[dtype], seed=1)
     base = jsparse.indexer_topk(
