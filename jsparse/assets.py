@@ -64,6 +64,7 @@ __all__ = [
     "NOVELS",
     "PERPLEXITY_CHECK_NOVEL",
     "AssetsMissingError",
+    "available",
     "cache_dir",
     "fetch",
     "have_model",
@@ -226,14 +227,31 @@ def novel_lines(novel: str) -> list[str]:
     return novel_text(novel).split("\n")
 
 
-@functools.cache
-def _token_ids_cached(novel: str) -> np.ndarray:
-    packed = pack_dir() / f"tokens_{novel}.npy"
-    if not (cache_dir() / "model" / MODEL.filename).is_file() and packed.is_file():
-        return np.load(packed).astype(np.int32)
-    from jsparse.models.tokenizer import load_tokenizer
+def _have_gguf() -> bool:
+    return (cache_dir() / "model" / MODEL.filename).is_file()
 
-    ids = np.asarray(load_tokenizer().encode(novel_text(novel)), dtype=np.int32)
+
+def _pack_has_tokens() -> bool:
+    return (pack_dir() / "tokens.npz").is_file()
+
+
+def available() -> bool:
+    """Whether the real model and the novels' token ids can be had from the cache."""
+    return have_model() and ((have_text() and _have_gguf()) or _pack_has_tokens())
+
+
+@functools.cache
+def _token_ids_cached(novel: str, root: str) -> np.ndarray:
+    text_file = cache_dir() / "austen" / f"{novel}.txt"
+    if not (_have_gguf() and text_file.is_file()) and _pack_has_tokens():
+        from jsparse.models.pack import pack_token_ids
+
+        ids = pack_token_ids(pack_dir(), novel)
+    else:
+        from jsparse.models.tokenizer import load_tokenizer
+
+        text = novel_text(novel)  # first, so a missing text is the error reported
+        ids = np.asarray(load_tokenizer().encode(text).ids, dtype=np.int32)
     ids.setflags(write=False)
     return ids
 
@@ -243,10 +261,11 @@ def novel_token_ids(novel: str, offset: int = 0, n_tokens: int | None = None) ->
 
     The whole novel is tokenised once and cached in memory; ``offset`` and ``n_tokens``
     then slice the token sequence (so a window starting mid-novel has the same tokens
-    as the whole-novel tokenisation, not a re-tokenisation of a text fragment).
+    as the whole-novel tokenisation, not a re-tokenisation of a text fragment). Without
+    the GGUF and text, the token ids of a pack (``export-pack``) are used.
     """
     _check_novel(novel)
-    ids = _token_ids_cached(novel)
+    ids = _token_ids_cached(novel, str(cache_dir()))
     if offset < 0 or offset > len(ids):
         raise ValueError(f"offset: got {offset}; {NOVELS[novel].title} has {len(ids)} tokens")
     end = len(ids) if n_tokens is None else offset + n_tokens

@@ -116,3 +116,15 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def deinterleave_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of :func:`interleave_rows`: llama.cpp's rows back to rotate-half rows."""
+    d_out = w.shape[0]
+    d = d_out // n_head
+    out = np.empty_like(w)
+    for h in range(n_head):
+        for i in range(d // 2):
+            out[h * d + i] = w[h * d + 2 * i]
+            out[h * d + i + d // 2] = w[h * d + 2 * i + 1]
+    return out
