@@ -6,6 +6,9 @@ import numpy as np
 import numpy_llama
 import pytest
 import tiny_gguf
+
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
 from test_llama import random_hf_weights
 
 from jsparse.models.capture import capture_qkv

@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 import tiny_gguf
 from flax import nnx
-from gguf import GGMLQuantizationType as QT
-from gguf import quants
-from test_gguf_loader import CFG
-from test_llama import random_hf_weights
 
-from jsparse.models.gguf_loader import load_model
-from jsparse.models.pack import dequantize, export_pack, load_pack
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf import quants  # noqa: E402
+from test_gguf_loader import CFG  # noqa: E402
+from test_llama import random_hf_weights  # noqa: E402
+
+from jsparse.models.gguf_loader import load_model  # noqa: E402
+from jsparse.models.pack import dequantize, export_pack, load_pack  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", [QT.Q8_0, QT.Q4_1])

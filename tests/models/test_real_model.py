@@ -24,7 +24,7 @@ QK_LAYERS = (0, 1, 14, 29)
 
 @pytest.fixture(scope="module")
 def numpy_weights(real_assets):
-    import gguf
+    gguf = pytest.importorskip("gguf")
 
     reader = gguf.GGUFReader(real_assets.model_path())
     cfg = {

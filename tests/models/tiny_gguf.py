@@ -2,17 +2,15 @@
 
 The permutation of q / k rows is written here from llama.cpp's description (per head,
 rotate-half row i goes to interleaved row 2i, row i + D/2 to row 2i + 1), by explicit
-indexing, independently of the loader's reshape-based code.
+indexing, independently of the loader's reshape-based code. ``gguf`` is imported only
+by the functions that write or quantise (the GPU machine has no ``gguf``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
-from gguf import GGMLQuantizationType as QT
-from gguf import quants
 
 
 def interleave_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -54,15 +52,20 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 # Which tensors are stored quantised (the rest F32), to exercise both dequantisers.
-QUANTISED = {"token_embd.weight": QT.Q8_0, "attn_q.weight": QT.Q4_1, "ffn_up.weight": QT.Q4_1}
+QUANTISED = {"token_embd.weight": "Q8_0", "attn_q.weight": "Q4_1", "ffn_up.weight": "Q4_1"}
 
 
 def quant_type(name: str):
-    return QUANTISED.get(name.split(".", 1)[1] if name.startswith("blk.") else name)
+    from gguf import GGMLQuantizationType
+
+    kind = QUANTISED.get(name.split(".", 1)[1] if name.startswith("blk.") else name)
+    return None if kind is None else GGMLQuantizationType[kind]
 
 
 def stored_values(name: str, w: np.ndarray) -> np.ndarray:
     """What a reader gets back for ``w``: the quantise → dequantise round trip."""
+    from gguf import quants
+
     qt = quant_type(name)
     if qt is None:
         return w.astype(np.float32)
@@ -79,6 +82,9 @@ def write_tiny_gguf(
     drop: tuple[str, ...] = (),
 ) -> Path:
     """``hf_weights``: GGUF names in the Hugging Face layout; q / k get interleaved here."""
+    import gguf
+    from gguf import quants
+
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_basename("tiny-llama")
