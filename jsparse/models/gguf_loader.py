@@ -135,7 +135,9 @@ def config_from_gguf(reader, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
         norm_eps=_f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", path)),
         max_seq_len=int(_field(reader, "llama.context_length", path)),
         tie_embeddings="output.weight" not in names,
-        name=str(_field(reader, "general.basename", path, "llama")),
+        # The file name says which model and which quantisation ("SmolLM2-135M-Instruct.Q4_1");
+        # the metadata's general.name of this GGUF is a training-run label.
+        name=Path(path).stem if Path(path).suffix == ".gguf" else "llama",
     )
 
 

@@ -27,7 +27,7 @@ CFG = LlamaConfig(
     rope_theta=100.0,
     norm_eps=1e-5,
     max_seq_len=128,
-    name="tiny-llama",
+    name="tiny",  # the GGUF's file stem
 )
 
 
