@@ -5,11 +5,14 @@
 * :mod:`jsparse.models.tokenizer`: the tokenizer rebuilt from the GGUF's vocabulary.
 * :mod:`jsparse.models.capture`: per-layer post-RoPE q / k / v of a text, saved per layer.
 * :mod:`jsparse.models.perplexity`: the sliding-window perplexity protocol.
+* :mod:`jsparse.models.pack`: a numpy-only copy of the GGUF's tensors.
 
-The GGUF, tokenizer and text readers import ``gguf`` / ``tokenizers`` / ``rdata``
-lazily, so ``import jsparse.models`` works without the ``real`` extra.
+``gguf`` / ``tokenizers`` / ``rdata`` are imported only where a file is read, so
+``import jsparse.models`` works without the ``real`` extra. See README.md beside this file.
 """
 
+from jsparse.models.capture import capture_qkv, capture_text, iter_capture, load_capture
+from jsparse.models.gguf_loader import load_model
 from jsparse.models.llama import (
     Attention,
     AttentionCore,
@@ -20,6 +23,7 @@ from jsparse.models.llama import (
     LlamaConfig,
     forward_fn,
 )
+from jsparse.models.perplexity import perplexity, token_nll
 
 __all__ = [
     "Attention",
@@ -29,5 +33,12 @@ __all__ = [
     "KVCache",
     "Llama",
     "LlamaConfig",
+    "capture_qkv",
+    "capture_text",
     "forward_fn",
+    "iter_capture",
+    "load_capture",
+    "load_model",
+    "perplexity",
+    "token_nll",
 ]

@@ -232,9 +232,10 @@ class DenseCausalAttention(nnx.Module):
 
         def query_block(args):
             qc, qp = args  # [B, Hkv, G*cq, D], [B, G*cq]
-            # Visit key blocks 0 .. last one whose earliest position the block's latest
-            # query can see.
-            n_visit = jnp.sum(first_pos <= jnp.max(qp))
+            # Visit key blocks 0 .. the last one whose earliest position the block's latest
+            # query can see (slots need not be in position order; in a cache they are).
+            needed = first_pos <= jnp.max(qp)
+            n_visit = jnp.max(jnp.where(needed, jnp.arange(1, nk + 1), 0))
 
             def key_block(j, carry):
                 m, l, acc = carry

@@ -184,6 +184,21 @@ def test_dense_core_with_empty_and_unordered_slots(chunks):
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_dense_core_visits_a_late_block_holding_early_positions():
+    """Slots in blocks of 2: only the last block is visible to the query at position 5."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 1, 2, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 6, 1, 4)).astype(np.float32)
+    v = rng.standard_normal((1, 6, 1, 4)).astype(np.float32)
+    k_pos = np.array([[10, 11, 12, 13, 0, 1]], np.int32)
+    q_pos = np.array([[5]], np.int32)
+    out = DenseCausalAttention(query_chunk=1, key_chunk=2)(
+        q, k, v, q_positions=jnp.asarray(q_pos), k_positions=jnp.asarray(k_pos)
+    )
+    ref = plain_softmax_attention(q, k, v, q_pos, k_pos)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_swapped_core_is_called_and_agrees():
     """Any callable with the core's signature plugs in; here jax.nn.dot_product_attention."""
     calls = []
