@@ -15,8 +15,9 @@ and rotates q / k, writes k / v into the KV cache, and hands the core::
       k_positions  Int[Array, "B S"]           token position of each key slot, -1 = empty
       out          Float[Array, "B T H Dv"]
 
-A query at position p may attend key slots with ``0 <= k_positions <= p``; the core
-applies the ``1/sqrt(D)`` scale itself. Query head h reads KV head ``h // G``
+A query at position p may attend key slots with ``0 <= k_positions <= p`` (one that
+sees none gets 0); slots need not be in position order. The core applies the
+``1/sqrt(D)`` scale itself. Query head h reads KV head ``h // G``
 (``G = H // Hkv``). The core may be an ``nnx.Module`` (then its state is part of the
 model's) or any callable. :class:`DenseCausalAttention` is the exact default.
 

@@ -8,6 +8,8 @@ import numpy as np
 import numpy_llama
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jsparse.models.capture import capture_qkv
 from jsparse.models.llama import DenseCausalAttention, Llama, LlamaConfig, forward_fn
@@ -162,9 +164,12 @@ def plain_softmax_attention(q, k, v, q_pos, k_pos):
         for head in range(h):
             s = q[bi, :, head] @ k[bi, :, head // g].T / np.sqrt(d)
             visible = (k_pos[bi][None, :] >= 0) & (k_pos[bi][None, :] <= q_pos[bi][:, None])
-            s = np.where(visible, s, -np.inf)
-            p = np.exp(s - s.max(axis=-1, keepdims=True))
-            out[bi, :, head] = (p / p.sum(axis=-1, keepdims=True)) @ v[bi, :, head // g]
+            for t_i in range(t):
+                if not visible[t_i].any():
+                    continue  # a query that sees no key gets 0
+                row = np.where(visible[t_i], s[t_i], -np.inf)
+                p = np.exp(row - row.max())
+                out[bi, t_i, head] = (p / p.sum()) @ v[bi, :, head // g]
     return out
 
 
@@ -180,6 +185,36 @@ def test_dense_core_with_empty_and_unordered_slots(chunks):
     q_pos = np.stack([np.arange(4, 4 + t), np.arange(5, 5 + t)]).astype(np.int32)
     core = DenseCausalAttention(*chunks)
     out = core(q, k, v, q_positions=jnp.asarray(q_pos), k_positions=jnp.asarray(k_pos))
+    ref = plain_softmax_attention(q, k, v, q_pos, k_pos)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    data=st.data(),
+    t=st.integers(1, 7),
+    s=st.integers(1, 9),
+    hkv=st.integers(1, 2),
+    g=st.integers(1, 3),
+    query_chunk=st.integers(1, 8),
+    key_chunk=st.integers(1, 10),
+)
+def test_dense_core_any_slots(data, t, s, hkv, g, query_chunk, key_chunk):
+    """Arbitrary slot positions (unordered, empty, invisible) and block sizes."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    q = rng.standard_normal((1, t, hkv * g, 4)).astype(np.float32)
+    k = rng.standard_normal((1, s, hkv, 4)).astype(np.float32)
+    v = rng.standard_normal((1, s, hkv, 3)).astype(np.float32)
+    k_pos = np.array([data.draw(st.lists(st.integers(-1, 24), min_size=s, max_size=s))])
+    q_pos = np.array([data.draw(st.lists(st.integers(0, 12), min_size=t, max_size=t))])
+    core = DenseCausalAttention(query_chunk, key_chunk)
+    out = core(
+        q,
+        k,
+        v,
+        q_positions=jnp.asarray(q_pos, jnp.int32),
+        k_positions=jnp.asarray(k_pos, jnp.int32),
+    )
     ref = plain_softmax_attention(q, k, v, q_pos, k_pos)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
