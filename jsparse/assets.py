@@ -67,6 +67,7 @@ __all__ = [
     "available",
     "cache_dir",
     "fetch",
+    "have_gguf",
     "have_model",
     "have_text",
     "main",
@@ -227,7 +228,7 @@ def novel_lines(novel: str) -> list[str]:
     return novel_text(novel).split("\n")
 
 
-def _have_gguf() -> bool:
+def have_gguf() -> bool:
     return (cache_dir() / "model" / MODEL.filename).is_file()
 
 
@@ -237,13 +238,13 @@ def _pack_has_tokens() -> bool:
 
 def available() -> bool:
     """Whether the real model and the novels' token ids can be had from the cache."""
-    return have_model() and ((have_text() and _have_gguf()) or _pack_has_tokens())
+    return have_model() and ((have_text() and have_gguf()) or _pack_has_tokens())
 
 
 @functools.cache
 def _token_ids_cached(novel: str, root: str) -> np.ndarray:
     text_file = cache_dir() / "austen" / f"{novel}.txt"
-    if not (_have_gguf() and text_file.is_file()) and _pack_has_tokens():
+    if not (have_gguf() and text_file.is_file()) and _pack_has_tokens():
         from jsparse.models.pack import pack_token_ids
 
         ids = pack_token_ids(pack_dir(), novel)
