@@ -189,6 +189,7 @@ def test_dense_core_with_empty_and_unordered_slots(chunks):
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(
     data=st.data(),

@@ -66,6 +66,7 @@ def test_config_is_smollm2(real_model):
     assert (c.vocab_size, c.rope_theta, c.norm_eps, c.tie_embeddings) == (49152, 1e5, 1e-5, True)
 
 
+@pytest.mark.slow
 def test_nll_matches_numpy(real_model, numpy_pass):
     ids, ref = numpy_pass
     got = token_nll(real_model, ids, context_len=N_TOKENS)
@@ -93,6 +94,7 @@ def test_perplexity_pride_and_prejudice_first_512(real_assets, real_model):
     assert result.perplexity == pytest.approx(16.1, abs=0.1)
 
 
+@pytest.mark.slow
 def test_decode_matches_forward(real_assets, real_model):
     ids = real_assets.novel_token_ids("persuasion", 5000, 40)[None]
     steps, full = decode_vs_forward(real_model, ids, prefill=33, max_len=64)
