@@ -36,6 +36,7 @@ def certified_topk(
     variant: str = "dosa",
     r: str | int | Sequence[int] = "auto",
     policy: str = "auto",
+    sorted: bool = True,  # the name jsparse.indexer_topk uses
     return_info: bool = False,
     **options,
 ):  # fmt: skip
@@ -55,7 +56,7 @@ def certified_topk(
         _implementations(),
         implementation,
         q, weights, k, top_k, k_scale, start, end, seeds,
-        method=method, variant=variant, r=r, policy=policy, **options,
+        method=method, variant=variant, r=r, policy=policy, sort=sorted, **options,
     )  # fmt: skip
     return (result, info) if return_info else result
 
@@ -74,6 +75,7 @@ def dosa_topk(
     variant: str = "dosa",
     r: str | int | Sequence[int] = "auto",
     policy: str = "auto",
+    sorted: bool = True,  # the name jsparse.indexer_topk uses
     implementation: str | Sequence[str] | None = None,
     return_info: bool = False,
     **options,
@@ -89,6 +91,8 @@ def dosa_topk(
         estimate on the seed sample), an int, or concrete ints [T].
       policy: "auto" screens a query only when the estimate says it pays (else it is
         scored in full like ``full``); "always" screens whenever the certificate is valid.
+      sorted: as in :func:`jsparse.indexer_topk` (False: the exact set, unordered; the
+        reference always sorts).
       return_info: also return :class:`~jsparse.certified.reference.CertifiedInfo`
         (the plan, which queries were screened, overflows).
       options: implementation options (Triton: ``list_capacity``, ``record_capacity``,
@@ -102,5 +106,5 @@ def dosa_topk(
     return certified_topk(
         q, weights, k, top_k, k_scale, start, end, seeds,
         method=method, implementation=implementation, variant=variant, r=r, policy=policy,
-        return_info=return_info, **options,
+        sorted=sorted, return_info=return_info, **options,
     )  # fmt: skip

@@ -221,34 +221,32 @@ def _decode_triton_jit(
 
     k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses)
     b = q.shape[0]
-    cfg = scorer_triton.default_config(b, q.shape[1])
+    cfg = scorer_triton.default_config(b, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     seeds = _seeds(wit, start, end, top_k, k.shape[0])
     lists = methods.block_union_ids(seeds, cfg.block_t)
     keep_all = jnp.full((b,), EMPTY_CODE, jnp.int32)
     seed_cap = methods._round_up(lists.shape[1], 128)
-    seed_codes, seed_ids, seed_counts = scorer_triton.score_records_triton(
+    seed_codes, seed_ids, seed_counts, _ = scorer_triton.score_records_triton(
         q, weights, k, scale, start, end, keep_all, seed_cap, key_ids=lists, cfg=cfg
     )
     _, _, tau = select.select_candidates(seed_codes, seed_ids, seed_counts, top_k)
-    codes, ids, counts = scorer_triton.score_records_triton(
+    codes, ids, counts, ordered = scorer_triton.score_records_triton(
         q, weights, k, scale, start, end, tau, capacity, cfg=cfg
     )
     overflow = counts > capacity
-    sel_codes, sel_ids, _ = select.select_candidates(
-        codes, ids, jnp.minimum(counts, capacity), top_k
+    indices, values = methods.select_records(
+        codes, ids, jnp.minimum(counts, capacity), top_k, id_ordered=ordered
     )
-    indices, values = select.order_topk(sel_codes, sel_ids)
 
     def recover(iv):
         # Overflowed sequences only (the others get empty ranges): every visible score
         # as a record (τ = EMPTY) in a buffer as long as the cache, then exact selection.
         fb_end = jnp.where(overflow, end, start)
         full_cap = methods._round_up(k_cache.shape[1], 128)
-        c2, i2, n2 = scorer_triton.score_records_triton(
+        c2, i2, n2, ordered2 = scorer_triton.score_records_triton(
             q, weights, k, scale, start, fb_end, keep_all, full_cap, cfg=cfg
         )
-        s_codes, s_ids, _ = select.select_candidates(c2, i2, n2, top_k)
-        fb_idx, fb_val = select.order_topk(s_codes, s_ids)
+        fb_idx, fb_val = methods.select_records(c2, i2, n2, top_k, id_ordered=ordered2)
         return (
             jnp.where(overflow[:, None], fb_idx, iv[0]),
             jnp.where(overflow[:, None], fb_val, iv[1]),
@@ -271,7 +269,8 @@ def _decode_triton_jit(
 def _decode_triton(q, weights, k_cache, top_k, k_scale, lengths, witnesses, witness_capacity):
     from jsparse.ops.indexer import methods
 
-    cap = methods.default_record_capacity(top_k, k_cache.shape[1])
+    n_seeds = max(witnesses.shape[1], 2 * top_k)  # the width of the seed lists (_seeds)
+    cap = methods.default_record_capacity(top_k, k_cache.shape[1], n_seeds)
     return _decode_triton_jit(
         q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity=cap,
         witness_capacity=witness_capacity,

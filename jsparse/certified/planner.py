@@ -93,16 +93,20 @@ class Numerics:
     screen_dtype: str
 
 
-def numerics_for(implementation: str, q_dtype, k_dtype, dim: int) -> Numerics:
+def numerics_for(
+    implementation: str, q_dtype, k_dtype, dim: int, fp8_dot: bool = False
+) -> Numerics:
     """The error model of an implementation's scorer and screening for these dtypes.
 
     * reference scorer: elementwise f32, two roundings per step over D: γ_2D;
-    * triton scorer, f32 compute (IEEE dot, Precision.HIGHEST) or bf16 compute (exact
-      products, f32 tensor-core accumulation, possibly truncating): γ_2D with u = 2^-23;
-    * triton scorer, fp8 × fp8 compute: Hopper accumulates FP8 MMA products with about
-      14 bits (DeepSeek-V3 report, §3.3.2); Triton promotes the partial sums to f32 after
-      every MMA of 32 products, so one dot errs by at most 32·2^-13 = 2^-8 of Σ|q_d k_d|
-      ≤ ‖q‖‖k‖ (taken as 2^-7, a 2× margin) plus the f32 adds;
+    * triton scorer with f32 compute (IEEE dot, Precision.HIGHEST), or bf16 / f16
+      compute (FP8 keys widen to f16 or bf16 exactly: products exact, f32 tensor-core
+      accumulation, possibly truncating): γ_2D with u = 2^-23;
+    * triton scorer on the FP8 tensor cores (``ScorerConfig.fp8_dot``): Hopper
+      accumulates FP8 MMA products with about 14 bits (DeepSeek-V3 report, §3.3.2);
+      Triton promotes the partial sums to f32 after every MMA of 32 products, so one
+      dot errs by at most 32·2^-13 = 2^-8 of Σ|q_d k_d| ≤ ‖q‖‖k‖ (taken as 2^-7, a 2×
+      margin) plus the f32 adds;
     * screening: bf16 rows (f32 when the keys are f32) on the tensor cores, γ_2D.
     """
     from jsparse.ops.indexer.triton import compute_dtype
@@ -112,7 +116,7 @@ def numerics_for(implementation: str, q_dtype, k_dtype, dim: int) -> Numerics:
     screen = "float32" if k_dtype == jnp.float32 else "bfloat16"
     if implementation == "reference":
         return Numerics(scorer_rel=f32_dot, screen_rel=f32_dot, screen_dtype=screen)
-    compute = compute_dtype(q_dtype, k_dtype)
+    compute = compute_dtype(q_dtype, k_dtype, fp8_dot)
     scorer = f32_dot if compute != jnp.float8_e4m3fn else 2.0**-7 + f32_dot
     return Numerics(scorer_rel=scorer, screen_rel=f32_dot, screen_dtype=screen)
 

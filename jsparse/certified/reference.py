@@ -108,13 +108,15 @@ def default_seeds(seeds, start, end, top_k, num_keys):
 
 def certified_topk_reference(
     q, weights, k, top_k, k_scale, start, end, seeds, *,
-    method="dosa", variant="dosa", r="auto", policy="auto", survivor_capacity=None,
+    method="dosa", variant="dosa", r="auto", policy="auto", survivor_capacity=None, sort=True,
 ):  # fmt: skip
     """``dense`` / ``dosa`` with the reference scorer. Returns (IndexerTopK, CertifiedInfo).
 
     ``survivor_capacity`` (optional) models a survivor buffer: a query with more
-    survivors falls back to full scoring, as the kernels do.
+    survivors falls back to full scoring, as the kernels do. The reference always sorts
+    (``sort`` is accepted for the common interface).
     """
+    del sort
     seed_ids, is_default = default_seeds(seeds, start, end, top_k, k.shape[0])
     t, h, _ = q.shape
     widths, r_arr = planner.resolve_r(r, t, h)

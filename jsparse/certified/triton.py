@@ -225,7 +225,8 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
     """Survivor lists per scorer block (union over its queries) and counts.
 
     Returns (lists [n_blocks, cap] int32 with -1 in unused slots, counts [n_blocks] (may
-    exceed cap: overflow), survivors [T] (keys each query's own bound kept)).
+    exceed cap: overflow), survivors [T] (keys each query's own bound kept), whether
+    the lists are in ascending id order (no key range was split: static)).
     """
     cfg = cfg or ScreenConfig()
     t, wmax, d = plan.rows.shape
@@ -260,7 +261,7 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
         lists, counts, surv = _screen_launch(
             tiles, plan, start, end, k, knorm, scale, lists, counts, surv, p
         )
-    return lists.reshape(n_blocks, cap), counts, surv.reshape(t, splits).sum(axis=1)
+    return lists.reshape(n_blocks, cap), counts, surv.reshape(t, splits).sum(axis=1), splits == 1
 
 
 def default_list_capacity(top_k: int, num_keys: int) -> int:
@@ -277,13 +278,13 @@ def default_list_capacity(top_k: int, num_keys: int) -> int:
     jax.jit,
     static_argnames=(
         "top_k", "method", "widths", "policy", "n_seeds", "list_capacity",
-        "record_capacity", "cfg", "screen_cfg", "splits",
+        "record_capacity", "cfg", "screen_cfg", "splits", "sort",
     ),
 )  # fmt: skip
 def _pipeline(
     q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags, *,
     method, widths, policy, n_seeds, list_capacity, record_capacity, cfg,
-    screen_cfg, splits,
+    screen_cfg, splits, sort,
 ):  # fmt: skip
     t, _, d = q.shape
     s = k.shape[0]
@@ -297,21 +298,21 @@ def _pipeline(
         skip = 0
     keep_all = jnp.full((t,), EMPTY_CODE, jnp.int32)
     seed_cap = methods._round_up(seeds.shape[1], 128)
-    seed_codes, seed_rec, seed_counts = scorer.score_records_triton(
+    seed_codes, seed_rec, seed_counts, _ = scorer.score_records_triton(
         q, weights, k, k_scale, start, end, keep_all, seed_cap, key_ids=seeds, cfg=cfg
     )
     _, _, tau = select.select_candidates(seed_codes, seed_rec, seed_counts, top_k)
 
     knorm, kmax, smax = planner.key_norms(k, k_scale)
     cols = planner.sample_seed_columns(seeds.shape[1], skip)
-    numerics = planner.numerics_for("triton", q.dtype, k.dtype, d)
+    numerics = planner.numerics_for("triton", q.dtype, k.dtype, d, cfg.fp8_dot)
     plan = planner.plan_from_threshold(
         q, weights, k, k_scale, start, end, tau, seeds[:, cols], r_arr, knorm, kmax, smax,
         flags, top_k=top_k, group=bt, widths=widths, numerics=numerics, policy=policy,
         list_capacity=list_capacity,
     )  # fmt: skip
 
-    lists, list_counts, n_surv = screen(
+    lists, list_counts, n_surv, lists_ordered = screen(
         plan, start, end, k, k_scale, knorm, block_t=bt, cap=list_capacity, cfg=screen_cfg,
         splits=splits,
     )  # fmt: skip
@@ -326,7 +327,7 @@ def _pipeline(
     tau_write = keep_all if dense else tau
     refine_end = jnp.where(screened, end, start)
     counts_in = jnp.where(block_overflow, 0, jnp.minimum(list_counts, list_capacity))
-    codes, ids, counts = scorer.score_records_triton(
+    codes, ids, counts, refine_ordered = scorer.score_records_triton(
         q, weights, k, k_scale, start, refine_end, tau_write, rec_cap,
         key_ids=lists, key_counts=counts_in, cfg=cfg,
     )  # fmt: skip
@@ -340,12 +341,15 @@ def _pipeline(
 
     codes, ids = pad_to(codes, EMPTY_CODE), pad_to(ids, -1)
 
+    full_ordered = []  # set while tracing the branch below (a static fact of the launch)
+
     def with_full(args):
         c0, i0, n0 = args
-        c1, i1, n1 = scorer.score_records_triton(
+        c1, i1, n1, ordered = scorer.score_records_triton(
             q, weights, k, k_scale, start, jnp.where(full_q, end, start), tau,
             record_capacity, cfg=cfg,
         )  # fmt: skip
+        full_ordered.append(ordered)
         c1, i1 = pad_to(c1, EMPTY_CODE), pad_to(i1, -1)
         return (
             jnp.where(full_q[:, None], c1, c0),
@@ -356,14 +360,16 @@ def _pipeline(
     codes, ids, counts = jax.lax.cond(jnp.any(full_q), with_full, lambda a: a, (codes, ids, counts))
     cap_q = jnp.where(full_q, record_capacity, rec_cap)
     rec_overflow = counts > cap_q
-    sel_codes, sel_ids, _ = select.select_candidates(codes, ids, jnp.minimum(counts, cap_q), top_k)
-    indices, values = select.order_topk(sel_codes, sel_ids)
+    # Records of each row are in ascending id order when no launch split a key range.
+    id_ordered = bool(lists_ordered and refine_ordered and all(full_ordered))
+    indices, values = methods.select_records(
+        codes, ids, jnp.minimum(counts, cap_q), top_k, id_ordered=id_ordered, sort=sort
+    )
 
     def recover(iv):
         # Records were dropped for these queries: only scoring everything is exact there.
-        base = methods.topk_base(
-            q, weights, k, top_k, k_scale, start, jnp.where(rec_overflow, end, start), cfg=cfg
-        )
+        fb_end = jnp.where(rec_overflow, end, start)
+        base = methods.topk_base(q, weights, k, top_k, k_scale, start, fb_end, cfg=cfg, sort=sort)
         return (
             jnp.where(rec_overflow[:, None], base.indices, iv[0]),
             jnp.where(rec_overflow[:, None], base.scores, iv[1]),
@@ -394,7 +400,7 @@ def _pipeline(
 def certified_topk_triton(
     q, weights, k, top_k, k_scale, start, end, seeds, *,
     method="dosa", variant="dosa", r="auto", policy="auto", list_capacity=None,
-    record_capacity=None, refine_block=None, screen_cfg=None, splits=None,
+    record_capacity=None, refine_block=None, screen_cfg=None, splits=None, sort=True,
 ):  # fmt: skip
     """``dense`` / ``dosa`` on the Triton kernels. Returns (IndexerTopK, CertifiedInfo).
 
@@ -403,22 +409,24 @@ def certified_topk_triton(
     ``full``); ``refine_block`` queries per scorer block for every scoring launch of the
     call (default the scorer's heuristic, the one ``base`` uses: answers are identical
     to ``base`` run with the same block); ``screen_cfg`` :class:`ScreenConfig`;
-    ``splits`` programs per screening tile along the keys.
+    ``splits`` programs per screening tile along the keys; ``sort`` False returns each
+    row's exact Top-K set without the final ordering (as ``base``).
     """
     t, h, _ = q.shape
     s = k.shape[0]
     widths, r_arr = planner.resolve_r(r, t, h)
-    cfg = scorer.default_config(t, h)
+    cfg = scorer.default_config(t, h, k.dtype == jnp.float8_e4m3fn)
     if refine_block is not None:
         cfg = dataclasses.replace(cfg, block_t=refine_block)
     explicit = seeds is not None and not isinstance(seeds, int)
     n_seeds = seeds if isinstance(seeds, int) else None
+    n_used = seeds.shape[1] if explicit else min(n_seeds or methods.default_seed_count(top_k, s), s)
     result, info = _pipeline(
         q, weights, k, top_k, k_scale, start, end, seeds if explicit else None, r_arr,
         planner.variant_flags(variant), method=method, widths=widths, policy=policy,
         n_seeds=n_seeds,
         list_capacity=list_capacity or default_list_capacity(top_k, s),
-        record_capacity=record_capacity or methods.default_record_capacity(top_k, s),
-        cfg=cfg, screen_cfg=screen_cfg or ScreenConfig(), splits=splits,
+        record_capacity=record_capacity or methods.default_record_capacity(top_k, s, n_used),
+        cfg=cfg, screen_cfg=screen_cfg or ScreenConfig(), splits=splits, sort=sort,
     )  # fmt: skip
     return result, info.replace(plan=info.plan.replace(variant=variant))

@@ -7,10 +7,10 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dosa_cases import CONFIGS, make_inputs
 
 from jsparse.certified import VARIANTS, make_plan, planner
 from jsparse.ops.indexer.api import default_seed_ids
+from tests.certified.dosa_cases import CONFIGS, make_inputs
 
 RNG = np.random.default_rng(0)
 
@@ -132,9 +132,11 @@ def test_negative_set_per_variant():
 def test_numerics_model():
     f32 = planner.numerics_for("triton", jnp.float32, jnp.float32, 128)
     bf = planner.numerics_for("triton", jnp.bfloat16, jnp.float8_e4m3fn, 128)
-    fp8 = planner.numerics_for("triton", jnp.float8_e4m3fn, jnp.float8_e4m3fn, 128)
+    f16 = planner.numerics_for("triton", jnp.float8_e4m3fn, jnp.float8_e4m3fn, 128)
+    fp8 = planner.numerics_for("triton", jnp.float8_e4m3fn, jnp.float8_e4m3fn, 128, fp8_dot=True)
     assert f32.screen_dtype == "float32" and bf.screen_dtype == "bfloat16"
-    assert f32.scorer_rel < 1e-4 and bf.scorer_rel < 1e-4
+    # FP8 × FP8 widens to f16 by default: exact products, f32 accumulation.
+    assert f32.scorer_rel < 1e-4 and bf.scorer_rel < 1e-4 and f16.scorer_rel < 1e-4
     assert fp8.scorer_rel >= 2.0**-7  # FP8 tensor-core accumulation keeps ~14 bits
 
 

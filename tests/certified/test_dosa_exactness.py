@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dosa_cases import ADVERSARIAL, CONFIGS, METHODS, R_CHOICES, make_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,7 @@ from jsparse.certified import VARIANTS, dosa_topk, planner
 from jsparse.certified import reference as cref
 from jsparse.ops.indexer import reference as scorer
 from jsparse.ops.topk.codes import score_code
+from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, METHODS, R_CHOICES, make_inputs
 
 
 def _run(cfg, inputs, method="dosa", variant="dosa", r="auto", **options):

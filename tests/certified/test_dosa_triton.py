@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dosa_cases import ADVERSARIAL, CONFIGS, Config, make_inputs
 
 import jsparse
 from jsparse.certified import dosa_topk, planner
 from jsparse.certified import triton as ctriton
+from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, Config, make_inputs
+from tests.lowering import lower_for_h200
 
 CFG = Config(5, 8, 16, 192, 8, "bfloat16", "float8_e4m3fn", scaled=True)
 
@@ -87,20 +88,6 @@ def test_triton_planted_overflows_fall_back_exactly(kernel_impl):
     assert np.all(np.asarray(res.fallback))
 
 
-def _lower_to_cuda(f, *args):
-    """Lowers ``f`` for an H200 without a GPU (catches primitives Triton cannot lower).
-
-    Local helper: the shared tests/lowering.py of the lead is not on main yet.
-    """
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=dev)
-    try:
-        with jax.sharding.use_abstract_mesh(mesh):
-            return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    except (AttributeError, TypeError) as err:  # API drift between jax versions
-        pytest.skip(f"cross-lowering API unavailable in jax {jax.__version__}: {err}")
-
-
 @pytest.mark.parametrize("k_dtype", ["float8_e4m3fn", "bfloat16", "float32"])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_screening_kernel_lowers_to_cuda(k_dtype, splits):
@@ -118,7 +105,7 @@ def test_screening_kernel_lowers_to_cuda(k_dtype, splits):
         return ctriton.screen(plan, start, end, k, scale, knorm, block_t=2, cap=1024, splits=splits)
 
     i32, f32 = jnp.int32, jnp.float32
-    lowered = _lower_to_cuda(
+    lowered = lower_for_h200(
         f, sds((t, wmax, d), row_dtype), sds((t, wmax), f32), sds((t,), f32), sds((t,), f32),
         sds((t,), i32), sds((t,), jnp.bool_), sds((t,), i32), sds((t,), i32), sds((t,), i32),
         sds((s, d), jnp.dtype(k_dtype)), sds((s,), f32), sds((s,), f32),

@@ -165,6 +165,7 @@ def indexer_topk(
     kv_end: Int[Array, " T"] | None = None,
     method: str = "base",
     seeds: int | Int[Array, "T N"] | None = None,
+    sorted: bool = True,
     implementation: str | Sequence[str] | None = None,
 ) -> IndexerTopK:
     """Exact Top-K keys of the indexer score for every query.
@@ -176,6 +177,10 @@ def indexer_topk(
       seeds: for the thresholded methods: the number of seed keys per query (default
         a heuristic, see :func:`default_seed_ids`) or explicit [T, N] int32 seed ids
         (-1 = unused slot; each must be visible to its query and distinct).
+      sorted: order each row by score descending, then id ascending (default). With
+        False the row holds the same exact Top-K set in an order the implementation
+        chooses (the Triton kernels: ascending id when the key range was not split),
+        which saves one sort of K entries per query.
       implementation: see :mod:`jsparse.backend`; ignored by ``xla``.
 
     Returns:
@@ -193,7 +198,7 @@ def indexer_topk(
 
         return certified.certified_topk(
             q, weights, k, top_k, k_scale, start, end, seeds,
-            method=method, implementation=implementation,
+            method=method, sorted=sorted, implementation=implementation,
         )  # fmt: skip
     return backend.dispatch(
         f"indexer_topk[{method}]",
@@ -207,6 +212,7 @@ def indexer_topk(
         start,
         end,
         seeds,
+        sorted,
     )
 
 
@@ -290,9 +296,9 @@ def _topk_xla(q, weights, k, k_scale, start, end, top_k):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("top_k",))
-def _topk_base_reference(q, weights, k, top_k, k_scale, start, end, seeds):
-    del seeds
+@functools.partial(jax.jit, static_argnames=("top_k", "sort"))
+def _topk_base_reference(q, weights, k, top_k, k_scale, start, end, seeds, sort=True):
+    del seeds, sort  # the reference always sorts
     ids = reference.visible_key_ids(start, end, k.shape[0])
     scores = reference.score_keys_reference(q, weights, k, ids, k_scale)
     indices, values = select_topk_reference(scores, ids, top_k)
@@ -309,7 +315,8 @@ def _topk_base_reference(q, weights, k, top_k, k_scale, start, end, seeds):
     )
 
 
-def _topk_full_reference(q, weights, k, top_k, k_scale, start, end, seeds):
+def _topk_full_reference(q, weights, k, top_k, k_scale, start, end, seeds, sort=True):
+    del sort  # the reference always sorts
     if seeds is None or isinstance(seeds, int):
         seeds = default_seed_ids(start, end, top_k, n_seeds=seeds, num_keys=k.shape[0])
     return _topk_full_reference_jit(q, weights, k, top_k, k_scale, start, end, seeds)

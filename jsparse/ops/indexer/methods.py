@@ -26,7 +26,7 @@ def _round_up(x: int, m: int) -> int:
 
 def candidate_capacity(top_k: int, num_keys: int) -> int:
     """Slots per row for compact_rows: 2·K plus room for the sample's granularity."""
-    spacing = -(-num_keys // (select.SAMPLE_BLOCKS * select.SelectConfig().sample_block))
+    spacing = -(-num_keys // (select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK))
     return _round_up(2 * top_k + 16 * spacing, 256)
 
 
@@ -41,8 +41,13 @@ def default_seed_count(top_k: int, num_keys: int) -> int:
     return min(num_keys, _round_up(max(2 * top_k, n), 256))
 
 
-def default_record_capacity(top_k: int, num_keys: int) -> int:
-    return min(_round_up(num_keys, 256), 16 * top_k)
+def default_record_capacity(top_k: int, num_keys: int, n_seeds: int) -> int:
+    """Records per query for ``full``: twice the count expected on unstructured data.
+
+    With τ the K-th of n seed scores, about S·K/n keys score ≥ τ when scores carry no
+    structure; a query that writes more falls back to ``base`` (reported).
+    """
+    return min(_round_up(num_keys, 256), _round_up(2 * top_k * num_keys // n_seeds + top_k, 256))
 
 
 def block_seed_ids(start, end, block_t, n_seeds, num_keys):
@@ -93,54 +98,72 @@ def _result(indices, values, start, end, candidates, tau_codes, fallback):
     )
 
 
-def _select_dense(scores, start, end, top_k):
+def _finish(sel_codes, sel_ids, *, id_ordered, sort):
+    if sort:
+        return select.order_topk(sel_codes, sel_ids, id_ordered=id_ordered)
+    empty = sel_codes == EMPTY_CODE
+    return jnp.where(empty, -1, sel_ids), jnp.where(empty, -jnp.inf, code_to_score(sel_codes))
+
+
+def _select_dense(scores, start, end, top_k, sort):
     cap = candidate_capacity(top_k, scores.shape[1])
     codes, ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
     sel_codes, sel_ids, _ = select.select_candidates(codes, ids, count, top_k)
-    return select.order_topk(sel_codes, sel_ids)
+    return _finish(sel_codes, sel_ids, id_ordered=True, sort=sort)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "cfg"))
-def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None):
+def select_records(codes, ids, counts, top_k, *, id_ordered, sort=True):
+    """Exact Top-K of record rows (no overflow: counts ≤ capacity)."""
+    cap = candidate_capacity(top_k, codes.shape[1])
+    if codes.shape[1] > cap:  # long record rows: shrink to a sampled-threshold buffer first
+        codes, ids, counts, _ = select.compact_records(codes, ids, counts, top_k, cap)
+    sel_codes, sel_ids, _ = select.select_candidates(codes, ids, counts, top_k)
+    return _finish(sel_codes, sel_ids, id_ordered=id_ordered, sort=sort)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
+def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True):
     """Every visible score written, then exact selection."""
     (scores,) = scorer._launch(q, weights, k, k_scale, start, end, cfg=cfg)
-    indices, values = _select_dense(scores, start, end, top_k)
+    indices, values = _select_dense(scores, start, end, top_k, sort)
     t = q.shape[0]
     empty = jnp.full((t,), EMPTY_CODE, jnp.int32)
     return _result(indices, values, start, end, end - start, empty, jnp.zeros((t,), bool))
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "n_seeds", "capacity", "cfg"))
+@functools.partial(jax.jit, static_argnames=("top_k", "n_seeds", "capacity", "cfg", "sort"))
 def topk_full(
     q, weights, k, top_k, k_scale, start, end, seed_ids=None, *,
-    n_seeds=None, capacity=None, cfg=None,
+    n_seeds=None, capacity=None, cfg=None, sort=True,
 ):  # fmt: skip
     """Seed threshold τ, records ≥ τ only, exact selection over the records."""
     t, s = q.shape[0], k.shape[0]
-    cfg = cfg or scorer.default_config(t, q.shape[1])
+    cfg = cfg or scorer.default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     if seed_ids is None:
-        n = n_seeds or default_seed_count(top_k, s)
-        seeds = block_seed_ids(start, end, cfg.block_t, min(n, s), s)
+        n = min(n_seeds or default_seed_count(top_k, s), s)
+        seeds = block_seed_ids(start, end, cfg.block_t, n, s)
     else:
+        n = seed_ids.shape[1]
         seeds = block_union_ids(seed_ids, cfg.block_t)
     keep_all = jnp.full((t,), EMPTY_CODE, jnp.int32)
     seed_cap = _round_up(seeds.shape[1], 128)
-    seed_codes, seed_rec_ids, seed_counts = scorer.score_records_triton(
+    seed_codes, seed_rec_ids, seed_counts, _ = scorer.score_records_triton(
         q, weights, k, k_scale, start, end, keep_all, seed_cap, key_ids=seeds, cfg=cfg
     )
     # τ: the K-th largest seed score (EMPTY_CODE, keeping everything, below K seeds).
     _, _, tau = select.select_candidates(seed_codes, seed_rec_ids, seed_counts, top_k)
-    cap = capacity or default_record_capacity(top_k, s)
-    codes, ids, counts = scorer.score_records_triton(
+    cap = capacity or default_record_capacity(top_k, s, max(n, 1))
+    codes, ids, counts, id_ordered = scorer.score_records_triton(
         q, weights, k, k_scale, start, end, tau, cap, cfg=cfg
     )
     overflow = counts > cap
-    sel_codes, sel_ids, _ = select.select_candidates(codes, ids, jnp.minimum(counts, cap), top_k)
-    indices, values = select.order_topk(sel_codes, sel_ids)
+    indices, values = select_records(
+        codes, ids, jnp.minimum(counts, cap), top_k, id_ordered=id_ordered, sort=sort
+    )
 
     def recover(iv):
         # Records were dropped for these queries: only full scoring is exact there.
-        base = topk_base(q, weights, k, top_k, k_scale, start, end, cfg=cfg)
+        base = topk_base(q, weights, k, top_k, k_scale, start, end, cfg=cfg, sort=sort)
         return (
             jnp.where(overflow[:, None], base.indices, iv[0]),
             jnp.where(overflow[:, None], base.scores, iv[1]),

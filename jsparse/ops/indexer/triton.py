@@ -46,6 +46,11 @@ class ScorerConfig:
     block_s: int = 128  # keys per tile (M of the dot)
     num_warps: int = 8
     num_stages: int = 2
+    # FP8 × FP8 on the FP8 tensor cores; off by default: widening both to f16 in
+    # registers is exact (every e4m3 value is an f16), keeps true f32 accumulation
+    # (Hopper's FP8 MMA accumulates with fewer bits) and measured faster in this kernel
+    # (WORKSPACE.md, 2026-11-29). f16, not bf16: e4m3 → f16 is one instruction on sm_90.
+    fp8_dot: bool = False
 
     def __post_init__(self):
         for name in ("block_t", "block_s", "num_warps"):
@@ -58,25 +63,29 @@ class ScorerConfig:
             raise ValueError(f"ScorerConfig.num_stages must be ≥ 1, got {self.num_stages}")
 
 
-def default_config(num_queries: int, heads: int) -> ScorerConfig:
-    # One query per program when there is only one; otherwise two share each key tile
-    # (N = 2·H of the dot), which halves key traffic at no cost in registers for H ≤ 64.
-    block_t = 1 if num_queries == 1 or heads >= 128 else 2
-    return ScorerConfig(block_t=block_t)
+def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> ScorerConfig:
+    """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3, 8192 × 64K, H=64, D=128).
+
+    Queries share each key tile (N = block_t·H of the dot): two for bf16 keys; four for
+    fp8 keys, whose tiles are widened in registers, so more reuse per widened tile pays.
+    """
+    if num_queries == 1 or heads >= 128:
+        return ScorerConfig(block_t=1)
+    return ScorerConfig(block_t=4 if fp8_keys and num_queries >= 4 else 2)
 
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def compute_dtype(q_dtype, k_dtype):
+def compute_dtype(q_dtype, k_dtype, fp8_dot: bool = False):
     """Dtype both operands of the tensor-core dot are cast to (exact widening only)."""
     q_dtype, k_dtype = jnp.dtype(q_dtype), jnp.dtype(k_dtype)
     if jnp.float32 in (q_dtype, k_dtype):
         return jnp.dtype(jnp.float32)
     if jnp.bfloat16 in (q_dtype, k_dtype):
         return jnp.dtype(jnp.bfloat16)
-    return jnp.dtype(jnp.float8_e4m3fn)
+    return jnp.dtype(jnp.float8_e4m3fn if fp8_dot else jnp.float16)
 
 
 def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
@@ -129,7 +138,8 @@ def _kernel(
     # Rows past T see nothing: start = S, end = 0.
     start = jnp.where(row_ok, plt.load(start_ref.at[row_safe]), p.s)
     end = jnp.where(row_ok, plt.load(end_ref.at[row_safe]), 0)
-    q = plt.load(q_ref.at[pl.ds(i * bt, bt), :, :], mask=row_ok[:, None, None], other=0)
+    zero = jnp.zeros((), q_ref.dtype)  # a typed `other`: Triton cannot cast i32 to fp8
+    q = plt.load(q_ref.at[pl.ds(i * bt, bt), :, :], mask=row_ok[:, None, None], other=zero)
     q2 = q.astype(p.compute).reshape(bt * p.heads, p.dim)
     w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
     dims = jnp.arange(p.dim, dtype=jnp.int32)
@@ -138,7 +148,11 @@ def _kernel(
         """ids [BS] (-1 or ≥ S: no key) -> (scores [BT, BS], visible [BT, BS])."""
         ok = (ids >= 0) & (ids < p.s)
         safe = jnp.where(ok, ids, 0)
-        k_tile = plt.load(k_ref.at[safe[:, None], dims[None, :]], mask=ok[:, None], other=0)
+        k_tile = plt.load(
+            k_ref.at[safe[:, None], dims[None, :]],
+            mask=ok[:, None],
+            other=jnp.zeros((), k_ref.dtype),
+        )
         scale = plt.load(scale_ref.at[safe], mask=ok, other=0.0)
         scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
@@ -170,30 +184,37 @@ def _kernel(
         tau = jnp.where(row_ok, plt.load(tau_ref.at[row_safe]), codes_lib.EMPTY_CODE)
         row_iota = jnp.arange(bt, dtype=jnp.int32)[:, None]
 
-        def body(j, carry):
+        def body(j, written):
             ids = tile_ids(j)
             scores, visible = tile_scores(ids)
             code = codes_lib.score_code(scores)
             keep = visible & (code >= tau[:, None])  # [BT, BS]
             keep_i = keep.astype(jnp.int32)
             counts = jnp.sum(keep_i, axis=1)  # [BT]
-            # Reserve room per query with scalar fetch-and-add (vector int atomics are
-            # unreliable on this backend); records keep no order, selection needs none.
-            base = jnp.zeros((bt,), jnp.int32)
-            for r in range(bt):
-                n_r = jnp.sum(jnp.where(row_iota[:, 0] == r, counts, 0))
-                t_r = jnp.minimum(i * bt + r, p.t - 1)
-                old = plt.atomic_add(count_ref, (t_r.astype(jnp.int32),), n_r)
-                base = jnp.where(row_iota[:, 0] == r, old, base)
+            if p.splits == 1:
+                # This program owns its queries' records: a running offset, and the
+                # records come out in ascending id order.
+                base = written
+            else:
+                # Splits share a query: reserve room with scalar fetch-and-add (vector int
+                # atomics are unreliable on this backend). Order is then arbitrary.
+                base = jnp.zeros((bt,), jnp.int32)
+                for r in range(bt):
+                    n_r = jnp.sum(jnp.where(row_iota[:, 0] == r, counts, 0))
+                    t_r = jnp.minimum(i * bt + r, p.t - 1)
+                    old = plt.atomic_add(count_ref, (t_r.astype(jnp.int32),), n_r)
+                    base = jnp.where(row_iota[:, 0] == r, old, base)
             pos = base[:, None] + jnp.cumsum(keep_i, axis=1) - 1
             store = keep & (pos < p.cap)
             # Lanes not stored point past the end: interpret mode drops them, the GPU masks them.
             dst = jnp.where(store, rows[:, None] * p.cap + pos, p.t * p.cap)
             plt.store(codes_ref.at[dst], code, mask=store)
             plt.store(rec_ids_ref.at[dst], jnp.broadcast_to(ids[None, :], (bt, bs)), mask=store)
-            return carry
+            return written + counts
 
-        jax.lax.fori_loop(begin, stop, body, 0)
+        written = jax.lax.fori_loop(begin, stop, body, jnp.zeros((bt,), jnp.int32))
+        if p.splits == 1:
+            plt.store(count_ref.at[jnp.where(row_ok, rows, p.t)], written, mask=row_ok)
         return
 
     (out_ref,) = refs
@@ -229,10 +250,13 @@ def _kernel(
         jax.lax.fori_loop(split * per, jnp.minimum((split + 1) * per, outside), fill_body, 0)
 
 
-def _pad_heads_dims(q, weights, k):
-    """Pads H and D to powers of two (Triton block shapes); zeros change no score."""
+def _pad_heads_dims(q, weights, k, block_t):
+    """Pads H and D to powers of two, BT·H and D to ≥ 16 (the smallest tensor-core tile).
+
+    Padded heads have weight 0 and padded dims are zero, so no score changes.
+    """
     _, h, d = q.shape
-    hp = _next_pow2(h)
+    hp = _next_pow2(h, max(1, 16 // block_t))
     dp = _next_pow2(d, 16)
     if hp != h:
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
@@ -241,6 +265,13 @@ def _pad_heads_dims(q, weights, k):
         q = jnp.pad(q, ((0, 0), (0, 0), (0, dp - d)))
         k = jnp.pad(k, ((0, 0), (0, dp - d)))
     return q, weights, k
+
+
+def _splits_for(t, h, s, key_ids, cfg, fp8_keys):
+    cfg = cfg or default_config(t, h, fp8_keys)
+    n_tb = -(-t // cfg.block_t)
+    n = s if key_ids is None else key_ids.shape[1]
+    return _default_splits(n_tb, -(-n // cfg.block_s))
 
 
 def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
@@ -257,15 +288,10 @@ def _launch(
 ):  # fmt: skip
     t, _, _ = q.shape
     s = k.shape[0]
-    cfg = cfg or default_config(t, q.shape[1])
-    cdt = compute_dtype(q.dtype, k.dtype)
-    q, weights, k = _pad_heads_dims(q, weights, k)
+    cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
+    cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
+    q, weights, k = _pad_heads_dims(q, weights, k, cfg.block_t)
     hp, dp = q.shape[1], q.shape[2]
-    if cfg.block_t * hp < 16:
-        raise NotImplementedError(
-            f"indexer triton kernel: block_t·H = {cfg.block_t}·{hp} < 16 is below the "
-            "smallest tensor-core tile; use more heads or a larger block_t"
-        )
     n_tb = -(-t // cfg.block_t)
     if key_ids is None:
         list_len = 0
@@ -332,29 +358,33 @@ def score_records_triton(
     Keys come from the whole visible range, or from ``key_ids`` [ceil(T/BT), N] (one id
     list per query block; -1 = unused). With ``key_counts`` [ceil(T/BT)], block b's ids
     are its first ``key_counts[b]`` entries and only those tiles are visited (survivor
-    lists of the certified methods). Returns flat codes and ids [T·capacity] (row t at
-    t·capacity) and the true count per query, which may exceed ``capacity`` (overflow:
-    records past the capacity are not stored).
+    lists of the certified methods). Returns codes and ids [T, capacity], the true
+    count per query, which may exceed ``capacity`` (overflow: records past the capacity
+    are not stored), and whether each row's records are in ascending id order (one
+    program per query block: the key range or list is not split).
     """
+    fp8_keys = k.dtype == jnp.float8_e4m3fn
+    splits = _splits_for(q.shape[0], q.shape[1], k.shape[0], key_ids, cfg, fp8_keys)
     codes, ids, counts = _launch(
         q, weights, k, k_scale, start, end,
         tau_codes=tau_codes, key_ids=key_ids, key_counts=key_counts, records_cap=capacity,
-        cfg=cfg,
+        cfg=cfg, splits=splits,
     )  # fmt: skip
     t = q.shape[0]
-    return codes.reshape(t, capacity), ids.reshape(t, capacity), counts
+    return codes.reshape(t, capacity), ids.reshape(t, capacity), counts, splits == 1
 
 
-def topk_base_triton(q, weights, k, top_k, k_scale, start, end, seeds):
+def topk_base_triton(q, weights, k, top_k, k_scale, start, end, seeds, sort=True):
     from jsparse.ops.indexer import methods  # methods builds on this module
 
     del seeds
-    return methods.topk_base(q, weights, k, top_k, k_scale, start, end)
+    return methods.topk_base(q, weights, k, top_k, k_scale, start, end, sort=sort)
 
 
-def topk_full_triton(q, weights, k, top_k, k_scale, start, end, seeds):
+def topk_full_triton(q, weights, k, top_k, k_scale, start, end, seeds, sort=True):
     from jsparse.ops.indexer import methods
 
+    args = (q, weights, k, top_k, k_scale, start, end)
     if seeds is None or isinstance(seeds, int):
-        return methods.topk_full(q, weights, k, top_k, k_scale, start, end, n_seeds=seeds)
-    return methods.topk_full(q, weights, k, top_k, k_scale, start, end, seeds)
+        return methods.topk_full(*args, n_seeds=seeds, sort=sort)
+    return methods.topk_full(*args, seeds, sort=sort)

@@ -26,7 +26,9 @@ _LOW31 = np.int32(0x7FFFFFFF)
 
 def score_code(scores: jax.Array) -> jax.Array:
     """int32 codes with ``code(a) < code(b)`` iff ``a < b`` (NaN highest, -0 == +0)."""
-    x = scores.astype(jnp.float32) + jnp.float32(0.0)  # -0.0 + 0.0 == +0.0
+    x = scores.astype(jnp.float32)
+    # -0.0 becomes +0.0 (not via `x + 0.0`: compilers may fold that away).
+    x = jnp.where(x == 0, jnp.float32(0.0), x)
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     bits = jnp.where(jnp.isnan(x), _CANONICAL_NAN_BITS, bits)
     # Non-negative floats already order as int32; negative ones order in reverse, so

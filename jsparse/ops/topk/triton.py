@@ -7,20 +7,23 @@ so selection is built from what is fast: streaming compares, sums and forward
 
 Two kernels:
 
-* :func:`compact_rows` (dense rows → candidate buffer). A strided sample of the row
-  (32 blocks of 128) gives a threshold θ whose expected count of keys ≥ θ is a little
-  above K; one pass then compacts every key with code ≥ θ into a buffer of ``cap``
-  slots. If the count lands outside [K, cap] (sample unlucky, or massive ties), the row
-  takes the exact slow path: 32 bisection passes over the row find the K-th code θ*,
-  and one pass stores the keys above θ* plus the first ties in id order: exactly K.
-  Either way the buffer holds every key of the exact Top-K.
-* :func:`select_candidates` (candidate buffer or records → Top-K set). Bisection over
-  the bits of the code finds the K-th largest code θ; the keys above θ all enter; ties
-  at θ enter by ascending id (a second bisection over ids finds the cut when the ties
-  straddle the boundary). Output is the exact Top-K set, unordered.
+* :func:`compact_rows` (a long row → a short candidate buffer). A row is either a
+  dense score row (ids are positions in ``[start, end)``) or a list of records
+  (code, id). A sample of the row (the whole row when short, else 32 evenly spaced
+  blocks of 128) gives a threshold θ whose expected count of entries ≥ θ is a little
+  above K; one streaming pass compacts every entry with code ≥ θ, in row order, into
+  ``cap`` slots. If the count lands outside [K, cap] (an unlucky sample, or massive
+  ties), the row takes the exact slow path: bisection over the whole row finds the
+  K-th code θ*, and one pass stores the entries above θ* plus the ties with the
+  smallest ids: exactly K. Either way the buffer holds every entry of the exact Top-K.
+* :func:`select_candidates` (candidate buffer → Top-K set). Bisection over the bits of
+  the code finds the K-th largest code θ; every entry above θ enters; ties at θ enter
+  by ascending id (a bisection over ids finds the cut when ties straddle the
+  boundary). Output keeps the input order.
 
-The final order (score descending, id ascending) is one XLA sort of K elements per
-row (:func:`order_topk`).
+The final order (score descending, id ascending) is an XLA sort of K entries per row
+(:func:`order_topk`): one stable key when the entries are already in id order, else
+two keys.
 """
 
 from __future__ import annotations
@@ -35,169 +38,331 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
-from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score
+from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
 _INT_MAX = np.int32(np.iinfo(np.int32).max)
 SAMPLE_BLOCKS = 32
+SAMPLE_BLOCK = 128
+SAMPLE_BITS = 16  # the sample threshold needs only a lower bound: 16 bits of the code suffice
+MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in registers
 
 
 @dataclasses.dataclass(frozen=True)
 class SelectConfig:
-    block: int = 1024  # elements per step of a streaming pass
-    sample_block: int = 128  # contiguous elements per sample block
-    num_warps: int = 8
+    """Measured on an H200 (WORKSPACE.md run 3): small blocks and 4 warps stream best."""
+
+    block: int = 1024  # entries per step of a streaming pass
+    num_warps: int = 4
+    num_stages: int = 1
 
 
-def _count_ge(codes, theta):
-    return jnp.sum((codes >= theta).astype(jnp.int32))
+def _bisect_code(count_ge, rank, bits=32):
+    """Largest code θ (to ``bits`` bits) with count_ge(θ) ≥ rank, rank ≥ 1.
 
-
-def _bisect_code(count_ge, rank):
-    """Largest code θ with count_ge(θ) ≥ rank (rank ≥ 1), bit by bit from the top.
-
-    Works in the unsigned order (code ^ INT_MIN), where setting bits only increases θ.
+    Works in the unsigned order (code ^ INT_MIN), where setting bits only increases θ;
+    with fewer than 32 bits the result is rounded down: still a valid lower bound.
     """
 
     def step(b, prefix):
-        bit = jnp.left_shift(jnp.int32(1), 31 - b)
-        trial = prefix | bit
+        trial = prefix | jnp.left_shift(jnp.int32(1), 31 - b)
         return jnp.where(count_ge(trial ^ _INT_MIN) >= rank, trial, prefix)
 
-    return jax.lax.fori_loop(0, 32, step, jnp.int32(0)) ^ _INT_MIN
+    return jax.lax.fori_loop(0, bits, step, rank * 0) ^ _INT_MIN
 
 
-def _compact_kernel(scores_ref, start_ref, end_ref, codes_ref, ids_ref, count_ref, slow_ref, *,
-                    s, top_k, cap, cfg):  # fmt: skip
-    from jsparse.ops.topk.codes import score_code
+def _id_cut(count_ties, need):
+    """The need-th smallest id among tied entries (INT_MAX when all ties fit).
 
-    row = pl.program_id(0)
-    start = plt.load(start_ref.at[row])
-    end = plt.load(end_ref.at[row])
-    length = end - start
-    blk = cfg.block
+    ``count_ties(pred)`` counts the ties whose id satisfies ``pred``. Bisection over the
+    31 bits of a non-negative id; it runs only when the ties straddle the boundary.
+    """
+
+    def bisect():
+        def step(b, prefix):
+            trial = prefix | jnp.left_shift(jnp.int32(1), 30 - b)
+            below = count_ties(lambda i: i < trial)
+            return jnp.where(below < need, trial, prefix)
+
+        return jax.lax.fori_loop(0, 31, step, need * 0)
+
+    n_ties = count_ties(lambda i: i >= 0)
+    return jax.lax.cond(n_ties > need, bisect, lambda: need * 0 + _INT_MAX)
+
+
+def _row_source(refs, dense, row):
+    """(entries, start, length) of a dense score row or a record row.
+
+    ``entries(pos)`` gives (codes, ids, ok) at row positions ``pos`` (any shape), with
+    EMPTY codes where ``pos`` is past the row.
+    """
+    if dense:
+        scores_ref, start_ref, end_ref = refs
+        start = plt.load(start_ref.at[row])
+        length = plt.load(end_ref.at[row]) - start
+
+        def entries(pos):
+            ok = pos < length
+            x = plt.load(scores_ref.at[row, start + jnp.where(ok, pos, 0)], mask=ok, other=0.0)
+            return jnp.where(ok, score_code(x), EMPTY_CODE), start + pos, ok
+
+        return entries, length
+
+    codes_ref, ids_ref, count_ref = refs
+    length = jnp.minimum(plt.load(count_ref.at[row]), codes_ref.shape[1])
+
+    def entries(pos):
+        ok = pos < length
+        safe = jnp.where(ok, pos, 0)
+        c = plt.load(codes_ref.at[row, safe], mask=ok, other=EMPTY_CODE)
+        i = plt.load(ids_ref.at[row, safe], mask=ok, other=-1)
+        return jnp.where(ok, c, EMPTY_CODE), i, ok
+
+    return entries, length
+
+
+def _streaming(entries, lo, hi, blk):
+    """count(pred) and compact(keep, out, base, cap) over row positions [lo, hi)."""
     lanes = jnp.arange(blk, dtype=jnp.int32)
+    n_blocks = (hi - lo + blk - 1) // blk
 
-    def load_codes(j):
-        """Codes of block j of the row; lanes past the row are EMPTY with id ≥ end."""
-        ids = start + j * blk + lanes
-        ok = ids < end
-        x = plt.load(scores_ref.at[row, jnp.where(ok, ids, 0)], mask=ok, other=0.0)
-        return jnp.where(ok, score_code(x), EMPTY_CODE), ids
+    def block(j):
+        pos = lo + j * blk + lanes
+        c, i, ok = entries(pos)
+        return c, i, ok & (pos < hi)
 
-    n_blocks = (length + blk - 1) // blk
-
-    def count_row(theta):
+    def count(pred):
         def body(j, acc):
-            c, ids = load_codes(j)
-            return acc + jnp.sum(((c >= theta) & (ids < end)).astype(jnp.int32))
+            c, i, ok = block(j)
+            return acc + jnp.sum((ok & pred(c, i)).astype(jnp.int32))
 
-        return jax.lax.fori_loop(0, n_blocks, body, jnp.int32(0))
+        return jax.lax.fori_loop(0, n_blocks, body, lo * 0)
 
-    def compact(keep_fn):
-        """Stores every key with keep_fn(code, ids, n_before) in id order; returns the count."""
+    def compact(keep_fn, out_codes, out_ids, base, cap, trash):
+        """Stores entries keep_fn(code, id) selects, in row order, at out[base + n] for
+        n < cap; returns how many it selected (which may exceed cap)."""
 
-        def body(j, carry):
-            stored, ties = carry
-            c, ids = load_codes(j)
-            keep, is_tie = keep_fn(c, ties)
-            keep = keep & (ids < end)
-            is_tie = is_tie & (ids < end)
+        def body(j, stored):
+            c, i, ok = block(j)
+            keep = keep_fn(c, i) & ok
             keep_i = keep.astype(jnp.int32)
             pos = stored + jnp.cumsum(keep_i) - 1
-            ok = keep & (pos < cap)
-            dst = jnp.where(ok, row * cap + pos, s_total)
-            plt.store(codes_ref.at[dst], c, mask=ok)
-            plt.store(ids_ref.at[dst], ids, mask=ok)
-            return stored + jnp.sum(keep_i), ties + jnp.sum(is_tie.astype(jnp.int32))
+            store = keep & (pos < cap)
+            dst = jnp.where(store, base + pos, trash)
+            plt.store(out_codes.at[dst], c, mask=store)
+            plt.store(out_ids.at[dst], i, mask=store)
+            return stored + jnp.sum(keep_i)
 
-        return jax.lax.fori_loop(0, n_blocks, body, (jnp.int32(0), jnp.int32(0)))[0]
+        return jax.lax.fori_loop(0, n_blocks, body, lo * 0)
 
-    s_total = count_ref.shape[0] * cap  # one past the last slot: never a live index
+    return count, compact
 
-    def count_gt_row(theta):
-        def body(j, acc):
-            c, ids = load_codes(j)
-            return acc + jnp.sum(((c > theta) & (ids < end)).astype(jnp.int32))
 
-        return jax.lax.fori_loop(0, n_blocks, body, jnp.int32(0))
+def _sample_threshold(entries, length, top_k, cap):
+    """θ ≤ (probably a little below) the K-th code; EMPTY_CODE when the row fits in cap.
 
-    # Threshold θ from a sample of the row: the whole row when it is short, else a
-    # stratified sample of 32 evenly spaced blocks (the last one ending at `end`).
-    sb = cfg.sample_block
-    n_sample = SAMPLE_BLOCKS * sb
+    The sample is the whole row when short (θ is then exactly the K-th code), else 32
+    evenly spaced blocks of 128 (the last ending at the row's end), ranked so that the
+    expected count of entries ≥ θ over the row is about 1.3·K plus a few spacings.
+    """
+    n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
     whole = length <= n_sample
-    sample_idx = jnp.arange(n_sample, dtype=jnp.int32)
-    spread = start + (sample_idx // sb) * jnp.maximum(length - sb, 0) // (SAMPLE_BLOCKS - 1)
-    pos = jnp.where(whole, start + sample_idx, spread + sample_idx % sb)
-    in_row = pos < end
-    sample = plt.load(scores_ref.at[row, jnp.where(in_row, pos, 0)], mask=in_row, other=0.0)
-    sample_codes = jnp.where(in_row, score_code(sample), EMPTY_CODE)
-    # A whole row gives the exact K-th code. A sample takes the rank whose expected
-    # count over the row is about 1.3·K (plus a few sample spacings of margin).
-    spaced = (top_k * n_sample * 13 + 10 * length - 1) // (10 * length) + 8
+    k = jnp.arange(n_sample, dtype=jnp.int32)
+    spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
+    sample, _, _ = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
+    spaced = (top_k * n_sample * 13 + 10 * length - 1) // (10 * jnp.maximum(length, 1)) + 8
     rank = jnp.where(whole, top_k, jnp.minimum(spaced, n_sample))
-    theta = jax.lax.cond(
+    return jax.lax.cond(
         length > cap,
-        lambda: _bisect_code(lambda th: _count_ge(sample_codes, th), rank),
-        lambda: jnp.int32(EMPTY_CODE),  # the whole row fits: keep every visible key
+        lambda: _bisect_code(
+            lambda th: jnp.sum((sample >= th).astype(jnp.int32)), rank, SAMPLE_BITS
+        ),
+        lambda: length * 0 + EMPTY_CODE,  # the whole row fits: keep every entry
     )
-    no_tie = jnp.zeros((blk,), bool)
-    stored = compact(lambda c, ties: (c >= theta, no_tie))
+
+
+def _exact_compact(count, compact, top_k):
+    """The slow path: exactly the K best entries (ties by smallest id), via bisection."""
+    kth = _bisect_code(lambda th: count(lambda c, i: c >= th), top_k)
+    need = top_k - count(lambda c, i: c > kth)
+    cut = _id_cut(lambda pred: count(lambda c, i: (c == kth) & pred(i)), need)
+    return compact(lambda c, i: (c > kth) | ((c == kth) & (i <= cut)))
+
+
+def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
+    """Program (row, chunk): compacts entries ≥ θ of its chunk of the row.
+
+    With one chunk it writes the final buffer and handles the slow path itself; with
+    several it writes segment (row, chunk) and the merge kernel finishes the row.
+    """
+    source = refs[:3]
+    codes_ref, ids_ref, count_ref = refs[-3:] if chunks > 1 else refs[-4:-1]
+    row, chunk = pl.program_id(0), pl.program_id(1)
+    entries, length = _row_source(source, dense, row)
+    blk = cfg.block
+    size = ((length + chunks - 1) // chunks + blk - 1) // blk * blk
+    lo = jnp.minimum(chunk * size, length)
+    hi = jnp.minimum(lo + size, length)
+    count, compact = _streaming(entries, lo, hi, blk)
+    theta = _sample_threshold(entries, length, top_k, cap)
+    segment = row * chunks + chunk
+    trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
+    stored = compact(lambda c, i: c >= theta, codes_ref, ids_ref, segment * cap, cap, trash)
+    if chunks > 1:
+        plt.store(count_ref.at[segment], stored)
+        return
+    slow_ref = refs[-1]
     fast_ok = (stored >= jnp.minimum(top_k, length)) & (stored <= cap)
-
-    def exact_path():
-        kth = _bisect_code(count_row, top_k)
-        need = top_k - count_gt_row(kth)
-
-        def keep(c, ties_before):
-            tie = c == kth
-            tie_rank = ties_before + jnp.cumsum(tie.astype(jnp.int32)) - 1
-            return (c > kth) | (tie & (tie_rank < need)), tie
-
-        return compact(keep)
-
-    final = jax.lax.cond(fast_ok, lambda: stored, exact_path)
+    final = jax.lax.cond(
+        fast_ok,
+        lambda: stored,
+        lambda: _exact_compact(
+            count,
+            lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash),
+            top_k,
+        ),
+    )
     plt.store(count_ref.at[row], jnp.minimum(final, cap))
     plt.store(slow_ref.at[row], jnp.where(fast_ok, 0, 1).astype(jnp.int32))
 
 
-def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig()):
-    """Candidate buffers [T, cap] (codes, ids; id order) holding each row's exact Top-K.
+def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
+    """Program (row): concatenates the row's segments, or runs the exact slow path."""
+    source = refs[:3]
+    seg_codes_ref, seg_ids_ref, seg_count_ref = refs[3:6]
+    codes_ref, ids_ref, count_ref, slow_ref = refs[-4:]
+    row = pl.program_id(0)
+    entries, length = _row_source(source, dense, row)
+    c_pad = 1 << (chunks - 1).bit_length()
+    lane = jnp.arange(c_pad, dtype=jnp.int32)
+    seg_counts = plt.load(
+        seg_count_ref.at[row * chunks + jnp.where(lane < chunks, lane, 0)],
+        mask=lane < chunks, other=0,
+    )  # fmt: skip
+    total = jnp.sum(seg_counts)
+    fast_ok = (total >= jnp.minimum(top_k, length)) & (total <= cap)
+    trash = count_ref.shape[0] * cap
+    blk = cfg.block
+    lanes = jnp.arange(blk, dtype=jnp.int32)
 
-    Returns (codes, ids, count [T], slow [T] int32: 1 where the exact slow path ran).
-    ``cap`` must be ≥ ``top_k``.
-    """
-    t, s = scores.shape
-    kernel = functools.partial(_compact_kernel, s=s, top_k=top_k, cap=cap, cfg=cfg)
-    init = (
-        jnp.full((t * cap,), EMPTY_CODE, jnp.int32),
-        jnp.full((t * cap,), -1, jnp.int32),
-    )
-    codes, ids, count, slow = pl.pallas_call(
-        lambda *refs: kernel(*refs[:3], *refs[5:]),
-        grid=(t,),
+    def merge():
+        def one_segment(c, offset):
+            n = jnp.sum(jnp.where(lane == c, seg_counts, 0))
+            src = (row * chunks + c) * cap
+
+            def copy(j, carry):
+                pos = j * blk + lanes
+                ok = pos < n
+                safe = src + jnp.where(ok, pos, 0)
+                vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
+                vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
+                dst = jnp.where(ok, row * cap + offset + pos, trash)
+                plt.store(codes_ref.at[dst], vc, mask=ok)
+                plt.store(ids_ref.at[dst], vi, mask=ok)
+                return carry
+
+            jax.lax.fori_loop(0, (n + blk - 1) // blk, copy, 0)
+            return offset + n
+
+        return jax.lax.fori_loop(0, chunks, one_segment, row * 0)
+
+    def exact():
+        count, compact = _streaming(entries, length * 0, length, blk)
+        return _exact_compact(
+            count, lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash), top_k
+        )
+
+    final = jax.lax.cond(fast_ok, merge, exact)
+    plt.store(count_ref.at[row], jnp.minimum(final, cap))
+    plt.store(slow_ref.at[row], jnp.where(fast_ok, 0, 1).astype(jnp.int32))
+
+
+def default_chunks(rows: int, length: int) -> int:
+    """Programs per row: enough rows × chunks to fill an H200, chunks ≥ 4096 entries."""
+    return int(max(1, min(-(-4 * 132 // rows), length // 4096, 64)))
+
+
+def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
+    compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    interpret = backend.is_interpret()
+    i32 = jnp.int32
+    empty = lambda n: (jnp.full((n,), EMPTY_CODE, i32), jnp.full((n,), -1, i32))  # noqa: E731
+    statics = dict(dense=dense, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
+    if chunks == 1:
+        codes, ids, count, slow = pl.pallas_call(
+            functools.partial(_chunk_kernel, **statics),
+            grid=(t, 1),
+            out_shape=(
+                jax.ShapeDtypeStruct((t * cap,), i32),
+                jax.ShapeDtypeStruct((t * cap,), i32),
+                jax.ShapeDtypeStruct((t,), i32),
+                jax.ShapeDtypeStruct((t,), i32),
+            ),
+            input_output_aliases={3: 0, 4: 1},
+            compiler_params=compiler,
+            interpret=interpret,
+            name="jsparse_topk_compact",
+        )(*inputs, *empty(t * cap))
+        return codes.reshape(t, cap), ids.reshape(t, cap), count, slow
+    n_seg = t * chunks
+    seg_codes, seg_ids, seg_count = pl.pallas_call(
+        functools.partial(_chunk_kernel, **statics),
+        grid=(t, chunks),
         out_shape=(
-            jax.ShapeDtypeStruct((t * cap,), jnp.int32),
-            jax.ShapeDtypeStruct((t * cap,), jnp.int32),
-            jax.ShapeDtypeStruct((t,), jnp.int32),
-            jax.ShapeDtypeStruct((t,), jnp.int32),
+            jax.ShapeDtypeStruct((n_seg * cap,), i32),
+            jax.ShapeDtypeStruct((n_seg * cap,), i32),
+            jax.ShapeDtypeStruct((n_seg,), i32),
         ),
         input_output_aliases={3: 0, 4: 1},
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
-        interpret=backend.is_interpret(),
-        name="jsparse_topk_compact",
-    )(scores, start, end, *init)
+        compiler_params=compiler,
+        interpret=interpret,
+        name="jsparse_topk_compact_chunks",
+    )(*inputs, *empty(n_seg * cap))
+    codes, ids, count, slow = pl.pallas_call(
+        functools.partial(_merge_kernel, **statics),
+        grid=(t,),
+        out_shape=(
+            jax.ShapeDtypeStruct((t * cap,), i32),
+            jax.ShapeDtypeStruct((t * cap,), i32),
+            jax.ShapeDtypeStruct((t,), i32),
+            jax.ShapeDtypeStruct((t,), i32),
+        ),
+        input_output_aliases={6: 0, 7: 1},
+        compiler_params=compiler,
+        interpret=interpret,
+        name="jsparse_topk_merge",
+    )(*inputs, seg_codes, seg_ids, seg_count, *empty(t * cap))
     return codes.reshape(t, cap), ids.reshape(t, cap), count, slow
 
 
-def _select_kernel(codes_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_ref, *,
-                   top_k, cap, cfg):  # fmt: skip
+def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None):
+    """Candidate buffers [T, cap] (codes, ids; id order) holding each row's exact Top-K.
+
+    ``scores`` [T, S] is read only inside ``[start[t], end[t])``. Returns (codes, ids,
+    count [T], slow [T] int32: 1 where the exact slow path ran). ``cap ≥ top_k``.
+    ``chunks`` programs share a row (default: :func:`default_chunks`), for few rows.
+    """
+    t, s = scores.shape
+    chunks = chunks or default_chunks(t, s)
+    return _compact_call((scores, start, end), t, top_k, cap, True, cfg, chunks)
+
+
+def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=None):
+    """:func:`compact_rows` for record rows (codes, ids [T, C], valid counts [T])."""
+    t, n = codes.shape
+    chunks = chunks or default_chunks(t, n)
+    return _compact_call((codes, ids, counts), t, top_k, cap, False, cfg, chunks)
+
+
+def _select_kernel(codes_ref, ids_ref, count_ref, _c0, _i0, out_codes_ref, out_ids_ref, kth_ref,
+                   *, top_k, cap, cfg):  # fmt: skip
     row = pl.program_id(0)
     n = jnp.minimum(plt.load(count_ref.at[row]), cap)
-    blk = cfg.block
+    resident = cap <= MAX_RESIDENT
+    blk = 1 << (cap - 1).bit_length() if resident else cfg.block
     lanes = jnp.arange(blk, dtype=jnp.int32)
     n_blocks = (n + blk - 1) // blk
+    trash = count_ref.shape[0] * top_k  # one past the last slot: never a live index
 
     def load(j):
         idx = j * blk + lanes
@@ -207,39 +372,29 @@ def _select_kernel(codes_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kt
         i = plt.load(ids_ref.at[src], mask=ok, other=-1)
         return jnp.where(ok, c, EMPTY_CODE), i, ok
 
-    def reduce_rows(fn):
+    if resident:  # one load; every pass below runs on registers
+        held = load(0)
+
+    def count(pred):
+        if resident:
+            return jnp.sum((held[2] & pred(*held[:2])).astype(jnp.int32))
+
         def body(j, acc):
             c, i, ok = load(j)
-            return acc + jnp.sum(fn(c, i, ok).astype(jnp.int32))
+            return acc + jnp.sum((ok & pred(c, i)).astype(jnp.int32))
 
-        return jax.lax.fori_loop(0, n_blocks, body, jnp.int32(0))
+        return jax.lax.fori_loop(0, n_blocks, body, n * 0)
 
     def threshold():
-        kth = _bisect_code(lambda th: reduce_rows(lambda c, i, ok: ok & (c >= th)), top_k)
-        n_gt = reduce_rows(lambda c, i, ok: ok & (c > kth))
-        n_eq = reduce_rows(lambda c, i, ok: ok & (c == kth))
-        need = top_k - n_gt
-
-        def id_cut():
-            # Smallest id c with count(tie & id ≤ c) ≥ need: bisection over 31 id bits.
-            def step(b, prefix):
-                bit = jnp.left_shift(jnp.int32(1), 30 - b)
-                trial = prefix | bit
-                below = reduce_rows(lambda c, i, ok: ok & (c == kth) & (i < trial))
-                return jnp.where(below < need, trial, prefix)
-
-            return jax.lax.fori_loop(0, 31, step, jnp.int32(0))
-
-        cut = jax.lax.cond(n_eq > need, id_cut, lambda: _INT_MAX)
+        kth = _bisect_code(lambda th: count(lambda c, i: c >= th), top_k)
+        need = top_k - count(lambda c, i: c > kth)
+        cut = _id_cut(lambda pred: count(lambda c, i: (c == kth) & pred(i)), need)
         return kth, cut
 
-    kth, cut = jax.lax.cond(
-        n >= top_k, threshold, lambda: (jnp.int32(EMPTY_CODE), jnp.int32(_INT_MAX))
-    )
-    trash = count_ref.shape[0] * top_k  # one past the last slot: never a live index
+    # (Branch results derive from a traced value: Triton's scf.if cannot yield constants.)
+    kth, cut = jax.lax.cond(n >= top_k, threshold, lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX))
 
-    def write(j, stored):
-        c, i, ok = load(j)
+    def write(c, i, ok, stored):
         keep = ok & ((c > kth) | ((c == kth) & (i <= cut)))
         keep_i = keep.astype(jnp.int32)
         pos = stored + jnp.cumsum(keep_i) - 1
@@ -249,12 +404,15 @@ def _select_kernel(codes_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kt
         plt.store(out_ids_ref.at[dst], i, mask=store)
         return stored + jnp.sum(keep_i)
 
-    jax.lax.fori_loop(0, n_blocks, write, jnp.int32(0))
+    if resident:
+        write(*held, n * 0)
+    else:
+        jax.lax.fori_loop(0, n_blocks, lambda j, s: write(*load(j), s), n * 0)
     plt.store(kth_ref.at[row], kth)
 
 
 def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig()):
-    """Exact Top-K set of each row's candidates (any order in, unordered out).
+    """Exact Top-K set of each row's candidates, in input order.
 
     codes, ids: [T, cap]; counts: [T] (values beyond cap are clipped: callers handle
     overflow before this). Returns (codes [T, K], ids [T, K] with EMPTY/-1 padding,
@@ -267,7 +425,7 @@ def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig()):
         jnp.full((t * top_k,), -1, jnp.int32),
     )
     out_codes, out_ids, kth = pl.pallas_call(
-        lambda *refs: kernel(*refs[:3], *refs[5:]),
+        kernel,
         grid=(t,),
         out_shape=(
             jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
@@ -275,17 +433,24 @@ def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig()):
             jax.ShapeDtypeStruct((t,), jnp.int32),
         ),
         input_output_aliases={3: 0, 4: 1},
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=backend.is_interpret(),
         name="jsparse_topk_select",
     )(codes.reshape(-1), ids.reshape(-1), counts, *init)
     return out_codes.reshape(t, top_k), out_ids.reshape(t, top_k), kth
 
 
-def order_topk(codes, ids):
-    """Sorts a Top-K set by score descending, then id ascending; -1 / -inf for empty."""
+def order_topk(codes, ids, *, id_ordered=False):
+    """Sorts a Top-K set by score descending, then id ascending; -1 / -inf for empty.
+
+    ``id_ordered``: the entries of each row are already in ascending id order, so one
+    stable sort key (the code) suffices.
+    """
     ids = jnp.where(codes == EMPTY_CODE, _INT_MAX, ids)
-    neg, ids = jax.lax.sort((~codes, ids), dimension=1, num_keys=2)
+    if id_ordered:
+        neg, ids = jax.lax.sort((~codes, ids), dimension=1, num_keys=1, is_stable=True)
+    else:
+        neg, ids = jax.lax.sort((~codes, ids), dimension=1, num_keys=2)
     codes = ~neg
     empty = codes == EMPTY_CODE
     return jnp.where(empty, -1, ids), jnp.where(empty, -jnp.inf, code_to_score(codes))

@@ -1,0 +1,181 @@
+"""Benchmark plumbing shared by every op: environment, floors, timing, tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+import tomllib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+L2_BYTES = 60 * 2**20  # H200; rotating inputs only matters when a set fits in L2
+
+BACKENDS = {"pallas-gpu": "triton", "interpret": "triton", "xla": "reference"}
+
+
+def git_commit() -> str:
+    """The commit being measured (JSPARSE_COMMIT overrides: copies without .git)."""
+    if os.environ.get("JSPARSE_COMMIT"):
+        return os.environ["JSPARSE_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+        return (out.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    return {
+        "device": f"{dev.platform}:{dev.device_kind}",
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def load_presets(op: str) -> dict:
+    with open(ROOT / "configs" / f"{op}.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def expand_cases(preset: dict) -> list[dict]:
+    """Cases of a preset; a list-valued field expands into one case per value."""
+    out = []
+    for case in preset["cases"]:
+        lists = {k: v for k, v in case.items() if isinstance(v, list)}
+        if not lists:
+            out.append(dict(case))
+            continue
+        keys = list(lists)
+        for combo in np.ndindex(*(len(lists[k]) for k in keys)):
+            c = dict(case)
+            c.update({k: lists[k][i] for k, i in zip(keys, combo, strict=True)})
+            out.append(c)
+    return out
+
+
+def block(x):
+    return jax.block_until_ready(x)
+
+
+@dataclasses.dataclass
+class Timing:
+    median_s: float
+    p10_s: float
+    p90_s: float
+    calls: int
+
+    def spread(self) -> str:
+        return f"{1e3 * self.p10_s:.3f}-{1e3 * self.p90_s:.3f}"
+
+
+def time_fn(fn: Callable, input_sets: Sequence[tuple], *, budget_s: float = 1.0) -> Timing:
+    """Median time per call: warm-up, then repeats of back-to-back calls.
+
+    Calls are issued without waiting (so Python dispatch overlaps device work) and
+    rotate over ``input_sets``; each repeat ends with one block_until_ready.
+    """
+    block(fn(*input_sets[0]))  # compile + warm-up
+    t0 = time.perf_counter()
+    block(fn(*input_sets[-1]))
+    once = max(time.perf_counter() - t0, 1e-6)
+    per_repeat = max(1, min(200, int(0.1 / once)))
+    repeats = int(max(3, min(15, budget_s / (once * per_repeat))))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(per_repeat):
+            out = fn(*input_sets[i % len(input_sets)])
+        block(out)
+        samples.append((time.perf_counter() - t0) / per_repeat)
+    q = statistics.quantiles(samples, n=10) if len(samples) >= 2 else samples * 9
+    return Timing(statistics.median(samples), q[0], q[-1], repeats * per_repeat)
+
+
+@dataclasses.dataclass
+class Floors:
+    """Ceilings measured once per run on this device (what 100% of the floor means)."""
+
+    copy_bytes_per_s: float
+    matmul_flops_per_s: dict  # input dtype name -> FLOP/s of a large XLA matmul
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in self.matmul_flops_per_s.items())
+        copy = self.copy_bytes_per_s / 1e9
+        return f"floors: copy {copy:.4g} GB/s (read+write) | XLA matmul {rates}"
+
+
+def measure_floors(dtypes: Sequence[str], *, on_gpu: bool) -> Floors:
+    """Copy bandwidth (read + write) and XLA matmul rates for the dtypes in use."""
+    n_copy = (2 << 30) // 4 if on_gpu else (64 << 20) // 4
+    x = jnp.arange(n_copy, dtype=jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)
+    t = time_fn(copy, [(x,)], budget_s=0.5)
+    bandwidth = 2 * 4 * n_copy / t.median_s
+    del x
+    rates = {}
+    m = 8192 if on_gpu else 512
+    rng = np.random.default_rng(0)
+    for name in dtypes:
+        dt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "f32": jnp.float32}[name]
+        a = jnp.asarray(rng.standard_normal((m, m), np.float32), dt)
+        b = jnp.asarray(rng.standard_normal((m, m), np.float32), dt)
+        mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+        try:
+            t = time_fn(mm, [(a, b)], budget_s=0.5)
+            rates[name] = 2 * m**3 / t.median_s
+        except Exception as err:  # an XLA without an fp8 GEMM on this device
+            rates[name] = float("nan")
+            print(f"  (no {name} matmul rate on this device: {type(err).__name__})")
+    return Floors(bandwidth, rates)
+
+
+def fmt(x, digits=3):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:.0f}"
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]]):
+    header = [title for _, title in columns]
+
+    def cell(row, key):
+        value = row.get(key, "")
+        return value if isinstance(value, str) else fmt(value)
+
+    body = [[cell(r, key) for key, _ in columns] for r in rows]
+    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    for b in body:
+        print("  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)))
+
+
+def write_json(path: str | None, payload: dict):
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1, default=float)
+        print(f"wrote {path}")

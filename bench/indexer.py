@@ -1,0 +1,204 @@
+"""Benchmark of the DSA indexer Top-K methods (``--op indexer``)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import jsparse
+from jsparse.ops.indexer import triton as indexer_triton
+from jsparse.testing import topk_mismatches
+
+from . import common
+
+DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "f32": jnp.float32}
+FP8_MAX = 448.0
+# Check tolerance relative to a row's largest |score|: bf16/fp8 products are exact in
+# f32; the rest is f32 accumulation (fp8 tensor cores accumulate with fewer bits).
+CHECK_RTOL = {"bf16": 2e-5, "fp8": 1e-3, "f32": 2e-5}
+
+
+def add_arguments(parser):
+    parser.add_argument(
+        "--check-rows", type=int, default=8, help="rows checked against the reference"
+    )
+    parser.add_argument(
+        "--unsorted", action="store_true",
+        help="sorted=False: the exact Top-K set without the final sort by score",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scorer-config", default=None,
+        help="block_t,block_s,num_warps,num_stages for the Triton scorer (default: heuristic)",
+    )  # fmt: skip
+
+
+def make_inputs(case: dict, seed: int):
+    """i.i.d. Gaussian indexer inputs; FP8 keys carry a per-key scale as DeepSeek stores them."""
+    t, s, h, d = case["t"], case["s"], case["h"], case["d"]
+    dtype = DTYPES[case["dtype"]]
+    key = jax.random.PRNGKey(seed)
+    kq, kk, kw = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (t, h, d), jnp.float32)
+    k = jax.random.normal(kk, (s, d), jnp.float32)
+    w = jax.random.normal(kw, (t, h), jnp.float32) / np.sqrt(h * d)
+    k_scale = None
+    if case["dtype"] == "fp8":
+        k_scale = jnp.max(jnp.abs(k), axis=1) / FP8_MAX
+        k = k / k_scale[:, None]
+        q = q * (FP8_MAX / 4.0) / jnp.max(jnp.abs(q))
+    if case["ranges"] == "causal":
+        end = jnp.arange(s - t + 1, s + 1, dtype=jnp.int32)
+    else:
+        end = jnp.full((t,), s, jnp.int32)
+    start = jnp.zeros((t,), jnp.int32)
+    return dict(
+        q=q.astype(dtype), weights=w, k=k.astype(dtype), k_scale=k_scale, kv_start=start, kv_end=end
+    )
+
+
+def counts(case, inputs):
+    """Useful FLOPs (visible pairs × 2HD) and the fewest bytes any method must move."""
+    h, d, top_k = case["h"], case["d"], case["top_k"]
+    pairs = float(jnp.sum(inputs["kv_end"] - inputs["kv_start"]))
+    flops = pairs * 2 * h * d
+    nbytes = inputs["q"].nbytes + inputs["k"].nbytes + inputs["weights"].nbytes
+    nbytes += 0 if inputs["k_scale"] is None else inputs["k_scale"].nbytes
+    nbytes += case["t"] * top_k * 8  # the answer: ids and scores
+    return flops, nbytes
+
+
+def check(case, inputs, result, rows: int) -> list[str]:
+    """The result on a sample of rows against the jnp reference scorer."""
+    t = case["t"]
+    pick = np.unique(np.linspace(0, t - 1, min(rows, t)).astype(int))
+    sub = {
+        k: (v[pick] if k in ("q", "weights", "kv_start", "kv_end") else v)
+        for k, v in inputs.items()
+    }
+    oracle = np.asarray(jsparse.indexer_scores(**sub, implementation="reference"), np.float64)
+    scale = np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0.0) + 1e-12
+    atol = CHECK_RTOL[case["dtype"]] * scale
+    indices, scores = np.asarray(result.indices)[pick], np.asarray(result.scores)[pick]
+    # put unsorted rows in the contract's order (the set is what is checked)
+    for r in range(len(pick)):
+        order = np.lexsort((indices[r], -np.nan_to_num(scores[r], nan=np.inf, neginf=-3e38)))
+        order = order[np.argsort(indices[r][order] < 0, kind="stable")]  # padding last
+        indices[r], scores[r] = indices[r][order], scores[r][order]
+    return topk_mismatches(indices, scores, oracle, case["top_k"], atol)
+
+
+def _scorer_config(text):
+    if not text:
+        return None
+    bt, bs, nw, ns = (int(v) for v in text.split(","))
+    return indexer_triton.ScorerConfig(block_t=bt, block_s=bs, num_warps=nw, num_stages=ns)
+
+
+def run(args, floors: common.Floors, impl: str) -> list[dict]:
+    presets = common.load_presets("indexer")
+    cases = common.expand_cases(presets[args.preset])
+    cfg = _scorer_config(args.scorer_config)
+    rows = []
+    progress = tqdm(total=len(cases) * len(args.method), desc="indexer", disable=args.quiet)
+    for case in cases:
+        label = f"T{case['t']} S{case['s']} {case['ranges']} {case['dtype']}"
+        inputs = make_inputs(case, seed=0)
+        bytes_per_set = sum(v.nbytes for v in inputs.values() if v is not None)
+        n_sets = 3 if bytes_per_set < 2 * common.L2_BYTES else 1
+        sets = [inputs] + [make_inputs(case, seed=i) for i in range(1, n_sets)]
+        flops, nbytes = counts(case, inputs)
+        rate = floors.matmul_flops_per_s.get(case["dtype"], float("nan"))
+        floor_s = max(flops / rate, nbytes / floors.copy_bytes_per_s)
+        results = {}
+        case_rows = []
+        for method in args.method:
+            progress.set_postfix_str(f"{label} {method}")
+            row = dict(
+                case=label, method=method, **{k: case[k] for k in ("t", "s", "h", "d", "top_k")}
+            )
+            row.update(dtype=case["dtype"], flops=flops, bytes=nbytes, floor_ms=1e3 * floor_s)
+            kwargs = dict(top_k=case["top_k"], method=method, implementation=impl)
+            if args.unsorted and method != "xla":
+                kwargs["sorted"] = False
+            if cfg is not None and method in ("base", "full"):
+                kwargs.pop("implementation")
+                fn = functools.partial(_with_config, cfg=cfg, **kwargs)
+            else:
+                fn = functools.partial(jsparse.indexer_topk, **kwargs)
+            fn = jax.jit(lambda a, fn=fn: fn(**a))
+            try:
+                result = common.block(fn(inputs))
+            except Exception as err:  # e.g. out of memory for the naive baseline
+                row["status"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                case_rows.append(row)
+                progress.update()
+                continue
+            problems = check(case, inputs, result, args.check_rows)
+            if method != "base" and "base" in results:
+                same = np.array_equal(
+                    np.asarray(result.indices), np.asarray(results["base"].indices)
+                )
+                if not same and method != "xla":
+                    problems.append(
+                        f"{method} ids differ from base ids (same scorer: must be equal)"
+                    )
+            results[method] = result
+            row["candidates"] = float(np.mean(np.asarray(result.candidates)))
+            row["fallbacks"] = int(np.sum(np.asarray(result.fallback)))
+            if problems:
+                row["status"] = "CHECK FAILED: " + problems[0]
+                print(f"\n{label} {method}: " + "\n  ".join(problems[:5]))
+                case_rows.append(row)
+                progress.update()
+                continue
+            timing = common.time_fn(fn, [(s,) for s in sets], budget_s=args.budget)
+            row.update(
+                status="ok",
+                ms=1e3 * timing.median_s,
+                spread_ms=timing.spread(),
+                tflops=flops / timing.median_s / 1e12,
+                tbps=nbytes / timing.median_s / 1e12,
+                pct_floor=100 * floor_s / timing.median_s,
+            )
+            case_rows.append(row)
+            progress.update()
+        by_method = {r["method"]: r for r in case_rows if r.get("status") == "ok"}
+        for r in case_rows:
+            for ref in ("xla", "base"):
+                if r.get("status") == "ok" and ref in by_method:
+                    r[f"vs_{ref}"] = by_method[ref]["ms"] / r["ms"]
+        rows.extend(case_rows)
+        del sets, inputs, results
+    progress.close()
+    return rows
+
+
+def _with_config(top_k, method, cfg, sorted=True, **inputs):
+    from jsparse.ops.indexer import methods
+
+    inputs["start"] = inputs.pop("kv_start")
+    inputs["end"] = inputs.pop("kv_end")
+    fn = methods.topk_base if method == "base" else methods.topk_full
+    return fn(
+        inputs["q"], inputs["weights"], inputs["k"], top_k, inputs["k_scale"],
+        inputs["start"], inputs["end"], cfg=cfg, sort=sorted,
+    )  # fmt: skip
+
+
+COLUMNS = [
+    ("case", "case"),
+    ("method", "method"),
+    ("ms", "median ms"),
+    ("spread_ms", "p10-p90 ms"),
+    ("tflops", "TFLOP/s"),
+    ("pct_floor", "% floor"),
+    ("vs_xla", "× xla"),
+    ("vs_base", "× base"),
+    ("candidates", "cand/query"),
+    ("fallbacks", "fallbacks"),
+    ("status", "status"),
+]

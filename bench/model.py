@@ -1,0 +1,311 @@
+"""Benchmarks of the real model: perplexity, forward throughput, q/k/v capture time.
+
+    python bench/model.py perplexity [--novel prideprejudice] [--tokens 512 4096]
+    python bench/model.py throughput [--context 2048 8192] [--weights real|synthetic]
+    python bench/model.py capture [--novel persuasion] [--tokens 8192] [--out DIR]
+
+Every run prints the device, jax / flax versions and the git commit, checks its output
+before timing it, and writes everything it printed to ``--json PATH`` as well.
+``--weights synthetic`` runs SmolLM2-135M's shapes with random weights and needs no
+assets: the forward pass does the same arithmetic on any values, so its timings stand
+for the real model's (perplexity needs the real weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout: use this tree's jsparse
+    sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from jsparse import assets  # noqa: E402
+from jsparse.models.llama import DenseCausalAttention, Llama, LlamaConfig, forward_fn  # noqa: E402
+
+# Perplexity of this GGUF measured with Hugging Face transformers (REAL_DATA.md):
+# Pride and Prejudice from its first token, no BOS, one window.
+REFERENCE_PPL = {("prideprejudice", 0, 512): 16.1, ("prideprejudice", 0, 4096): 18.5}
+
+
+def git_commit() -> str:
+    if os.environ.get("JSPARSE_COMMIT"):
+        return os.environ["JSPARSE_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        if out.returncode != 0:
+            return "unknown (not a git checkout; set JSPARSE_COMMIT)"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown (no git)"
+
+
+def environment() -> dict:
+    import flax
+
+    device = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": f"{device.platform}: {device.device_kind}",
+        "n_devices": jax.device_count(),
+        "host_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "commit": git_commit(),
+    }
+
+
+def build_model(weights: str, query_chunk: int, key_chunk: int) -> Llama:
+    def core(i):
+        return DenseCausalAttention(query_chunk, key_chunk)
+
+    if weights == "synthetic":
+        return Llama(LlamaConfig.smollm2_135m(), core, rngs=nnx.Rngs(0))
+    from jsparse.models.gguf_loader import load_model
+
+    return load_model(core=core)
+
+
+def tokens_for(weights: str, n: int, novel: str, offset: int, vocab: int) -> np.ndarray:
+    if weights == "synthetic":
+        return np.random.default_rng(0).integers(0, vocab, n).astype(np.int32)
+    return np.asarray(assets.novel_token_ids(novel, offset, n))
+
+
+def forward_flops(c: LlamaConfig, t: int) -> float:
+    """Matmul FLOPs of one causal forward of t tokens (the attention's causal half only)."""
+    per_token = c.n_heads * c.head_dim * c.d_model * 2  # q and o projections
+    per_token += c.n_kv_heads * c.head_dim * c.d_model * 2  # k and v
+    per_token += 3 * c.d_model * c.d_ff
+    dense = 2 * t * (c.n_layers * per_token + c.vocab_size * c.d_model)
+    attention = 2 * 2 * c.n_layers * c.n_heads * c.head_dim * t * (t + 1) / 2
+    return dense + attention
+
+
+@jax.jit
+def _mean_nll(logits, ids):
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+
+def cmd_throughput(args) -> dict:
+    model = build_model(args.weights, args.query_chunk, args.key_chunk)
+    fwd = forward_fn(model)
+    rows = []
+    for t in args.context:
+        ids = np.stack(
+            [
+                tokens_for(
+                    args.weights, t, args.novel, args.offset + b * t, model.config.vocab_size
+                )
+                for b in range(args.batch)
+            ]
+        )
+        t0 = time.perf_counter()
+        logits, _ = fwd(ids)
+        logits.block_until_ready()
+        first = time.perf_counter() - t0
+        # Check before timing: finite logits and, with real weights, a sane perplexity.
+        nll = float(_mean_nll(logits, jnp.asarray(ids)))
+        if not np.isfinite(nll) or (args.weights == "real" and not nll < 5.0):
+            raise SystemExit(f"throughput: check failed at T={t}: mean NLL {nll}")
+        del logits
+        times, cpu = [], []
+        for _ in tqdm(range(args.repeats), desc=f"forward T={t}", unit="run"):
+            t0, c0 = time.perf_counter(), time.process_time()
+            out, _ = fwd(ids)
+            out.block_until_ready()
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            del out
+        median = statistics.median(times)
+        flops = forward_flops(model.config, t) * args.batch
+        row = {
+            "context": t,
+            "batch": args.batch,
+            "compile_and_first_run_s": round(first, 3),
+            "times_s": [round(x, 4) for x in times],
+            "median_s": round(median, 4),
+            "tokens_per_s": round(args.batch * t / median, 1),
+            # Host CPU seconds of this process per run: on a shared CPU machine, wall time
+            # also measures the neighbours; this does not.
+            "process_cpu_s": [round(x, 2) for x in cpu],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "approx_tflops": round(flops / median / 1e12, 3),
+            "check_mean_nll": round(nll, 4),
+        }
+        print(
+            f"T={t:6d} batch={args.batch}: median {median:.3f} s "
+            f"(min {min(times):.3f}, max {max(times):.3f}, n={len(times)}) -> "
+            f"{row['tokens_per_s']:.1f} tok/s, ~{row['approx_tflops']:.3f} TFLOP/s; "
+            f"first call (compile) {first:.1f} s; mean NLL {nll:.3f}; process CPU s per run "
+            f"{row['process_cpu_s']}; load average {row['load_average_after']}"
+        )
+        rows.append(row)
+    return {"weights": args.weights, "rows": rows}
+
+
+def cmd_capture(args) -> dict:
+    from jsparse.models.capture import capture_meta, capture_qkv, save_capture
+
+    model = build_model(args.weights, args.query_chunk, args.key_chunk)
+    c = model.config
+    ids = tokens_for(args.weights, args.tokens, args.novel, args.offset, c.vocab_size)
+    layers = list(range(c.n_layers)) if args.layers is None else args.layers
+    # Compile the per-layer step at this length once (layer 0 only), outside the timing.
+    t0 = time.perf_counter()
+    for _ in capture_qkv(model, ids, layers=[0]):
+        pass
+    compile_s = time.perf_counter() - t0
+    per_layer = []
+    nbytes = 0
+    c_start = time.process_time()
+    t_start = time.perf_counter()
+    t0 = t_start
+    stream = tqdm(capture_qkv(model, ids, layers=layers), total=len(layers), unit="layer")
+    if args.out is None:
+        for _, arrays in stream:
+            if not all(np.isfinite(a).all() for a in arrays.values()):
+                raise SystemExit("capture: non-finite q/k/v")
+            nbytes += sum(a.nbytes for a in arrays.values())
+            now = time.perf_counter()
+            per_layer.append(now - t0)
+            t0 = now
+    else:
+        meta = capture_meta(
+            model, novel=args.novel, offset=args.offset, n_tokens=len(ids), layers=layers
+        )
+        save_capture(args.out, stream, meta=meta, tokens=ids)
+        nbytes = sum(f.stat().st_size for f in Path(args.out).glob("layer_*.npz"))
+    total = time.perf_counter() - t_start
+    cpu_s = time.process_time() - c_start
+    print(
+        f"capture of {len(layers)} layers x {len(ids)} tokens: {total:.2f} s "
+        f"({total / len(layers):.3f} s/layer{', written to ' + str(args.out) if args.out else ''})"
+        f"; {nbytes / 2**20:.0f} MiB of q/k/v; compile (layer 0 at this length) {compile_s:.1f} s"
+        f"; process CPU {cpu_s:.1f} s; load average {os.getloadavg()}"
+    )
+    return {
+        "weights": args.weights,
+        "novel": args.novel if args.weights == "real" else None,
+        "offset": args.offset,
+        "tokens": len(ids),
+        "layers": len(layers),
+        "total_s": round(total, 3),
+        "process_cpu_s": round(cpu_s, 2),
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "per_layer_s": [round(x, 4) for x in per_layer],
+        "written_to": str(args.out) if args.out else None,
+        "mib": round(nbytes / 2**20, 1),
+        "compile_s": round(compile_s, 2),
+    }
+
+
+def cmd_perplexity(args) -> dict:
+    from jsparse.models.gguf_loader import load_model
+    from jsparse.models.perplexity import perplexity
+
+    model = load_model(core=lambda i: DenseCausalAttention(args.query_chunk, args.key_chunk))
+    rows = []
+    for n in args.tokens:
+        ids = assets.novel_token_ids(args.novel, args.offset, n)
+        context = min(n, model.config.max_seq_len) if args.context_len is None else args.context_len
+        t0 = time.perf_counter()
+        result = perplexity(model, ids, context_len=context, stride=args.stride, progress=True)
+        seconds = time.perf_counter() - t0
+        ref = REFERENCE_PPL.get((args.novel, args.offset, n))
+        rows.append(
+            {
+                "novel": args.novel,
+                "offset": args.offset,
+                "tokens": n,
+                "context_len": result.context_len,
+                "stride": result.stride,
+                "n_scored": result.n_scored,
+                "perplexity": round(result.perplexity, 4),
+                "mean_nll": round(result.mean_nll, 6),
+                "reference_hf": ref,
+                "seconds": round(seconds, 2),
+            }
+        )
+        print(
+            f"{args.novel} tokens [{args.offset}, {args.offset + n}) context {result.context_len} "
+            f"stride {result.stride}: perplexity {result.perplexity:.4f} over {result.n_scored} "
+            f"tokens" + (f" (Hugging Face reference ≈ {ref})" if ref else "") + f"; {seconds:.1f} s"
+        )
+    return {"rows": rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--query-chunk", type=int, default=512, help="dense core query block")
+    parser.add_argument("--key-chunk", type=int, default=512, help="dense core key block")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("perplexity", help="perplexity under jsparse.models.perplexity")
+    p.add_argument("--novel", default=assets.PERPLEXITY_CHECK_NOVEL, choices=sorted(assets.NOVELS))
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--tokens", type=int, nargs="+", default=[512, 4096])
+    p.add_argument("--context-len", type=int, help="window (default: the text, up to 8192)")
+    p.add_argument("--stride", type=int, help="default context_len // 2")
+
+    p = sub.add_parser("throughput", help="forward tokens/s at each context length")
+    p.add_argument("--context", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--weights", choices=("real", "synthetic"), default="real")
+    p.add_argument("--novel", default=assets.EVALUATION_NOVELS[0], choices=sorted(assets.NOVELS))
+    p.add_argument("--offset", type=int, default=0)
+
+    p = sub.add_parser("capture", help="time capture_qkv over all layers")
+    p.add_argument("--novel", default=assets.EVALUATION_NOVELS[0], choices=sorted(assets.NOVELS))
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--layers", type=int, nargs="+")
+    p.add_argument("--out", type=Path, help="also write the capture directory here")
+    p.add_argument("--weights", choices=("real", "synthetic"), default="real")
+
+    args = parser.parse_args(argv)
+    env = environment()
+    print(
+        f"device {env['device']} (x{env['n_devices']}), {env['host_cpus']} host CPUs, "
+        f"jax {env['jax']}, flax {env['flax']}, python {env['python']}, "
+        f"commit {env['commit']}, {env['date']}"
+    )
+    print("command: python bench/model.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    run = {"perplexity": cmd_perplexity, "throughput": cmd_throughput, "capture": cmd_capture}
+    result = run[args.command](args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"command": args.command, "args": vars(args), "environment": env, **result}
+        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The benchmark and report entry point of jsparse.
+
+    python bench/run.py                               # small default: CPU (interpret) or GPU
+    python bench/run.py --backend pallas-gpu --preset prefill-chunk --method xla base full
+    python bench/run.py --op indexer --preset decode --json out/decode.json
+
+Every case is checked against the jnp reference before it is timed; a red check is
+reported and not timed. Times are medians over repeats of back-to-back calls with
+rotating inputs; "% floor" compares with the larger of FLOPs at the XLA matmul rate and
+bytes at the copy bandwidth, both measured at the start of the run on this device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+OPS = {"indexer": "bench.indexer"}
+
+
+def main(argv=None) -> int:
+    from bench import common
+    from jsparse import backend
+
+    on_gpu = backend.has_nvidia_gpu()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--op", choices=sorted(OPS), default="indexer")
+    parser.add_argument("--preset", default=None, help="a preset of configs/<op>.toml")
+    parser.add_argument("--method", nargs="+", default=["xla", "base", "full"])
+    parser.add_argument(
+        "--backend", choices=sorted(common.BACKENDS),
+        default="pallas-gpu" if on_gpu else "interpret",
+        help="pallas-gpu: compiled Pallas kernels; interpret: the same kernels in Pallas "
+        "interpret mode (any machine); xla: the jnp reference implementation",
+    )  # fmt: skip
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per case")
+    parser.add_argument("--json", default=None, help="write rows and environment here")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    module_args, _ = parser.parse_known_args(argv)
+    module = importlib.import_module(OPS[module_args.op])
+    module.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.preset is None:
+        args.preset = "gpu-smoke" if on_gpu else "smoke"
+    if args.backend == "pallas-gpu" and not on_gpu:
+        parser.error("--backend pallas-gpu needs an NVIDIA GPU; use --backend interpret or xla")
+
+    env = common.environment()
+    print(" | ".join(f"{k} {v}" for k, v in env.items()))
+    methods = " ".join(args.method)
+    print(f"op {args.op} | preset {args.preset} | backend {args.backend} | methods {methods}")
+    cases = common.expand_cases(common.load_presets(args.op)[args.preset])
+    floors = common.measure_floors(sorted({c["dtype"] for c in cases}), on_gpu=on_gpu)
+    print(floors.describe())
+
+    impl = common.BACKENDS[args.backend]
+    with backend.interpret_mode(args.backend == "interpret"):
+        rows = module.run(args, floors, impl)
+    common.print_table(rows, module.COLUMNS)
+    common.write_json(
+        args.json, {"env": env, "floors": floors.as_dict(), "args": vars(args), "rows": rows}
+    )
+    bad = [r for r in rows if r.get("status", "ok").startswith("CHECK")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Checks shared by the test suite and the benchmark's correctness gate."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def topk_mismatches(indices, scores, oracle_scores, top_k: int, atol: float) -> list[str]:
+    """Differences between a Top-K result and Top-K of exact ``oracle_scores`` rows.
+
+    ``oracle_scores``: [T, S] float64 with ``-inf`` for invisible keys. A result passes
+    when, per row: padding is -1/-inf past the visible count; ids are distinct and each
+    one's oracle score equals its reported score within ``atol``; the reported scores
+    equal the oracle's sorted Top-K scores within ``atol``; and, where the K-th and
+    (K+1)-th oracle scores are more than 4·atol apart, the id set is exactly the
+    oracle's. Returns human-readable problems (empty list: pass).
+    """
+    indices = np.asarray(indices)
+    scores = np.asarray(scores, np.float64)
+    problems = []
+    for t, row in enumerate(np.asarray(oracle_scores, np.float64)):
+        finite = np.isfinite(row) | np.isnan(row)
+        n = min(top_k, int((row > -np.inf).sum() + np.isnan(row).sum()))
+        if not (np.all(indices[t, n:] == -1) and np.all(np.isneginf(scores[t, n:]))):
+            problems.append(f"row {t}: padding past {n} visible keys is not -1/-inf")
+        ids = indices[t, :n]
+        if len(set(ids.tolist())) != n or np.any(ids < 0):
+            problems.append(f"row {t}: ids not distinct or negative: {ids[:8]}...")
+            continue
+        order = np.lexsort((np.arange(row.size), -np.nan_to_num(row, nan=np.inf)))[:n]
+        if not np.allclose(scores[t, :n], row[order], atol=atol, rtol=0, equal_nan=True):
+            worst = np.nanmax(np.abs(scores[t, :n] - row[order]))
+            problems.append(f"row {t}: top-{n} scores differ from the oracle by up to {worst:.3g}")
+        if not np.allclose(row[ids], scores[t, :n], atol=atol, rtol=0, equal_nan=True):
+            problems.append(f"row {t}: reported scores do not match the oracle at their ids")
+        if n < finite.sum():
+            rest = np.sort(row[np.isfinite(row)])[::-1]
+            separated = n < rest.size and row[order[n - 1]] - rest[n] > 4 * atol
+            if separated and set(ids.tolist()) != set(order.tolist()):
+                problems.append(f"row {t}: id set differs from the oracle's")
+    return problems

@@ -1,0 +1,359 @@
+"""The indexer: every method and implementation against an independent numpy oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse import backend
+from jsparse.testing import topk_mismatches
+
+FP8 = jnp.float8_e4m3fn
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    t: int
+    h: int
+    d: int
+    s: int
+    top_k: int
+    ranges: str = "all"  # all | causal | packed | odd
+    scale: bool = False
+    keys: str = "gauss"  # gauss | ties | equal
+
+    def __str__(self):
+        return self.name
+
+
+CASES = [
+    Case("odd", t=5, h=3, d=20, s=300, top_k=17, ranges="odd", scale=True),
+    Case("causal", t=9, h=4, d=16, s=9, top_k=4, ranges="causal"),
+    Case("prefill-chunk", t=6, h=8, d=32, s=700, top_k=50, ranges="causal", scale=True),
+    Case("packed", t=8, h=4, d=16, s=64, top_k=6, ranges="packed"),
+    Case("ties", t=4, h=4, d=16, s=200, top_k=30, keys="ties"),
+    Case("all-equal", t=3, h=2, d=16, s=150, top_k=40, keys="equal"),
+    Case("k>visible", t=3, h=4, d=16, s=10, top_k=25, ranges="odd"),
+]
+
+
+def make_inputs(case: Case, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((case.t, case.h, case.d)).astype(np.float32)
+    k = rng.standard_normal((case.s, case.d)).astype(np.float32)
+    w = rng.standard_normal((case.t, case.h)).astype(np.float32)
+    if case.keys == "ties":
+        k = k[rng.integers(0, 7, case.s)]  # only 7 distinct keys: scores tie in groups
+    elif case.keys == "equal":
+        k = np.broadcast_to(k[:1], k.shape).copy()  # every key the same: every score ties
+    scale = rng.uniform(0.25, 4.0, case.s).astype(np.float32) if case.scale else None
+    if case.ranges == "all":
+        start = np.zeros(case.t, np.int32)
+        end = np.full(case.t, case.s, np.int32)
+    elif case.ranges == "causal":
+        # chunked prefill: the last t of s positions, each sees itself and the past
+        end = np.arange(case.s - case.t + 1, case.s + 1, dtype=np.int32)
+        start = np.zeros(case.t, np.int32)
+    elif case.ranges == "packed":
+        # two sequences packed: [0, 30) and [30, s); queries of each are causal in it
+        half = case.t // 2
+        end = np.concatenate(
+            [np.arange(30 - half + 1, 31), np.arange(case.s - half + 1, case.s + 1)]
+        )
+        start = np.concatenate([np.zeros(half), np.full(case.t - half, 30)])
+        end, start = end.astype(np.int32)[: case.t], start.astype(np.int32)[: case.t]
+    else:  # odd: arbitrary ranges, an empty one included
+        start = rng.integers(0, case.s, case.t).astype(np.int32)
+        end = np.minimum(case.s, start + rng.integers(0, case.s, case.t)).astype(np.int32)
+        start[0], end[0] = 3, 3
+    qj = jnp.asarray(q, dtype)
+    kj = jnp.asarray(k, dtype)
+    return dict(
+        q=qj,
+        weights=jnp.asarray(w),
+        k=kj,
+        k_scale=None if scale is None else jnp.asarray(scale),
+        kv_start=jnp.asarray(start),
+        kv_end=jnp.asarray(end),
+    )
+
+
+def numpy_scores(inputs):
+    """Independent oracle in float64 (inputs first rounded to their dtype, as the library does)."""
+    q = np.asarray(inputs["q"].astype(jnp.float32), np.float64)
+    k = np.asarray(inputs["k"].astype(jnp.float32), np.float64)
+    w = np.asarray(inputs["weights"], np.float64)
+    logits = np.einsum("thd,sd->ths", q, k)
+    s = np.einsum("th,ths->ts", w, np.maximum(logits, 0.0))
+    if inputs["k_scale"] is not None:
+        s = s * np.asarray(inputs["k_scale"], np.float64)[None, :]
+    ids = np.arange(k.shape[0])[None, :]
+    start = np.asarray(inputs["kv_start"])[:, None]
+    end = np.asarray(inputs["kv_end"])[:, None]
+    return np.where((ids >= start) & (ids < end), s, -np.inf)
+
+
+def check_against_oracle(result, inputs, top_k, rtol):
+    oracle = numpy_scores(inputs)
+    atol = rtol * (np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0.0) + 1e-6)
+    problems = topk_mismatches(result.indices, result.scores, oracle, top_k, atol)
+    assert not problems, "\n".join(problems[:10])
+
+
+RTOL = {"f32": 1e-5, "bf16": 1e-5, "fp8": 1e-5}
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_reference_methods_match_oracle(case, dtype):
+    inputs = make_inputs(case, DTYPES[dtype])
+    results = {
+        m: jsparse.indexer_topk(**inputs, top_k=case.top_k, method=m, implementation="reference")
+        for m in ("base", "full")
+    }
+    check_against_oracle(results["base"], inputs, case.top_k, RTOL[dtype])
+    np.testing.assert_array_equal(results["full"].indices, results["base"].indices)
+    np.testing.assert_array_equal(results["full"].scores, results["base"].scores)
+
+
+# Interpret mode compiles every kernel per shape (~10 s each on 2 cores): on the CPU, bf16
+# runs every case and fp8 the cases where its rounding matters; the GPU runs all.
+TRITON_CASES = [(c, "bf16") for c in CASES] + [
+    (c, dt) for c in CASES for dt in ("fp8", "f32")
+    if backend.has_nvidia_gpu() or (dt == "fp8" and c.name in ("odd", "prefill-chunk"))
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "dtype"), TRITON_CASES, ids=lambda x: str(x))
+def test_triton_methods_match_oracle_and_each_other(case, dtype, kernel_impl):
+    inputs = make_inputs(case, DTYPES[dtype], seed=1)
+    base = jsparse.indexer_topk(
+        **inputs, top_k=case.top_k, method="base", implementation=kernel_impl
+    )
+    full = jsparse.indexer_topk(
+        **inputs, top_k=case.top_k, method="full", implementation=kernel_impl
+    )
+    check_against_oracle(base, inputs, case.top_k, RTOL[dtype])
+    # one scorer: identical ids and bitwise identical scores
+    np.testing.assert_array_equal(full.indices, base.indices)
+    np.testing.assert_array_equal(full.scores, base.scores)
+    assert not np.any(full.fallback)
+    visible = np.asarray(inputs["kv_end"] - inputs["kv_start"])
+    assert np.all(np.asarray(full.candidates) <= visible)
+
+
+@pytest.mark.parametrize("method", ["base", "full"])
+def test_unsorted_is_the_same_set(method, kernel_impl):
+    case = CASES[2]
+    inputs = make_inputs(case, jnp.bfloat16, seed=8)
+    ordered = jsparse.indexer_topk(
+        **inputs, top_k=case.top_k, method=method, implementation=kernel_impl
+    )
+    loose = jsparse.indexer_topk(
+        **inputs, top_k=case.top_k, method=method, sorted=False, implementation=kernel_impl
+    )
+    for t in range(case.t):
+        a, b = np.asarray(ordered.indices[t]), np.asarray(loose.indices[t])
+        assert sorted(a.tolist()) == sorted(b.tolist())
+        score_of = dict(zip(b.tolist(), np.asarray(loose.scores[t]).tolist(), strict=True))
+        np.testing.assert_array_equal([score_of[i] for i in a], np.asarray(ordered.scores[t]))
+
+
+def test_triton_f32_interpret(kernel_impl):
+    case = CASES[0]
+    inputs = make_inputs(case, jnp.float32, seed=2)
+    base = jsparse.indexer_topk(**inputs, top_k=case.top_k, implementation=kernel_impl)
+    check_against_oracle(base, inputs, case.top_k, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_scores_match_oracle(dtype, kernel_impl):
+    case = CASES[0]
+    inputs = make_inputs(case, DTYPES[dtype], seed=3)
+    oracle = numpy_scores(inputs)
+    for impl in ("reference", kernel_impl):
+        got = np.asarray(jsparse.indexer_scores(**inputs, implementation=impl), np.float64)
+        assert np.array_equal(np.isneginf(got), np.isneginf(oracle))
+        fin = np.isfinite(oracle)
+        np.testing.assert_allclose(got[fin], oracle[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_xla_baseline_matches_oracle():
+    case = CASES[2]
+    inputs = make_inputs(case, jnp.bfloat16)
+    result = jsparse.indexer_topk(**inputs, top_k=case.top_k, method="xla")
+    check_against_oracle(result, inputs, case.top_k, 1e-5)
+
+
+def test_ties_resolve_by_id(kernel_impl):
+    """All-equal scores: the K smallest visible ids, in ascending order."""
+    case = Case("eq", t=2, h=2, d=16, s=300, top_k=64, keys="equal")
+    inputs = make_inputs(case, jnp.bfloat16)
+    inputs["kv_start"] = jnp.array([10, 0], jnp.int32)
+    for impl in ("reference", kernel_impl):
+        for method in ("base", "full"):
+            r = jsparse.indexer_topk(**inputs, top_k=64, method=method, implementation=impl)
+            np.testing.assert_array_equal(r.indices[0], np.arange(10, 74))
+            np.testing.assert_array_equal(r.indices[1], np.arange(64))
+
+
+def test_full_records_fewer_than_visible_on_structured_keys(kernel_impl):
+    """With recent keys scoring highest, the seed threshold prunes most writes."""
+    rng = np.random.default_rng(5)
+    t, h, d, s, top_k = 2, 4, 16, 2048, 16
+    q = np.abs(rng.standard_normal((t, h, d))).astype(np.float32)
+    k = rng.standard_normal((s, d)).astype(np.float32) + np.linspace(-3, 3, s)[:, None]
+    inputs = dict(q=jnp.asarray(q, jnp.bfloat16), weights=jnp.ones((t, h), jnp.float32),
+                  k=jnp.asarray(k, jnp.bfloat16))  # fmt: skip
+    base = jsparse.indexer_topk(**inputs, top_k=top_k, method="base", implementation=kernel_impl)
+    full = jsparse.indexer_topk(**inputs, top_k=top_k, method="full", implementation=kernel_impl)
+    np.testing.assert_array_equal(full.indices, base.indices)
+    assert np.all(np.asarray(full.candidates) < s // 8)
+
+
+def test_explicit_seeds(kernel_impl):
+    case = CASES[2]
+    inputs = make_inputs(case, jnp.bfloat16, seed=4)
+    end = np.asarray(inputs["kv_end"])
+    seeds = np.stack([np.arange(e - 60, e) for e in end]).astype(np.int32)
+    for impl in ("reference", kernel_impl):
+        base = jsparse.indexer_topk(**inputs, top_k=case.top_k, implementation=impl)
+        full = jsparse.indexer_topk(
+            **inputs, top_k=case.top_k, method="full", seeds=jnp.asarray(seeds), implementation=impl
+        )
+        np.testing.assert_array_equal(full.indices, base.indices)
+
+
+def test_record_overflow_falls_back_exactly(interpret):
+    from jsparse.ops.indexer import methods
+
+    case = CASES[2]
+    inputs = make_inputs(case, jnp.bfloat16, seed=6)
+    base = jsparse.indexer_topk(**inputs, top_k=case.top_k, implementation="triton")
+    args = [inputs[n] for n in ("q", "weights", "k")]
+    full = methods.topk_full(
+        *args, case.top_k, inputs["k_scale"], inputs["kv_start"], inputs["kv_end"],
+        capacity=case.top_k,  # far too small: every query overflows
+    )  # fmt: skip
+    assert np.all(np.asarray(full.fallback)[np.asarray(full.visible) > case.top_k])
+    np.testing.assert_array_equal(full.indices, base.indices)
+    np.testing.assert_array_equal(full.scores, base.scores)
+
+
+class TestNonFinite:
+    """Scores follow IEEE arithmetic; NaN ranks above +inf, so it surfaces first."""
+
+    def inputs(self):
+        case = Case("nf", t=3, h=4, d=16, s=100, top_k=8)
+        return make_inputs(case, jnp.float32, seed=7)
+
+    @pytest.mark.parametrize("impl", ["reference", "triton"])
+    @pytest.mark.parametrize("method", ["base", "full"])
+    def test_nan_key_ranks_first(self, impl, method, interpret):
+        inputs = self.inputs()
+        inputs["k"] = inputs["k"].at[42, 3].set(jnp.nan)
+        r = jsparse.indexer_topk(**inputs, top_k=8, method=method, implementation=impl)
+        assert np.all(np.asarray(r.indices[:, 0]) == 42)
+        assert np.all(np.isnan(np.asarray(r.scores[:, 0])))
+        assert np.all(np.isfinite(np.asarray(r.scores[:, 1:])))
+
+    @pytest.mark.parametrize("impl", ["reference", "triton"])
+    def test_nan_weight_poisons_its_query_only(self, impl, interpret):
+        inputs = self.inputs()
+        inputs["weights"] = inputs["weights"].at[1, 0].set(jnp.nan)
+        r = jsparse.indexer_topk(**inputs, top_k=8, implementation=impl)
+        assert np.all(np.isnan(np.asarray(r.scores[1])))
+        np.testing.assert_array_equal(r.indices[1], np.arange(8))  # all tie: ids ascending
+        assert np.all(np.isfinite(np.asarray(r.scores)[[0, 2]]))
+
+    @pytest.mark.parametrize("impl", ["reference", "triton"])
+    def test_inf_query_gives_infinite_scores(self, impl, interpret):
+        inputs = self.inputs()
+        inputs["q"] = inputs["q"].at[0, 1, :].set(jnp.inf)
+        inputs["weights"] = inputs["weights"].at[0, 1].set(1.0)
+        ref = numpy_scores({**inputs})
+        r = jsparse.indexer_topk(**inputs, top_k=8, implementation=impl)
+        # keys whose dot with the inf head is +inf (no NaN from inf·0) score +inf or NaN
+        top = np.asarray(r.scores[0])
+        assert np.all(~np.isfinite(top[: int(np.sum(~np.isfinite(ref[0])))]))
+
+
+class TestBadInput:
+    def ok(self):
+        return make_inputs(CASES[0], jnp.bfloat16)
+
+    @pytest.mark.parametrize(
+        "change, message",
+        [
+            (lambda a: a.update(q=a["q"][0]), "q: expected rank 3"),
+            (lambda a: a.update(k=a["k"][None]), "k: expected rank 2"),
+            (lambda a: a.update(weights=a["weights"][:, :2]), "weights: shape"),
+            (lambda a: a.update(weights=a["weights"].astype(jnp.bfloat16)), "weights: dtype"),
+            (lambda a: a.update(k=a["k"][:, :7]), "k: shape"),
+            (lambda a: a.update(q=a["q"].astype(jnp.float16)), "q: dtype float16"),
+            (lambda a: a.update(k_scale=a["k_scale"][:5]), "k_scale: shape"),
+            (lambda a: a.update(k_scale=a["k_scale"].at[3].set(0.0)), r"k_scale\[3\] = 0.0"),
+            (lambda a: a.update(k_scale=a["k_scale"].at[4].set(jnp.inf)), r"k_scale\[4\] = inf"),
+            (
+                lambda a: a.update(
+                    kv_start=a["kv_start"].at[1].set(200), kv_end=a["kv_end"].at[1].set(100)
+                ),
+                "kv_start > kv_end at query 1",
+            ),
+            (lambda a: a.update(kv_end=a["kv_end"].at[2].set(301)), r"kv_end\[2\] = 301"),
+            (lambda a: a.update(kv_start=a["kv_start"].at[2].set(-1)), r"kv_start\[2\] = -1"),
+            (lambda a: a.update(kv_end=a["kv_end"].astype(jnp.int16)), "kv_end: dtype int16"),
+            (lambda a: a.update(kv_end=a["kv_end"][:2]), "kv_end: shape"),
+        ],
+    )
+    def test_value_errors(self, change, message):
+        inputs = self.ok()
+        change(inputs)
+        with pytest.raises(ValueError, match=message):
+            jsparse.indexer_topk(**inputs, top_k=4, implementation="reference")
+
+    @pytest.mark.parametrize("top_k", [0, -3, 2.5, True])
+    def test_top_k(self, top_k):
+        with pytest.raises(ValueError, match="top_k"):
+            jsparse.indexer_topk(**self.ok(), top_k=top_k)
+
+    def test_method_and_implementation_names(self):
+        with pytest.raises(ValueError, match="method"):
+            jsparse.indexer_topk(**self.ok(), top_k=4, method="fast")
+        with pytest.raises(ValueError, match="implementation"):
+            jsparse.indexer_topk(**self.ok(), top_k=4, implementation="cuda")
+
+    def test_seeds_must_be_visible_and_distinct(self):
+        inputs = self.ok()
+        bad = jnp.zeros((5, 3), jnp.int32).at[1, 0].set(299)  # query 1 sees [start, end)
+        with pytest.raises(ValueError, match="seeds"):
+            jsparse.indexer_topk(**inputs, top_k=4, method="full", seeds=bad)
+
+    @pytest.mark.skipif(backend.has_nvidia_gpu(), reason="checks the no-GPU message")
+    def test_explicit_kernel_without_gpu_says_so(self):
+        with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
+            jsparse.indexer_topk(**self.ok(), top_k=4, implementation="triton")
+
+
+def test_default_implementation_falls_back_to_reference_on_cpu():
+    if backend.has_nvidia_gpu():
+        pytest.skip("CPU behaviour")
+    inputs = make_inputs(CASES[1], jnp.bfloat16)
+    r = jsparse.indexer_topk(**inputs, top_k=4)
+    ref = jsparse.indexer_topk(**inputs, top_k=4, implementation="reference")
+    np.testing.assert_array_equal(r.indices, ref.indices)
+
+
+def test_jit_compatible():
+    inputs = make_inputs(CASES[2], jnp.bfloat16)
+    f = jax.jit(lambda a: jsparse.indexer_topk(**a, top_k=8, implementation="reference").indices)
+    np.testing.assert_array_equal(
+        f(inputs), jsparse.indexer_topk(**inputs, top_k=8, implementation="reference").indices
+    )

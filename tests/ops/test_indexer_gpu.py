@@ -1,0 +1,65 @@
+"""The indexer kernels at DeepSeek-V3.2 shapes on a real GPU (``pytest -m gpu``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.testing import topk_mismatches
+
+pytestmark = pytest.mark.gpu
+
+H, D, K = 64, 128, 2048
+
+
+def inputs(t, s, dtype, causal, seed=0):
+    kq, kk, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(kq, (t, H, D)) * 8.0
+    k = jax.random.normal(kk, (s, D))
+    scale = jnp.max(jnp.abs(k), axis=1) / 448.0
+    end = jnp.arange(s - t + 1, s + 1, dtype=jnp.int32) if causal else jnp.full((t,), s, jnp.int32)
+    return dict(
+        q=q.astype(dtype), weights=jax.random.normal(kw, (t, H)) / np.sqrt(H * D),
+        k=(k / scale[:, None]).astype(dtype), k_scale=scale,
+        kv_start=jnp.zeros((t,), jnp.int32), kv_end=end,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "t, s, causal", [(1, 65536, False), (64, 131072, False), (1024, 32768, True)],
+    ids=["decode1x64K", "decode64x128K", "chunk1Kx32K"],
+)  # fmt: skip
+def test_base_and_full_are_exact(t, s, causal, dtype):
+    x = inputs(t, s, dtype, causal)
+    base = jsparse.indexer_topk(**x, top_k=K, method="base", implementation="triton")
+    full = jsparse.indexer_topk(**x, top_k=K, method="full", implementation="triton")
+    np.testing.assert_array_equal(np.asarray(full.indices), np.asarray(base.indices))
+    np.testing.assert_array_equal(np.asarray(full.scores), np.asarray(base.scores))
+    rows = np.unique(np.linspace(0, t - 1, 4).astype(int))
+    sub = {n: (v[rows] if n in ("q", "weights", "kv_start", "kv_end") else v) for n, v in x.items()}
+    oracle = np.asarray(jsparse.indexer_scores(**sub, implementation="reference"), np.float64)
+    atol = 1e-3 * np.max(np.abs(oracle[np.isfinite(oracle)]))
+    problems = topk_mismatches(
+        np.asarray(base.indices)[rows], np.asarray(base.scores)[rows], oracle, K, atol
+    )
+    assert not problems, problems[:5]
+
+
+def test_scores_kernel_matches_reference():
+    x = inputs(16, 8192, jnp.bfloat16, causal=True)
+    got = np.asarray(jsparse.indexer_scores(**x, implementation="triton"))
+    want = np.asarray(jsparse.indexer_scores(**x, implementation="reference"))
+    assert np.array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-4, atol=1e-4 * np.abs(want[fin]).max())
+
+
+def test_all_equal_scores_take_smallest_ids():
+    x = inputs(4, 20000, jnp.bfloat16, causal=False)
+    x["k"] = jnp.broadcast_to(x["k"][:1], x["k"].shape)
+    x["k_scale"] = None
+    for method in ("base", "full"):
+        r = jsparse.indexer_topk(**x, top_k=K, method=method, implementation="triton")
+        np.testing.assert_array_equal(np.asarray(r.indices), np.tile(np.arange(K), (4, 1)))
