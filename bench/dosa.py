@@ -5,6 +5,8 @@
     python -m bench.dosa --decode --json out.json
     python -m bench.dosa --smoke              # tiny shapes, any machine (interpret mode on CPU)
 
+Entry point ``main(argv)`` (``bench/run.py --op dosa`` can forward its arguments here).
+
 Prefill (MATH.md §1.9, the paper's Figures 7 and 9): for each workload and shape, every
 method's answer is checked against ``base`` first (a mismatch is reported and no speedup
 is printed for it), then timed (median of ``--iters`` after warm-up, with the spread).
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jsparse
+from bench import common
 from jsparse import backend
 from jsparse.certified import VARIANTS, diagnose, dosa_topk, indexer_topk_decode, workloads
 from jsparse.certified.reference import select_queries
@@ -46,17 +48,6 @@ PREFILL_SHAPES = ((8192, 32768), (8192, 65536), (8192, 131072), (65536, 65536))
 DECODE_SHAPES = ((1, 65536), (8, 65536), (64, 65536), (1, 131072), (8, 131072), (64, 131072))
 SMOKE_PREFILL = ((32, 512),)
 SMOKE_DECODE = ((2, 512),)
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        )  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _time(fn, iters: int, warmup: int = 2):
@@ -245,8 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpret)")
     args = parser.parse_args(argv)
 
-    print(f"jsparse bench dosa: commit {_commit()}, jax {jax.__version__}, "
-          f"devices {jax.devices()}")  # fmt: skip
+    env = common.environment()  # JSPARSE_COMMIT names the commit on copies without .git
+    print("jsparse bench dosa | " + " | ".join(f"{k} {v}" for k, v in env.items()))
     if args.smoke:
         args.top_k = min(args.top_k, 32)
         args.iters = min(args.iters, 1)
@@ -272,9 +263,8 @@ def main(argv=None) -> int:
             for batch, length in shapes:
                 run_decode("deepseek_like", batch, length, args, rows, **kw)
     if args.json:
-        args.json.write_text(json.dumps({"commit": _commit(), "jax": jax.__version__,
-                                         "device": str(jax.devices()[0]), "rows": rows},
-                                        indent=1))  # fmt: skip
+        args.json.write_text(json.dumps({"env": env, "args": vars(args) | {"json": str(args.json)},
+                                         "rows": rows}, indent=1))  # fmt: skip
     bad = [r for r in rows if not r.get("exact", True)]
     if bad:
         print(f"MISMATCH against base in {len(bad)} rows: no speedup is valid for those")
