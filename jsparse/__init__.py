@@ -17,4 +17,20 @@ from jsparse.ops.indexer import IndexerTopK, indexer_scores, indexer_topk
 
 __version__ = "0.1.0"
 
-__all__ = ["IndexerTopK", "__version__", "backend", "indexer_scores", "indexer_topk"]
+__all__ = [
+    "IndexerTopK",
+    "__version__",
+    "backend",
+    "indexer_scores",
+    "indexer_topk",
+    "indexer_topk_decode",
+]
+
+
+def __getattr__(name):
+    # The certified package (planner, kernels) stays off the import path until used.
+    if name == "indexer_topk_decode":
+        from jsparse.certified import indexer_topk_decode
+
+        return indexer_topk_decode
+    raise AttributeError(f"module 'jsparse' has no attribute {name!r}")

@@ -126,7 +126,9 @@ class _Plan:
     interpret: bool
 
 
-def _kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref, *refs, p):
+def _kernel(
+    q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref, n_ids_ref, *refs, p
+):
     bt, bs = p.cfg.block_t, p.cfg.block_s
     i = pl.program_id(0)
     split = pl.program_id(1)
@@ -157,8 +159,9 @@ def _kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref
         return scores, visible
 
     if p.key_list:
-        n_tiles = p.list_len // bs
-        first, last = 0, n_tiles
+        # Only the tiles holding the block's listed ids (lists are filled from the front).
+        n_listed = jnp.minimum(plt.load(n_ids_ref.at[i]), p.list_len)
+        first, last = 0, (n_listed + bs - 1) // bs
 
         def tile_ids(j):
             return plt.load(ids_ref.at[i, pl.ds(j * bs, bs)])
@@ -280,7 +283,8 @@ def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
 
 def _launch(
     q, weights, k, k_scale, start, end, *,
-    tau_codes=None, key_ids=None, records_cap=None, fill=False, cfg=None, splits=None,
+    tau_codes=None, key_ids=None, key_counts=None, records_cap=None, fill=False, cfg=None,
+    splits=None,
 ):  # fmt: skip
     t, _, _ = q.shape
     s = k.shape[0]
@@ -292,11 +296,16 @@ def _launch(
     if key_ids is None:
         list_len = 0
         ids = jnp.zeros((1, cfg.block_s), jnp.int32)
+        n_ids = jnp.zeros((1,), jnp.int32)
         n_tiles = -(-s // cfg.block_s)
     else:
         list_len = -(-key_ids.shape[1] // cfg.block_s) * cfg.block_s
         ids = jnp.pad(key_ids, ((0, 0), (0, list_len - key_ids.shape[1])), constant_values=-1)
         n_tiles = list_len // cfg.block_s
+        if key_counts is None:
+            n_ids = jnp.full((ids.shape[0],), list_len, jnp.int32)
+        else:
+            n_ids = key_counts.astype(jnp.int32)
     splits = splits or _default_splits(n_tb, n_tiles)
     scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale
     tau = jnp.zeros((t,), jnp.int32) if tau_codes is None else tau_codes
@@ -320,7 +329,7 @@ def _launch(
     else:
         out_shape = (jax.ShapeDtypeStruct((t, s), jnp.float32),)
         initial = ()
-    n_in = 8
+    n_in = 9
     outs = pl.pallas_call(
         functools.partial(_kernel, p=p),
         grid=(n_tb, splits),
@@ -329,7 +338,7 @@ def _launch(
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=p.interpret,
         name="jsparse_indexer_records" if records else "jsparse_indexer_scores",
-    )(q, weights, k, scale, start, end, tau, ids, *initial)
+    )(q, weights, k, scale, start, end, tau, ids, n_ids, *initial)
     return outs
 
 
@@ -341,12 +350,15 @@ def indexer_scores_triton(q, weights, k, k_scale, start, end, *, cfg=None):
 
 
 def score_records_triton(
-    q, weights, k, k_scale, start, end, tau_codes, capacity, *, key_ids=None, cfg=None
-):
+    q, weights, k, k_scale, start, end, tau_codes, capacity, *, key_ids=None, key_counts=None,
+    cfg=None,
+):  # fmt: skip
     """Records (code, key id) of every visible score with code ≥ ``tau_codes[t]``.
 
     Keys come from the whole visible range, or from ``key_ids`` [ceil(T/BT), N] (one id
-    list per query block; -1 = unused). Returns codes and ids [T, capacity], the true
+    list per query block; -1 = unused). With ``key_counts`` [ceil(T/BT)], block b's ids
+    are its first ``key_counts[b]`` entries and only those tiles are visited (survivor
+    lists of the certified methods). Returns codes and ids [T, capacity], the true
     count per query, which may exceed ``capacity`` (overflow: records past the capacity
     are not stored), and whether each row's records are in ascending id order (one
     program per query block: the key range or list is not split).
@@ -355,7 +367,8 @@ def score_records_triton(
     splits = _splits_for(q.shape[0], q.shape[1], k.shape[0], key_ids, cfg, fp8_keys)
     codes, ids, counts = _launch(
         q, weights, k, k_scale, start, end,
-        tau_codes=tau_codes, key_ids=key_ids, records_cap=capacity, cfg=cfg, splits=splits,
+        tau_codes=tau_codes, key_ids=key_ids, key_counts=key_counts, records_cap=capacity,
+        cfg=cfg, splits=splits,
     )  # fmt: skip
     t = q.shape[0]
     return codes.reshape(t, capacity), ids.reshape(t, capacity), counts, splits == 1

@@ -1,0 +1,276 @@
+"""DoSA benchmark: base / full / dense / dosa, certificate variants, and decode.
+
+    python -m bench.dosa                      # everything of the issue (H200: ~minutes)
+    python -m bench.dosa --prefill --workloads low_survival --keys 131072
+    python -m bench.dosa --decode --json out.json
+    python -m bench.dosa --smoke              # tiny shapes, any machine (interpret mode on CPU)
+
+Entry point ``main(argv)`` (``bench/run.py --op dosa`` can forward its arguments here).
+
+Prefill (MATH.md §1.9, the paper's Figures 7 and 9): for each workload and shape, every
+method's answer is checked against ``base`` first (a mismatch is reported and no speedup
+is printed for it), then timed (median of ``--iters`` after warm-up, with the spread).
+Per method: latency, speedup over base, screening survival (% of visible keys kept by
+the certificate, over screened queries), records per query, fallback %. The
+certificate variants run with ``policy="always"`` (screen every valid query) so their
+survival and time show the certificate itself; ``dosa`` in the method table uses the
+default ``policy="auto"``, which skips screening where the seed sample says it cannot
+pay. Seed deficit b = τ* − τ and bound slack δ = U − s come from
+:func:`jsparse.certified.diagnose` on a sample of queries.
+
+Decode (MATH.md §1.10): B sequences × context, a few steps; witness thresholds against
+``base`` on the same flattened cache: latency, records written per query, and the cut
+in written records (visible keys / records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jsparse
+from bench import common
+from jsparse import backend
+from jsparse.certified import VARIANTS, diagnose, dosa_topk, indexer_topk_decode, workloads
+from jsparse.certified.reference import select_queries
+
+TOP_K = 2048
+HEADS, DIM = 64, 128
+PREFILL_SHAPES = ((8192, 32768), (8192, 65536), (8192, 131072), (65536, 65536))
+DECODE_SHAPES = ((1, 65536), (8, 65536), (64, 65536), (1, 131072), (8, 131072), (64, 131072))
+SMOKE_PREFILL = ((32, 512),)
+SMOKE_DECODE = ((2, 512),)
+
+
+def _time(fn, iters: int, warmup: int = 2):
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1e3 * (time.perf_counter() - t0))
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+
+
+def _same(a, b) -> bool:
+    return bool(np.array_equal(np.asarray(a.indices), np.asarray(b.indices)))
+
+
+def _frac(num, den, mask=None):
+    num, den = np.asarray(num, np.float64), np.maximum(np.asarray(den, np.float64), 1)
+    if mask is not None:
+        if not np.any(mask):
+            return float("nan")
+        num, den = num[mask], den[mask]
+    return float(np.mean(num / den))
+
+
+def _diagnostics(info, wl, top_k, n_sample):
+    t = wl.q.shape[0]
+    rows = jnp.asarray(np.linspace(0, t - 1, n_sample).astype(np.int32))
+    d = diagnose(
+        select_queries(info.plan, rows), wl.q[rows], wl.weights[rows], wl.k, wl.k_scale,
+        wl.kv_start[rows], wl.kv_end[rows], top_k=top_k,
+    )  # fmt: skip
+    scale = np.abs(np.asarray(d.tau_star))
+    return {
+        "seed_deficit_rel_median": float(np.nanmedian(np.asarray(d.seed_deficit) / scale)),
+        # above_tau: the survival an exact certificate would give with these seeds
+        "above_tau_pct": 100 * float(np.mean(np.asarray(d.above_tau))),
+        "above_tau_star_pct": 100 * float(np.mean(np.asarray(d.above_tau_star))),
+        "survival_pct_sample": 100 * float(np.mean(np.asarray(d.survival))),
+        "slack_rel_median": float(np.nanmedian(np.asarray(d.slack_rel_median))),
+    }
+
+
+def run_prefill(wl, args, out):
+    t, s, _, _ = wl.shape
+    kw = dict(k_scale=wl.k_scale, kv_start=wl.kv_start, kv_end=wl.kv_end)
+    q, w, k = wl.q, wl.weights, wl.k
+    top_k = min(args.top_k, s)
+    calls = {
+        "base": lambda: jsparse.indexer_topk(q, w, k, top_k, method="base", **kw),
+        "full": lambda: jsparse.indexer_topk(q, w, k, top_k, method="full", **kw),
+        "dense": lambda: dosa_topk(q, w, k, top_k, method="dense", return_info=True, **kw),
+        "dosa": lambda: dosa_topk(q, w, k, top_k, method="dosa", return_info=True, **kw),
+    }
+    if args.refine_block:
+        # Scorer blocks of 4 queries for every scoring launch (a coarser shared stream):
+        # fewer key loads, more wasted evaluations; exact against base with that block.
+        calls["dosa[refine_block=4]"] = lambda: dosa_topk(
+            q, w, k, top_k, refine_block=4, return_info=True, **kw
+        )
+    for variant in args.variants:
+        calls[f"dosa[{variant},always]"] = lambda v=variant: dosa_topk(
+            q, w, k, top_k, variant=v, policy="always", return_info=True, **kw
+        )
+    rows = []
+    base = None
+    for name, fn in calls.items():
+        if args.methods and name.split("[")[0] not in args.methods:
+            continue
+        got = fn()
+        res, info = got if isinstance(got, tuple) else (got, None)
+        if base is None:
+            base = res
+        row = {"workload": wl.name, "T": t, "S": s, "method": name, "exact": _same(res, base)}
+        row.update(_time(fn, args.iters))
+        vis = np.asarray(res.visible)
+        row["records_per_query"] = float(np.mean(np.asarray(res.candidates)))
+        row["fallback_pct"] = 100 * float(np.mean(np.asarray(res.fallback)))
+        if info is not None:
+            screened = np.asarray(info.screened)
+            row["screened_pct"] = 100 * float(np.mean(screened))
+            row["survival_pct"] = 100 * _frac(res.survivors, vis, screened)
+            row["list_pct"] = 100 * _frac(info.list_length, vis, screened)
+            row["est_survival_pct"] = 100 * float(np.mean(np.asarray(info.plan.est_survival)))
+            reasons = np.asarray(info.plan.reason)
+            row["not_pruned_reasons"] = {
+                str(b): int(np.sum((reasons & b) != 0)) for b in (1, 2, 4, 8, 16)
+            }
+            row["mean_r"] = float(np.mean(np.asarray(info.plan.r)))
+            if args.diagnostics:
+                row.update(_diagnostics(info, wl, top_k, args.diag_queries))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    _print_tables(rows)
+
+
+def _print_tables(rows):
+    by = {r["method"]: r for r in rows}
+    base = by.get("base")
+    if not base:
+        return
+    print(f"\n| {rows[0]['workload']} T={base['T']} S={base['S']} | ms | × base | surv % | "
+          "records | fallback % | exact |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        speed = base["median_ms"] / r["median_ms"] if r["exact"] else float("nan")
+        surv = r.get("survival_pct", float("nan"))
+        print(
+            f"| {r['method']} | {r['median_ms']:.2f} | {speed:.2f} | {surv:.2f} | "
+            f"{r['records_per_query']:.0f} | {r['fallback_pct']:.1f} | {r['exact']} |"
+        )
+    print()
+
+
+def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
+    steps = args.decode_steps
+    wl = workloads.make_decode(name, batch, length, steps, heads=heads, dim=dim, seed=0)
+    b, s_max, d = wl.k_cache.shape
+    flat = wl.k_cache.reshape(b * s_max, d)
+    flat_scale = wl.k_scale.reshape(-1)
+    offset = jnp.arange(b, dtype=jnp.int32) * s_max
+    top_k = min(args.top_k, int(np.min(np.asarray(wl.lengths))))
+    witnesses = jnp.full((b, 2 * top_k), -1, jnp.int32)
+    rows = []
+    for n in range(steps):
+        q, w, lengths = wl.step(n)
+
+        def base_fn(q=q, w=w, lengths=lengths):
+            return jsparse.indexer_topk(
+                q, w, flat, top_k, k_scale=flat_scale, kv_start=offset, kv_end=offset + lengths
+            )
+
+        def dosa_fn(q=q, w=w, lengths=lengths, wit=witnesses):
+            return indexer_topk_decode(
+                q, w, wl.k_cache, top_k, k_scale=wl.k_scale, lengths=lengths, witnesses=wit
+            )
+
+        base = base_fn()
+        res, new_witnesses = dosa_fn()
+        base_ids = jnp.where(base.indices >= 0, base.indices - offset[:, None], -1)
+        exact = bool(np.array_equal(np.asarray(res.indices), np.asarray(base_ids)))
+        if n > 0:  # step 0 has no witnesses yet (default seeds)
+            tb, td = _time(base_fn, args.iters), _time(dosa_fn, args.iters)
+            records = np.asarray(res.candidates, np.float64)
+            vis = np.asarray(lengths, np.float64)
+            row = {
+                "workload": name, "batch": batch, "context": length, "step": n,
+                "exact": exact, "base_ms": tb["median_ms"], "dosa_ms": td["median_ms"],
+                "base_spread_ms": [tb["min_ms"], tb["max_ms"]],
+                "dosa_spread_ms": [td["min_ms"], td["max_ms"]],
+                "records_per_query": float(records.mean()),
+                "record_cut": float(vis.sum() / max(records.sum(), 1)),
+                "fallback_pct": 100 * float(np.mean(np.asarray(res.fallback))),
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+        witnesses = new_witnesses
+    if rows:
+        r = rows[-1]
+        print(
+            f"| decode {name} B={batch} S={length} | base {r['base_ms']:.3f} ms | dosa "
+            f"{r['dosa_ms']:.3f} ms | records/query {r['records_per_query']:.0f} | cut "
+            f"{r['record_cut']:.1f}× | exact {all(x['exact'] for x in rows)} |"
+        )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.dosa", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, help="write every row to this JSON file")
+    parser.add_argument("--prefill", action="store_true", help="prefill only")
+    parser.add_argument("--decode", action="store_true", help="decode only")
+    parser.add_argument("--workloads", default="iid,deepseek_like,low_survival")
+    parser.add_argument("--keys", type=int, nargs="*", help="prefill key counts (default all)")
+    parser.add_argument("--queries", type=int, help="prefill queries (default per shape)")
+    parser.add_argument("--methods", nargs="*", help="subset of base full dense dosa")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--top-k", type=int, default=TOP_K)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--decode-steps", type=int, default=3)
+    parser.add_argument("--refine-block", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--diag-queries", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpret)")
+    args = parser.parse_args(argv)
+
+    env = common.environment()  # JSPARSE_COMMIT names the commit on copies without .git
+    print("jsparse bench dosa | " + " | ".join(f"{k} {v}" for k, v in env.items()))
+    if args.smoke:
+        args.top_k = min(args.top_k, 32)
+        args.iters = min(args.iters, 1)
+        args.decode_steps = min(args.decode_steps, 2)
+        args.diag_queries = min(args.diag_queries, 2)
+    if not backend.has_nvidia_gpu():
+        print("no NVIDIA GPU: Pallas kernels run in interpret mode (timings meaningless)")
+    names = [n for n in args.workloads.split(",") if n]
+    rows: list[dict] = []
+    with backend.interpret_mode(not backend.has_nvidia_gpu()):
+        if not args.decode:
+            shapes = SMOKE_PREFILL if args.smoke else PREFILL_SHAPES
+            for t, s in shapes:
+                if args.keys and s not in args.keys:
+                    continue
+                t = args.queries or t
+                for name in names:
+                    kw = dict(heads=16, dim=32) if args.smoke else dict(heads=HEADS, dim=DIM)
+                    run_prefill(workloads.make(name, t, s, seed=0, **kw), args, rows)
+        if not args.prefill:
+            shapes = SMOKE_DECODE if args.smoke else DECODE_SHAPES
+            kw = dict(heads=16, dim=32) if args.smoke else {}
+            for batch, length in shapes:
+                run_decode("deepseek_like", batch, length, args, rows, **kw)
+    if args.json:
+        args.json.write_text(json.dumps({"env": env, "args": vars(args) | {"json": str(args.json)},
+                                         "rows": rows}, indent=1))  # fmt: skip
+    bad = [r for r in rows if not r.get("exact", True)]
+    if bad:
+        print(f"MISMATCH against base in {len(bad)} rows: no speedup is valid for those")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

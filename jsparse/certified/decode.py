@@ -1,0 +1,277 @@
+"""Decoding with witness thresholds (MATH.md §1.10).
+
+One query per sequence and step. Keys selected in recent steps (the witnesses) are still
+visible and usually still score high, so their current scores give a seed threshold τ_b
+(the K-th largest, when at least K witnesses are visible): every key with score < τ_b is
+out of the Top-K. The full scorer then writes only records ≥ τ_b, and an exact selection
+over the records gives the Top-K.
+
+The witness buffer holds W ≥ K distinct ids (default W = 2K): after each step, the new
+Top-K plus the previous witnesses that score best under the current query. With exactly
+K witnesses τ would be the *smallest* current score among them, and one witness that
+dropped far is enough to make τ useless; with 2K of them τ is their K-th best, robust to
+half the set moving away (measured: about 5× fewer records at 32K keys on
+``deepseek_like``). Every witness is a key selected in some recent step, so this is
+MATH.md §1.10's "distinct keys selected in recent steps".
+
+Sequences with fewer than K valid witnesses (the first step) use the default seed set
+(recent keys plus a strided sample) instead. A record buffer overflow falls back to
+scoring every key of that sequence; nothing is ever dropped.
+
+The key cache is dense, [B, S_max, D], with ``lengths[b]`` valid keys per sequence;
+ids in and out are positions within the sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jsparse import _checks, backend
+from jsparse.ops.indexer import reference as scorer
+from jsparse.ops.indexer.result import IndexerTopK
+from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
+from jsparse.ops.topk.reference import select_topk_reference
+
+
+def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k):
+    _checks.check_rank("q", q, 3, "[B, H, D]")
+    _checks.check_rank("weights", weights, 2, "[B, H]")
+    _checks.check_rank("k_cache", k_cache, 3, "[B, S_max, D]")
+    _checks.check_dtype("q", q, _checks.INPUT_FLOATS)
+    _checks.check_dtype("k_cache", k_cache, _checks.INPUT_FLOATS)
+    _checks.check_dtype("weights", weights, (jnp.float32,))
+    b, h, d = q.shape
+    if weights.shape != (b, h):
+        raise ValueError(f"weights: shape {tuple(weights.shape)}; expected [B, H] = ({b}, {h})")
+    if k_cache.shape[0] != b or k_cache.shape[2] != d:
+        raise ValueError(
+            f"k_cache: shape {tuple(k_cache.shape)}; expected [B, S_max, D] with B = {b}, D = {d}"
+        )
+    s_max = k_cache.shape[1]
+    if k_scale is not None:
+        _checks.check_dtype("k_scale", k_scale, (jnp.float32,))
+        if k_scale.shape != (b, s_max):
+            raise ValueError(
+                f"k_scale: shape {tuple(k_scale.shape)}; expected [B, S_max] = ({b}, {s_max})"
+            )
+    _checks.check_rank("lengths", lengths, 1, "[B]")
+    _checks.check_dtype("lengths", lengths, (jnp.int32,))
+    if lengths.shape[0] != b:
+        raise ValueError(f"lengths: shape {tuple(lengths.shape)}; expected [B] = ({b},)")
+    values = _checks.concrete(lengths)
+    if values is not None and ((values < 0) | (values > s_max)).any():
+        raise ValueError(f"lengths: every length must lie in [0, S_max = {s_max}], got {values}")
+    if witnesses is not None:
+        _checks.check_rank("witnesses", witnesses, 2, "[B, W]")
+        _checks.check_dtype("witnesses", witnesses, (jnp.int32,))
+        if witnesses.shape[0] != b:
+            raise ValueError(f"witnesses: shape {tuple(witnesses.shape)}; expected [B, W]")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k: expected a positive Python int, got {top_k!r}")
+
+
+def indexer_topk_decode(
+    q: Float[Array, "B H D"],
+    weights: Float[Array, "B H"],
+    k_cache: Float[Array, "B S D"],
+    top_k: int,
+    *,
+    k_scale: Float[Array, "B S"] | None = None,
+    lengths: Int[Array, " B"],
+    witnesses: Int[Array, "B W"] | None = None,
+    witness_capacity: int | None = None,
+    implementation: str | Sequence[str] | None = None,
+) -> tuple[IndexerTopK, Int[Array, "B W"]]:
+    """Exact Top-K of one decode step per sequence, thresholded by witnesses.
+
+    Args:
+      q: [B, H, D] the step's query of each sequence.
+      weights: [B, H] float32 head weights.
+      k_cache: [B, S_max, D] keys; sequence b has ``lengths[b]`` valid keys (the query
+        sees keys 0 .. lengths[b]-1, the new token's key included if the caller wrote it).
+      top_k: K.
+      k_scale: optional [B, S_max] float32 > 0 per-key scales.
+      lengths: [B] int32 valid keys per sequence.
+      witnesses: optional [B, W] int32 key ids (-1 = empty): the witnesses this
+        function returned at the previous step (or any distinct ids, e.g. a previous
+        Top-K); ids ≥ lengths[b] are ignored. Distinct per row.
+      witness_capacity: W of the returned buffer (default max(2·K, W of ``witnesses``)).
+      implementation: see :mod:`jsparse.backend`.
+
+    Returns:
+      (IndexerTopK with ids relative to each sequence, the new witnesses [B, W]: this
+      step's Top-K first, then the previous witnesses scoring best now, -1 padded).
+    """
+    _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k)
+    b = k_cache.shape[0]
+    if witnesses is None:
+        witnesses = jnp.full((b, 1), -1, jnp.int32)
+    capacity = witness_capacity or max(2 * top_k, witnesses.shape[1])
+    if capacity < top_k:
+        raise ValueError(f"witness_capacity: {capacity} < top_k = {top_k}; expected ≥ top_k")
+    return backend.dispatch(
+        "indexer_topk_decode",
+        {"triton": _decode_triton, "reference": _decode_reference},
+        implementation,
+        q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity,
+    )  # fmt: skip
+
+
+def _flat(k_cache, k_scale, lengths, witnesses):
+    """Flattened cache [B·S_max, D] with per-sequence ranges, and witness ids made global."""
+    b, s_max, d = k_cache.shape
+    offset = jnp.arange(b, dtype=jnp.int32) * s_max
+    start = offset
+    end = offset + lengths
+    ok = (witnesses >= 0) & (witnesses < lengths[:, None])
+    wit = jnp.where(ok, witnesses + offset[:, None], -1)
+    scale = None if k_scale is None else k_scale.reshape(b * s_max)
+    return k_cache.reshape(b * s_max, d), scale, start, end, wit, offset
+
+
+def _seeds(wit, start, end, top_k, num_keys):
+    """Witnesses where a sequence has ≥ K of them, else the default seed set."""
+    from jsparse.ops.indexer.api import default_seed_ids
+
+    enough = jnp.sum(wit >= 0, axis=1) >= top_k
+    default = default_seed_ids(start, end, top_k, n_seeds=2 * top_k, num_keys=num_keys)
+    width = max(wit.shape[1], default.shape[1])
+    wit = jnp.pad(wit, ((0, 0), (0, width - wit.shape[1])), constant_values=-1)
+    default = jnp.pad(default, ((0, 0), (0, width - default.shape[1])), constant_values=-1)
+    return jnp.where(enough[:, None], wit, default)
+
+
+def _relative(result, offset):
+    ids = jnp.where(result.indices >= 0, result.indices - offset[:, None], -1)
+    return result.replace(indices=ids.astype(jnp.int32))
+
+
+def _carry_witnesses(top_ids, seed_ids, seed_codes, capacity, offset):
+    """Next witnesses: this step's Top-K, then the best-scoring previous seeds (distinct).
+
+    top_ids [B, K] and seed_ids [B, N] are global ids (-1 empty); seed_codes [B, N] the
+    seeds' current score codes. Returns relative ids [B, capacity], -1 padded.
+    """
+    int_max = jnp.iinfo(jnp.int32).max
+    ids = jnp.concatenate([top_ids, seed_ids], axis=1)
+    # Top-K first (above any score code), then seeds by their current score.
+    rank = jnp.concatenate(
+        [
+            jnp.where(top_ids >= 0, int_max, EMPTY_CODE),
+            jnp.where(seed_ids >= 0, seed_codes, EMPTY_CODE),
+        ],
+        axis=1,
+    ).astype(jnp.int32)
+    rank = jnp.where(ids >= 0, rank, EMPTY_CODE)
+    # Drop duplicates (a seed that is also in the Top-K): sort by id, keep the first.
+    key_ids = jnp.where(ids >= 0, ids, int_max)
+    s_ids, s_neg_rank = jax.lax.sort((key_ids, ~rank), dimension=1, num_keys=2)
+    dup = jnp.concatenate(
+        [jnp.zeros_like(s_ids[:, :1], bool), s_ids[:, 1:] == s_ids[:, :-1]], axis=1
+    )
+    s_rank = jnp.where(dup | (s_ids == int_max), EMPTY_CODE, ~s_neg_rank)
+    width = min(capacity, s_ids.shape[1])
+    best, pos = jax.lax.top_k(s_rank, width)
+    chosen = jnp.take_along_axis(s_ids, pos, axis=1)
+    chosen = jnp.where(best == EMPTY_CODE, -1, chosen - offset[:, None])
+    return jnp.pad(chosen, ((0, 0), (0, capacity - width)), constant_values=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "capacity"))
+def _decode_reference(q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity):
+    from jsparse.ops.indexer.api import seed_threshold_code
+
+    k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses)
+    seeds = _seeds(wit, start, end, top_k, k.shape[0])
+    seed_scores = scorer.score_keys_reference(q, weights, k, seeds, scale)
+    tau = seed_threshold_code(seed_scores, seeds, top_k)
+    # Only the sequence's own keys: ids relative to its block of the flat cache.
+    s_max = k_cache.shape[1]
+    rel = jnp.arange(s_max, dtype=jnp.int32)[None, :]
+    ids = jnp.where(rel < lengths[:, None], rel + start[:, None], -1)
+    scores = scorer.score_keys_reference(q, weights, k, ids, scale)
+    keep = (ids >= 0) & (score_code(scores) >= tau[:, None])
+    indices, values = select_topk_reference(scores, jnp.where(keep, ids, -1), top_k)
+    result = IndexerTopK(
+        indices=indices,
+        scores=values,
+        visible=lengths,
+        candidates=jnp.sum(keep, axis=1).astype(jnp.int32),
+        survivors=lengths,
+        threshold=code_to_score(tau),
+        fallback=jnp.zeros(lengths.shape, bool),
+    )
+    seed_codes = jnp.where(seeds >= 0, score_code(seed_scores), EMPTY_CODE)
+    new_witnesses = _carry_witnesses(indices, seeds, seed_codes, capacity, offset)
+    return _relative(result, offset), new_witnesses
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "capacity", "witness_capacity"))
+def _decode_triton_jit(
+    q, weights, k_cache, top_k, k_scale, lengths, witnesses, *, capacity, witness_capacity
+):
+    from jsparse.ops.indexer import methods
+    from jsparse.ops.indexer import triton as scorer_triton
+    from jsparse.ops.topk import triton as select
+
+    k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses)
+    b = q.shape[0]
+    cfg = scorer_triton.default_config(b, q.shape[1], k.dtype == jnp.float8_e4m3fn)
+    seeds = _seeds(wit, start, end, top_k, k.shape[0])
+    lists = methods.block_union_ids(seeds, cfg.block_t)
+    keep_all = jnp.full((b,), EMPTY_CODE, jnp.int32)
+    seed_cap = methods._round_up(lists.shape[1], 128)
+    seed_codes, seed_ids, seed_counts, _ = scorer_triton.score_records_triton(
+        q, weights, k, scale, start, end, keep_all, seed_cap, key_ids=lists, cfg=cfg
+    )
+    _, _, tau = select.select_candidates(seed_codes, seed_ids, seed_counts, top_k)
+    codes, ids, counts, ordered = scorer_triton.score_records_triton(
+        q, weights, k, scale, start, end, tau, capacity, cfg=cfg
+    )
+    overflow = counts > capacity
+    indices, values = methods.select_records(
+        codes, ids, jnp.minimum(counts, capacity), top_k, id_ordered=ordered
+    )
+
+    def recover(iv):
+        # Overflowed sequences only (the others get empty ranges): every visible score
+        # as a record (τ = EMPTY) in a buffer as long as the cache, then exact selection.
+        fb_end = jnp.where(overflow, end, start)
+        full_cap = methods._round_up(k_cache.shape[1], 128)
+        c2, i2, n2, ordered2 = scorer_triton.score_records_triton(
+            q, weights, k, scale, start, fb_end, keep_all, full_cap, cfg=cfg
+        )
+        fb_idx, fb_val = methods.select_records(c2, i2, n2, top_k, id_ordered=ordered2)
+        return (
+            jnp.where(overflow[:, None], fb_idx, iv[0]),
+            jnp.where(overflow[:, None], fb_val, iv[1]),
+        )
+
+    indices, values = jax.lax.cond(jnp.any(overflow), recover, lambda iv: iv, (indices, values))
+    result = IndexerTopK(
+        indices=indices,
+        scores=values,
+        visible=lengths,
+        candidates=counts.astype(jnp.int32),
+        survivors=lengths,
+        threshold=code_to_score(tau),
+        fallback=overflow,
+    )
+    new_witnesses = _carry_witnesses(indices, seed_ids, seed_codes, witness_capacity, offset)
+    return _relative(result, offset), new_witnesses
+
+
+def _decode_triton(q, weights, k_cache, top_k, k_scale, lengths, witnesses, witness_capacity):
+    from jsparse.ops.indexer import methods
+
+    n_seeds = max(witnesses.shape[1], 2 * top_k)  # the width of the seed lists (_seeds)
+    cap = methods.default_record_capacity(top_k, k_cache.shape[1], n_seeds)
+    return _decode_triton_jit(
+        q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity=cap,
+        witness_capacity=witness_capacity,
+    )  # fmt: skip

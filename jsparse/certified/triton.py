@@ -1,0 +1,432 @@
+"""DoSA on the Pallas Triton backend: the screening kernel and the certified pipeline.
+
+Pipeline of :func:`certified_topk_triton` (MATH.md §1.8), every scoring step through the
+one scorer kernel of :mod:`jsparse.ops.indexer.triton` with one tile config per call:
+
+1. seeds: one seed list per scorer block of BT queries (as ``full``), scored by the
+   scorer's key-list mode; τ_t = the K-th seed score visible to query t.
+2. plan (:mod:`jsparse.certified.planner`, XLA): rows, folded weights, guard, width.
+3. screen (this module's kernel): U^num for every visible key of the screened queries;
+   a key survives for query t iff U^num ≥ τ_t (as score codes) or its norm is not
+   finite. The kernel writes, per scorer block, the union of its queries' survivors
+   (ids in increasing order when one program scans the block's keys) and the count.
+4. refine: the scorer's key-list mode over each block's survivor list; each query keeps
+   its records with code ≥ τ_t (``dosa``) or every listed visible key (``dense``).
+   A key in the list because another query of the block kept it is scored for t too
+   and is filtered by t's own τ: exact, since t's bound already proved it below τ_t.
+   This is the paper's shared refinement stream (§1.9) at the granularity of the
+   scorer's query block.
+5. select: the exact selection kernel over the records.
+
+No candidate is ever lost: a query that is not screened (plan.prune False) or whose
+block's survivor list overflows is scored in full (``full``: records ≥ τ over its whole
+range); a query whose record buffer overflows is answered by ``base``. Both are
+reported per query.
+
+Screening tile (one program, queries of one width class W):
+
+    keys     [BS, D]          one key tile (bf16; fp8 keys widen exactly)
+    rows     [BQ·W, D]        W rows per query: hi, lo, retained heads, zeros
+    logits   [BS, BQ·W]       one tensor-core dot, f32 accumulation
+    bound    [BS, BQ]         Σ ω relu − relu(hi + lo) + e·‖k‖ + c_abs, times α
+
+BQ·W = 128 by default (BQ = 16 queries at W = 8), so a key tile is loaded once per 16
+queries, against once per BT = 2 queries for the full scorer. Queries are grouped into
+tiles by width class (§1.9: "queries with similar retained-head budgets"); scorer
+blocks stay whole so each block's survivor union is built by one program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jsparse import backend
+from jsparse.certified import planner
+from jsparse.certified.reference import CertifiedInfo
+from jsparse.ops.indexer import methods
+from jsparse.ops.indexer import triton as scorer
+from jsparse.ops.indexer.result import IndexerTopK
+from jsparse.ops.topk import triton as select
+from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
+
+
+@dataclasses.dataclass(frozen=True)
+class ScreenConfig:
+    """Tiles of the screening kernel."""
+
+    block_s: int = 128  # keys per tile (M of the dot)
+    tile_rows: int = 128  # screening rows per program (N of the dot): BQ·W
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_s", "tile_rows", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"ScreenConfig.{name} must be a power of two, got {value}")
+        if self.block_s < 16 or self.tile_rows < 16:
+            raise ValueError(f"ScreenConfig: block_s and tile_rows must be ≥ 16, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    t: int
+    s: int
+    dim: int  # padded to a power of two
+    width: int  # W of this launch
+    wmax: int
+    block_t: int  # BT of the scorer
+    block_q: int  # BQ: queries per screening program (multiple of BT)
+    n_blocks: int  # scorer blocks ceil(T / BT)
+    cap: int  # survivor list capacity per scorer block
+    splits: int
+    screen_dtype: str
+    cfg: ScreenConfig
+
+
+def _screen_kernel(
+    tile_ref, rows_ref, omega_ref, ecoef_ref, cabs_ref, tau_ref, prune_ref, start_ref,
+    end_ref, k_ref, knorm_ref, scale_ref, _list_in, _count_in, _surv_in,
+    list_ref, count_ref, surv_ref, *, p: _Static,
+):  # fmt: skip
+    bq, bt, w, bs = p.block_q, p.block_t, p.width, p.cfg.block_s
+    nsub = bq // bt
+    i = pl.program_id(0)
+    split = pl.program_id(1)
+    lane = jnp.arange(bq, dtype=jnp.int32)
+    blk_of_q = plt.load(tile_ref.at[i, lane // bt])  # [BQ] scorer block of each query
+    qid = blk_of_q * bt + lane % bt
+    q_in = (blk_of_q >= 0) & (qid < p.t)
+    q_safe = jnp.where(q_in, qid, 0)
+    pruned = plt.load(prune_ref.at[q_safe], mask=q_in, other=0) != 0
+    q_ok = q_in & pruned
+    # Queries not screened see nothing here: start = S, end = 0.
+    start = jnp.where(q_ok, plt.load(start_ref.at[q_safe], mask=q_in, other=0), p.s)
+    end = jnp.where(q_ok, plt.load(end_ref.at[q_safe], mask=q_in, other=0), 0)
+    tau = plt.load(tau_ref.at[q_safe], mask=q_in, other=0)
+    ecoef = plt.load(ecoef_ref.at[q_safe], mask=q_in, other=0.0)
+    cabs = plt.load(cabs_ref.at[q_safe], mask=q_in, other=0.0)
+    wi = jnp.arange(w, dtype=jnp.int32)
+    dims = jnp.arange(p.dim, dtype=jnp.int32)
+    rows = plt.load(
+        rows_ref.at[q_safe[:, None, None], wi[None, :, None], dims[None, None, :]],
+        mask=q_ok[:, None, None],
+        other=0,
+    )  # [BQ, W, D]
+    rows2 = rows.reshape(bq * w, p.dim)
+    omega = plt.load(omega_ref.at[q_safe[:, None], wi[None, :]], mask=q_ok[:, None], other=0.0)
+    aux_mask = jnp.where(wi < planner.AUX_ROWS, 1.0, 0.0).astype(jnp.float32)  # rows hi, lo
+    sub = jnp.arange(nsub, dtype=jnp.int32)
+    blk = plt.load(tile_ref.at[i, sub])  # [nsub] scorer blocks of this program
+    blk_ok = blk >= 0
+
+    lo = jnp.min(jnp.where(q_ok, start, p.s))
+    hi = jnp.max(jnp.where(q_ok & (end > start), end, 0))
+    first = lo // bs
+    last = jnp.where(hi > lo, (hi + bs - 1) // bs, first)
+    per_split = (last - first + p.splits - 1) // p.splits
+    begin = first + split * per_split
+    stop = jnp.minimum(begin + per_split, last)
+    precision = jax.lax.Precision.HIGHEST if p.screen_dtype == "float32" else None
+    trash = p.n_blocks * p.cap  # one past the last slot: never a live index
+
+    def body(j, carry):
+        n_q, filled = carry
+        ids = j * bs + jnp.arange(bs, dtype=jnp.int32)
+        ok = ids < p.s
+        safe = jnp.where(ok, ids, 0)
+        # Unmasked gather at safe ids (a masked fp8 load with a fill value does not lower);
+        # lanes past S are dropped by `visible` below.
+        k_tile = plt.load(k_ref.at[safe[:, None], dims[None, :]])
+        knorm = plt.load(knorm_ref.at[safe], mask=ok, other=0.0)
+        scale = plt.load(scale_ref.at[safe], mask=ok, other=1.0)
+        logits = jax.lax.dot_general(
+            k_tile.astype(rows2.dtype), rows2, (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32, precision=precision,
+        )  # fmt: skip
+        l3 = logits.reshape(bs, bq, w)
+        kept = jnp.sum(jnp.where(l3 < 0, 0.0, l3) * omega[None, :, :], axis=2)  # [BS, BQ]
+        aux = jnp.sum(l3 * aux_mask[None, None, :], axis=2)
+        bound = kept - jnp.where(aux < 0, 0.0, aux)
+        bound = (bound + ecoef[None, :] * knorm[:, None] + cabs[None, :]) * scale[:, None]
+        reject = (score_code(bound) < tau[None, :]) & (knorm[:, None] < jnp.inf)
+        visible = ok[:, None] & (ids[:, None] >= start[None, :]) & (ids[:, None] < end[None, :])
+        keep = jnp.where(visible & ~reject, 1, 0).astype(jnp.int32).T  # [BQ, BS]
+        n_q = n_q + jnp.sum(keep, axis=1)
+        union = jnp.sum(keep.reshape(nsub, bt, bs), axis=1) > 0  # [nsub, BS]
+        union_i = union.astype(jnp.int32)
+        n_new = jnp.sum(union_i, axis=1)  # [nsub]
+        if p.splits == 1:
+            base = filled
+        else:
+            # Several programs fill one list: reserve room with scalar fetch-and-add
+            # (vector int atomics are unreliable on this backend).
+            base = jnp.zeros((nsub,), jnp.int32)
+            for r in range(nsub):
+                n_r = jnp.sum(jnp.where(sub == r, n_new, 0))
+                b_r = jnp.maximum(jnp.sum(jnp.where(sub == r, blk, 0)), 0)
+                old = plt.atomic_add(count_ref, (b_r.astype(jnp.int32),), n_r)
+                base = jnp.where(sub == r, old, base)
+        pos = base[:, None] + jnp.cumsum(union_i, axis=1) - 1
+        store = union & (pos < p.cap) & blk_ok[:, None]
+        dst = jnp.where(store, blk[:, None] * p.cap + pos, trash)
+        plt.store(list_ref.at[dst], jnp.broadcast_to(ids[None, :], (nsub, bs)), mask=store)
+        return n_q, filled + n_new
+
+    init = (jnp.zeros((bq,), jnp.int32), jnp.zeros((nsub,), jnp.int32))
+    n_q, filled = jax.lax.fori_loop(begin, stop, body, init)
+    if p.splits == 1:
+        plt.store(count_ref.at[jnp.where(blk_ok, blk, p.n_blocks)], filled, mask=blk_ok)
+    dst = jnp.where(q_in, qid * p.splits + split, p.t * p.splits)
+    plt.store(surv_ref.at[dst], n_q, mask=q_in)
+
+
+def _screen_launch(tiles, plan, start, end, k, knorm, scale, lists, counts, surv, p: _Static):
+    prune = plan.prune.astype(jnp.int32)
+    inputs = (
+        tiles, plan.rows, plan.row_weights, plan.e_coef, plan.c_abs, plan.tau_code, prune,
+        start, end, k, knorm, scale,
+    )  # fmt: skip
+    n_in = len(inputs)
+    return pl.pallas_call(
+        functools.partial(_screen_kernel, p=p),
+        grid=(tiles.shape[0], p.splits),
+        out_shape=(
+            jax.ShapeDtypeStruct(lists.shape, jnp.int32),
+            jax.ShapeDtypeStruct(counts.shape, jnp.int32),
+            jax.ShapeDtypeStruct(surv.shape, jnp.int32),
+        ),
+        input_output_aliases={n_in: 0, n_in + 1: 1, n_in + 2: 2},
+        compiler_params=plt.CompilerParams(num_warps=p.cfg.num_warps, num_stages=p.cfg.num_stages),
+        interpret=backend.is_interpret(),
+        name=f"jsparse_dosa_screen_w{p.width}",
+    )(*inputs, lists, counts, surv)
+
+
+def _class_tiles(block_class, c, nsub):
+    """Scorer blocks of width class c packed into tiles of nsub blocks: [n_tiles, nsub]."""
+    n = block_class.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    order = jnp.argsort(jnp.where(block_class == c, idx, n + idx)).astype(jnp.int32)
+    count = jnp.sum(block_class == c)
+    n_tiles = -(-n // nsub)
+    order = jnp.pad(order, (0, n_tiles * nsub - n))
+    live = jnp.arange(n_tiles * nsub) < count
+    return jnp.where(live, order, -1).reshape(n_tiles, nsub)
+
+
+def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, splits=None):
+    """Survivor lists per scorer block (union over its queries) and counts.
+
+    Returns (lists [n_blocks, cap] int32 with -1 in unused slots, counts [n_blocks] (may
+    exceed cap: overflow), survivors [T] (keys each query's own bound kept), whether
+    the lists are in ascending id order (no key range was split: static)).
+    """
+    cfg = cfg or ScreenConfig()
+    t, wmax, d = plan.rows.shape
+    s = k.shape[0]
+    dp = max(16, 1 << (d - 1).bit_length())
+    rows = plan.rows
+    if dp != d:
+        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, dp - d)))
+        k = jnp.pad(k, ((0, 0), (0, dp - d)))
+    plan = plan.replace(rows=rows)
+    n_blocks = -(-t // block_t)
+    # Width class of each scorer block: the widest of its screened queries (-1: none).
+    pad = n_blocks * block_t - t
+    width_idx = jnp.searchsorted(jnp.asarray(plan.widths, jnp.int32), plan.width)
+    cls = jnp.where(plan.prune, width_idx, -1)
+    block_class = jnp.max(jnp.pad(cls, (0, pad), constant_values=-1).reshape(-1, block_t), axis=1)
+    if splits is None:
+        # Decode-sized batches split the key range over programs; prefill does not.
+        splits = int(max(1, min(-(-s // cfg.block_s), -(-4 * 132 // n_blocks))))
+    scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale
+    lists = jnp.full((n_blocks * cap,), -1, jnp.int32)
+    counts = jnp.zeros((n_blocks,), jnp.int32)
+    surv = jnp.zeros((t * splits,), jnp.int32)
+    for c, width in enumerate(plan.widths):
+        block_q = max(block_t, cfg.tile_rows // width)
+        p = _Static(
+            t=t, s=s, dim=dp, width=width, wmax=wmax, block_t=block_t, block_q=block_q,
+            n_blocks=n_blocks, cap=cap, splits=splits,
+            screen_dtype=jnp.dtype(plan.rows.dtype).name, cfg=cfg,
+        )  # fmt: skip
+        tiles = _class_tiles(block_class, c, block_q // block_t)
+        lists, counts, surv = _screen_launch(
+            tiles, plan, start, end, k, knorm, scale, lists, counts, surv, p
+        )
+    return lists.reshape(n_blocks, cap), counts, surv.reshape(t, splits).sum(axis=1), splits == 1
+
+
+def default_list_capacity(top_k: int, num_keys: int) -> int:
+    """Survivor slots per scorer block: S/4, at least 4·K, at most S (rounded to 256).
+
+    The planner screens a query only when its estimated block list fits in half of this
+    (about 8% survival), so overflows stay rare; 8192 × 128K keys: 512 MB of lists.
+    """
+    s_r = methods._round_up(num_keys, 256)
+    return min(s_r, max(methods._round_up(4 * top_k, 256), methods._round_up(num_keys // 4, 256)))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "top_k", "method", "widths", "policy", "n_seeds", "list_capacity",
+        "record_capacity", "cfg", "screen_cfg", "splits", "sort",
+    ),
+)  # fmt: skip
+def _pipeline(
+    q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags, *,
+    method, widths, policy, n_seeds, list_capacity, record_capacity, cfg,
+    screen_cfg, splits, sort,
+):  # fmt: skip
+    t, _, d = q.shape
+    s = k.shape[0]
+    bt = cfg.block_t
+    if seed_ids is None:
+        n = min(n_seeds or methods.default_seed_count(top_k, s), s)
+        seeds = methods.block_seed_ids(start, end, bt, n, s)
+        skip = n // 2  # the recent half of the default seed lists
+    else:
+        seeds = methods.block_union_ids(seed_ids, bt)
+        skip = 0
+    keep_all = jnp.full((t,), EMPTY_CODE, jnp.int32)
+    seed_cap = methods._round_up(seeds.shape[1], 128)
+    seed_codes, seed_rec, seed_counts, _ = scorer.score_records_triton(
+        q, weights, k, k_scale, start, end, keep_all, seed_cap, key_ids=seeds, cfg=cfg
+    )
+    _, _, tau = select.select_candidates(seed_codes, seed_rec, seed_counts, top_k)
+
+    knorm, kmax, smax = planner.key_norms(k, k_scale)
+    cols = planner.sample_seed_columns(seeds.shape[1], skip)
+    numerics = planner.numerics_for("triton", q.dtype, k.dtype, d, cfg.fp8_dot)
+    plan = planner.plan_from_threshold(
+        q, weights, k, k_scale, start, end, tau, seeds[:, cols], r_arr, knorm, kmax, smax,
+        flags, top_k=top_k, group=bt, widths=widths, numerics=numerics, policy=policy,
+        list_capacity=list_capacity,
+    )  # fmt: skip
+
+    lists, list_counts, n_surv, lists_ordered = screen(
+        plan, start, end, k, k_scale, knorm, block_t=bt, cap=list_capacity, cfg=screen_cfg,
+        splits=splits,
+    )  # fmt: skip
+    block_overflow = list_counts > list_capacity
+    q_block = jnp.arange(t) // bt
+    list_overflow = plan.prune & block_overflow[q_block]
+    screened = plan.prune & ~list_overflow
+
+    # Refinement over the survivor lists (screened queries only; others see nothing).
+    dense = method == "dense"
+    rec_cap = list_capacity if dense else record_capacity
+    tau_write = keep_all if dense else tau
+    refine_end = jnp.where(screened, end, start)
+    counts_in = jnp.where(block_overflow, 0, jnp.minimum(list_counts, list_capacity))
+    codes, ids, counts, refine_ordered = scorer.score_records_triton(
+        q, weights, k, k_scale, start, refine_end, tau_write, rec_cap,
+        key_ids=lists, key_counts=counts_in, cfg=cfg,
+    )  # fmt: skip
+
+    # Queries not screened: ``full`` (records ≥ τ over the whole visible range).
+    full_q = ~screened
+    sel_cap = max(rec_cap, record_capacity)
+
+    def pad_to(x, value):
+        return jnp.pad(x, ((0, 0), (0, sel_cap - x.shape[1])), constant_values=value)
+
+    codes, ids = pad_to(codes, EMPTY_CODE), pad_to(ids, -1)
+
+    full_ordered = []  # set while tracing the branch below (a static fact of the launch)
+
+    def with_full(args):
+        c0, i0, n0 = args
+        c1, i1, n1, ordered = scorer.score_records_triton(
+            q, weights, k, k_scale, start, jnp.where(full_q, end, start), tau,
+            record_capacity, cfg=cfg,
+        )  # fmt: skip
+        full_ordered.append(ordered)
+        c1, i1 = pad_to(c1, EMPTY_CODE), pad_to(i1, -1)
+        return (
+            jnp.where(full_q[:, None], c1, c0),
+            jnp.where(full_q[:, None], i1, i0),
+            jnp.where(full_q, n1, n0),
+        )
+
+    codes, ids, counts = jax.lax.cond(jnp.any(full_q), with_full, lambda a: a, (codes, ids, counts))
+    cap_q = jnp.where(full_q, record_capacity, rec_cap)
+    rec_overflow = counts > cap_q
+    # Records of each row are in ascending id order when no launch split a key range.
+    id_ordered = bool(lists_ordered and refine_ordered and all(full_ordered))
+    indices, values = methods.select_records(
+        codes, ids, jnp.minimum(counts, cap_q), top_k, id_ordered=id_ordered, sort=sort
+    )
+
+    def recover(iv):
+        # Records were dropped for these queries: only scoring everything is exact there.
+        fb_end = jnp.where(rec_overflow, end, start)
+        base = methods.topk_base(q, weights, k, top_k, k_scale, start, fb_end, cfg=cfg, sort=sort)
+        return (
+            jnp.where(rec_overflow[:, None], base.indices, iv[0]),
+            jnp.where(rec_overflow[:, None], base.scores, iv[1]),
+        )
+
+    indices, values = jax.lax.cond(jnp.any(rec_overflow), recover, lambda iv: iv, (indices, values))
+    visible = (end - start).astype(jnp.int32)
+    q_list = jnp.where(screened, list_counts[q_block], visible)
+    result = IndexerTopK(
+        indices=indices,
+        scores=values,
+        visible=visible,
+        candidates=counts.astype(jnp.int32),
+        survivors=jnp.where(screened, n_surv, visible),
+        threshold=code_to_score(tau),
+        fallback=~screened | rec_overflow,
+    )
+    info = CertifiedInfo(
+        plan=plan,
+        screened=screened,
+        survivor_overflow=list_overflow,
+        record_overflow=rec_overflow,
+        list_length=q_list.astype(jnp.int32),
+    )
+    return result, info
+
+
+def certified_topk_triton(
+    q, weights, k, top_k, k_scale, start, end, seeds, *,
+    method="dosa", variant="dosa", r="auto", policy="auto", list_capacity=None,
+    record_capacity=None, refine_block=None, screen_cfg=None, splits=None, sort=True,
+):  # fmt: skip
+    """``dense`` / ``dosa`` on the Triton kernels. Returns (IndexerTopK, CertifiedInfo).
+
+    Options: ``list_capacity`` survivor slots per scorer block (default
+    :func:`default_list_capacity`); ``record_capacity`` records per query (default as
+    ``full``); ``refine_block`` queries per scorer block for every scoring launch of the
+    call (default the scorer's heuristic, the one ``base`` uses: answers are identical
+    to ``base`` run with the same block); ``screen_cfg`` :class:`ScreenConfig`;
+    ``splits`` programs per screening tile along the keys; ``sort`` False returns each
+    row's exact Top-K set without the final ordering (as ``base``).
+    """
+    t, h, _ = q.shape
+    s = k.shape[0]
+    widths, r_arr = planner.resolve_r(r, t, h)
+    cfg = scorer.default_config(t, h, k.dtype == jnp.float8_e4m3fn)
+    if refine_block is not None:
+        cfg = dataclasses.replace(cfg, block_t=refine_block)
+    explicit = seeds is not None and not isinstance(seeds, int)
+    n_seeds = seeds if isinstance(seeds, int) else None
+    n_used = seeds.shape[1] if explicit else min(n_seeds or methods.default_seed_count(top_k, s), s)
+    result, info = _pipeline(
+        q, weights, k, top_k, k_scale, start, end, seeds if explicit else None, r_arr,
+        planner.variant_flags(variant), method=method, widths=widths, policy=policy,
+        n_seeds=n_seeds,
+        list_capacity=list_capacity or default_list_capacity(top_k, s),
+        record_capacity=record_capacity or methods.default_record_capacity(top_k, s, n_used),
+        cfg=cfg, screen_cfg=screen_cfg or ScreenConfig(), splits=splits, sort=sort,
+    )  # fmt: skip
+    return result, info.replace(plan=info.plan.replace(variant=variant))

@@ -1,0 +1,153 @@
+"""Unit tests of each bound of the certificate (MATH.md §1.3-§1.7) and of the planner."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.certified import VARIANTS, make_plan, planner
+from jsparse.ops.indexer.api import default_seed_ids
+from tests.certified.dosa_cases import CONFIGS, make_inputs
+
+RNG = np.random.default_rng(0)
+
+
+def relu(x):
+    return np.maximum(x, 0.0)
+
+
+def test_projection_bound():
+    # [q_h·k]_+ ≤ β [q_a·k]_+ + ‖q_h − β q_a‖ ‖k‖ with the optimal β ≥ 0 (§1.4).
+    for _ in range(200):
+        d = RNG.integers(2, 20)
+        qh, qa, k = RNG.standard_normal((3, d))
+        qa *= RNG.choice([0.0, 1.0, 5.0])
+        beta = max(0.0, qh @ qa / (qa @ qa)) if qa @ qa > 0 else 0.0
+        lhs = relu(qh @ k)
+        rhs = beta * relu(qa @ k) + np.linalg.norm(qh - beta * qa) * np.linalg.norm(k)
+        assert lhs <= rhs + 1e-12
+
+
+def test_negative_aggregate_bound():
+    # [Σ_A |w_h| q_h · k]_+ ≤ Σ_A |w_h| [q_h·k]_+ (§1.5), for any A.
+    for _ in range(200):
+        n, d = RNG.integers(1, 8), RNG.integers(2, 16)
+        q, k, w = RNG.standard_normal((n, d)), RNG.standard_normal(d), RNG.random(n)
+        assert relu((w[:, None] * q).sum(0) @ k) <= (w * relu(q @ k)).sum() + 1e-12
+
+
+def test_joint_allowance_bound():
+    # Σ_P [u_h·k]_+ ≤ max_T ‖Σ_T u_h‖ ‖k‖ ≤ Σ_P ‖u_h‖ ‖k‖ (§1.4, joint form).
+    for _ in range(100):
+        n, d = RNG.integers(1, 6), RNG.integers(2, 10)
+        u, k = RNG.standard_normal((n, d)), RNG.standard_normal(d)
+        joint = max(
+            np.linalg.norm(u[list(s)].sum(0))
+            for m in range(1, n + 1)
+            for s in itertools.combinations(range(n), m)
+        )
+        kn = np.linalg.norm(k)
+        assert relu(u @ k).sum() <= joint * kn + 1e-12
+        assert joint <= np.linalg.norm(u, axis=1).sum() + 1e-12
+
+
+def _plan(inputs, top_k, variant="dosa", r="auto"):
+    q, w, k, scale, start, end, _ = inputs
+    seeds = default_seed_ids(start, end, top_k, num_keys=k.shape[0])
+    plan = make_plan(
+        q, w, k, scale, start, end, seeds, top_k, variant=variant, r=r, policy="always"
+    )
+    return plan
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_plan_bound_in_exact_arithmetic(variant):
+    # U = Σ ω [q̃·k]_+ − [(hi+lo)·k]_+ + E_P ‖k‖ ≥ s, in float64 from the plan's parts
+    # (f32 inputs: the rows are the heads themselves), with the guard left out.
+    cfg = CONFIGS[0]
+    inputs = make_inputs(cfg, 3)
+    q, w, k, _, _, _, _ = inputs
+    plan = _plan(inputs, cfg.top_k, variant, r=2)
+    q64, w64, k64 = (np.asarray(x, np.float64) for x in (q, w, k))
+    s = np.einsum("th,ths->ts", w64, relu(np.einsum("thd,sd->ths", q64, k64)))
+    rows = np.asarray(plan.rows, np.float64)
+    x = np.einsum("twd,sd->tws", rows, k64)
+    omega = np.asarray(plan.row_weights, np.float64)
+    u = (omega[:, :, None] * relu(x)).sum(1) - relu(x[:, 0] + x[:, 1])
+    u += np.asarray(plan.e_pos, np.float64)[:, None] * np.linalg.norm(k64, axis=1)[None]
+    scale = (np.abs(w64) * np.linalg.norm(q64, axis=2)).sum(1)[:, None] * np.linalg.norm(k64, 1)
+    assert np.all(u >= s - 1e-5 * scale)
+    # The guard is what makes it hold for the computed scores; it is small for f32.
+    b = (np.abs(w64) * np.linalg.norm(q64, axis=2)).sum(1)
+    assert np.all(np.asarray(plan.guard) < 1e-4 * b)
+    if variant == "no_neg":
+        assert not np.asarray(plan.neg_set).any()
+        np.testing.assert_array_equal(np.asarray(plan.rows[:, :2], np.float32), 0.0)
+
+
+def test_retained_heads_rule():
+    # §1.3: |H+| ≤ r → all positives, then negatives by |w|‖q‖min(p, 1-p);
+    # |H+| > r → the r strongest positives by w‖q‖.
+    cfg = CONFIGS[0]  # H = 6
+    q, w, k, scale, start, end, seeds = make_inputs(cfg, 4)
+    signs = np.array([1, -1, 1, -1, -1, -1], np.float32)  # two positive heads
+    w_few = jnp.abs(w) * signs
+    plan = _plan((q, w_few, k, scale, start, end, seeds), cfg.top_k, r=3)
+    heads = np.asarray(plan.heads)[:, 2:5]
+    qn = np.linalg.norm(np.asarray(q, np.float64), axis=2)
+    p = np.asarray(plan.p_active)
+    for t in range(cfg.t):
+        assert {0, 2} <= set(heads[t].tolist())
+        neg = [1, 3, 4, 5]
+        prio = [abs(float(w_few[t, h])) * qn[t, h] * min(p[t, h], 1 - p[t, h]) for h in neg]
+        assert neg[int(np.argmax(prio))] in heads[t]
+    w_many = jnp.abs(w)  # all positive
+    plan = _plan((q, w_many, k, scale, start, end, seeds), cfg.top_k, r=3)
+    for t in range(cfg.t):
+        strength = np.asarray(w_many[t]) * qn[t]
+        assert set(np.asarray(plan.heads)[t, 2:5].tolist()) == set(np.argsort(-strength)[:3])
+        assert np.asarray(plan.omitted_pos)[t].sum() == 3
+    # Every omitted positive head contributes to E_P (no projection can reach zero here).
+    assert np.all(np.asarray(plan.e_pos) > 0)
+
+
+def test_negative_set_per_variant():
+    cfg = CONFIGS[0]
+    q, w, k, scale, start, end, seeds = make_inputs(cfg, 6)
+    w = -jnp.abs(w)  # all negative: every omitted head is a candidate for A
+    sets = {}
+    for variant in ("dosa", "neg_all", "no_neg"):
+        plan = _plan((q, w, k, scale, start, end, seeds), cfg.top_k, variant, r=1)
+        sets[variant] = np.asarray(plan.neg_set)
+        omitted = np.ones((cfg.t, cfg.h), bool)
+        omitted[np.arange(cfg.t)[:, None], np.asarray(plan.heads)[:, 2:3]] = False
+    np.testing.assert_array_equal(sets["neg_all"], omitted)
+    np.testing.assert_array_equal(sets["dosa"], omitted & (np.asarray(plan.p_active) >= 0.5))
+    assert not sets["no_neg"].any()
+
+
+def test_numerics_model():
+    f32 = planner.numerics_for("triton", jnp.float32, jnp.float32, 128)
+    bf = planner.numerics_for("triton", jnp.bfloat16, jnp.float8_e4m3fn, 128)
+    f16 = planner.numerics_for("triton", jnp.float8_e4m3fn, jnp.float8_e4m3fn, 128)
+    fp8 = planner.numerics_for("triton", jnp.float8_e4m3fn, jnp.float8_e4m3fn, 128, fp8_dot=True)
+    assert f32.screen_dtype == "float32" and bf.screen_dtype == "bfloat16"
+    # FP8 × FP8 widens to f16 by default: exact products, f32 accumulation.
+    assert f32.scorer_rel < 1e-4 and bf.scorer_rel < 1e-4 and f16.scorer_rel < 1e-4
+    assert fp8.scorer_rel >= 2.0**-7  # FP8 tensor-core accumulation keeps ~14 bits
+
+
+def test_key_norms_round_up_and_flag_bad_keys():
+    k = jnp.asarray(RNG.standard_normal((64, 16)), jnp.float32)
+    k = k.at[3, 0].set(jnp.nan).at[5, 1].set(jnp.inf)
+    scale = jnp.ones((64,), jnp.float32).at[7].set(0.0)
+    norm, kmax, smax = planner.key_norms(k, scale)
+    exact = np.linalg.norm(np.asarray(k, np.float64), axis=1)
+    norm = np.asarray(norm)
+    ok = np.ones(64, bool)
+    ok[[3, 5, 7]] = False
+    assert np.all(norm[ok] >= exact[ok]) and np.all(np.isinf(norm[~ok]))
+    assert float(kmax) >= exact[ok].max() and float(smax) == 1.0

@@ -1,0 +1,193 @@
+"""The Triton certified pipeline (interpret mode on CPU) against the Triton ``base``.
+
+Also: the screening kernel cross-lowered to CUDA on the CPU, and GPU runs at real sizes
+under ``pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.certified import dosa_topk, planner
+from jsparse.certified import triton as ctriton
+from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, Config, make_inputs
+from tests.lowering import lower_for_h200
+
+CFG = Config(5, 8, 16, 192, 8, "bfloat16", "float8_e4m3fn", scaled=True)
+
+
+def _base_and_full(inputs, top_k, impl):
+    q, w, k, scale, start, end, _ = inputs
+    kw = dict(k_scale=scale, kv_start=start, kv_end=end, implementation=impl)
+    base = jsparse.indexer_topk(q, w, k, top_k, **kw)
+    full = jsparse.indexer_topk(q, w, k, top_k, method="full", **kw)
+    return base, full
+
+
+def _dosa(inputs, top_k, impl, **options):
+    q, w, k, scale, start, end, seeds = inputs
+    return dosa_topk(
+        q, w, k, top_k, k_scale=scale, kv_start=start, kv_end=end, seeds=seeds,
+        policy="always", implementation=impl, return_info=True, **options,
+    )  # fmt: skip
+
+
+def _assert_same(base, res):
+    np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(base.indices))
+    np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(base.scores))
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [
+        # Per-query r over two width classes (8 and 16 rows): two screening launches.
+        ("dosa", dict(r=np.array([1, 6, 14, 3, 6]))),
+        # Decode-like splitting of the key range: survivors reserved by fetch-and-add.
+        ("dense", dict(splits=3, variant="neg_all")),
+    ],
+    ids=["dosa-two-widths", "dense-splits"],
+)
+def test_triton_certified_equals_base(kernel_impl, method, options):
+    inputs = make_inputs(CFG, 11)
+    base, full = _base_and_full(inputs, CFG.top_k, kernel_impl)
+    res, info = _dosa(inputs, CFG.top_k, kernel_impl, method=method, **options)
+    _assert_same(base, res)
+    screened = np.asarray(info.screened)
+    assert screened.any()
+    assert not np.asarray(info.survivor_overflow).any()
+    # Same seeds as ``full`` → same τ. Every key ≥ τ survives screening, so the records
+    # are exactly those of ``full`` (the instrumented "no rejected key reaches τ").
+    np.testing.assert_array_equal(np.asarray(res.threshold), np.asarray(full.threshold))
+    if method == "dosa":
+        np.testing.assert_array_equal(np.asarray(res.candidates), np.asarray(full.candidates))
+    surv, vis = np.asarray(res.survivors), np.asarray(res.visible)
+    assert np.all(surv <= vis)
+    assert np.all(np.asarray(info.list_length)[screened] >= surv[screened])
+    if "r" in options:
+        widths = np.asarray(info.plan.width)
+        assert set(widths.tolist()) == {8, 16}
+
+
+def test_triton_planted_overflows_fall_back_exactly(kernel_impl):
+    inputs = make_inputs(CFG, 12)
+    base, _ = _base_and_full(inputs, CFG.top_k, kernel_impl)
+    # K - 1 slots always overflow (≥ K keys reach τ): the survivor lists overflow, the
+    # queries go to full scoring, whose records overflow too, and ``base`` answers.
+    res, info = _dosa(
+        inputs, CFG.top_k, kernel_impl, list_capacity=CFG.top_k - 1,
+        record_capacity=CFG.top_k - 1,
+    )  # fmt: skip
+    _assert_same(base, res)
+    pruned = np.asarray(info.plan.prune)
+    np.testing.assert_array_equal(np.asarray(info.survivor_overflow), pruned)
+    assert pruned.any() and np.asarray(info.record_overflow).any()
+    assert np.all(np.asarray(res.fallback))
+
+
+@pytest.mark.parametrize("k_dtype", ["float8_e4m3fn", "bfloat16", "float32"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_screening_kernel_lowers_to_cuda(k_dtype, splits):
+    t, wmax, d, s = 64, 32, 128, 4096
+    sds = jax.ShapeDtypeStruct
+    row_dtype = jnp.float32 if k_dtype == "float32" else jnp.bfloat16
+
+    def f(rows, omega, ecoef, cabs, tau, prune, width, start, end, k, knorm, scale):
+        plan = planner.Plan(
+            tau_code=tau, prune=prune, reason=tau, width=width, r=tau, heads=tau[:, None],
+            rows=rows, row_weights=omega, e_pos=ecoef, guard=ecoef, e_coef=ecoef, c_abs=cabs,
+            p_active=omega, neg_set=prune[:, None], omitted_pos=prune[:, None],
+            est_survival=ecoef, sample_count=tau, widths=(8, 16, 32),
+        )  # fmt: skip
+        return ctriton.screen(plan, start, end, k, scale, knorm, block_t=2, cap=1024, splits=splits)
+
+    i32, f32 = jnp.int32, jnp.float32
+    lowered = lower_for_h200(
+        f, sds((t, wmax, d), row_dtype), sds((t, wmax), f32), sds((t,), f32), sds((t,), f32),
+        sds((t,), i32), sds((t,), jnp.bool_), sds((t,), i32), sds((t,), i32), sds((t,), i32),
+        sds((s, d), jnp.dtype(k_dtype)), sds((s,), f32), sds((s,), f32),
+    )  # fmt: skip
+    text = lowered.as_text()
+    for width in (8, 16, 32):
+        assert f"jsparse_dosa_screen_w{width}" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workload", ["iid", "deepseek_like", "low_survival"])
+def test_gpu_dosa_equals_base_on_workloads(workload):
+    from jsparse.certified import workloads
+
+    data = workloads.make(workload, num_queries=256, num_keys=16384, causal=True, seed=0)
+    kw = dict(k_scale=data.k_scale, kv_start=data.kv_start, kv_end=data.kv_end)
+    base = jsparse.indexer_topk(data.q, data.weights, data.k, 2048, **kw)
+    for method in ("dense", "dosa"):
+        for variant in planner.VARIANTS:
+            res = dosa_topk(
+                data.q, data.weights, data.k, 2048, method=method, variant=variant, **kw
+            )
+            np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(base.indices))
+
+
+@pytest.mark.gpu
+def test_gpu_guard_covers_measured_scorer_error():
+    # The guard's model of the scorer's error (MATH.md §1.7) against the measured error
+    # of the Triton scorer on this GPU, for each dtype pair.
+    rng = np.random.default_rng(0)
+    t, h, d, s = 64, 64, 128, 4096
+    for q_dtype, k_dtype in [("bfloat16", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e4m3fn")]:
+        q = jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32).astype(q_dtype)
+        k = jnp.asarray(rng.standard_normal((s, d)), jnp.float32).astype(k_dtype)
+        w = jnp.asarray(rng.standard_normal((t, h)) / 90.0, jnp.float32)
+        got = jsparse.indexer_scores(q, w, k, implementation="triton")
+        exact = np.einsum(
+            "th,ths->ts",
+            np.asarray(w, np.float64),
+            np.maximum(
+                np.einsum("thd,sd->ths", np.asarray(q, np.float64), np.asarray(k, np.float64)), 0
+            ),
+        )
+        err = np.abs(np.asarray(got, np.float64) - exact)
+        numerics = planner.numerics_for("triton", q.dtype, k.dtype, d)
+        b = np.sum(
+            np.abs(np.asarray(w, np.float64)) * np.linalg.norm(np.asarray(q, np.float64), axis=2), 1
+        )
+        kn = np.linalg.norm(np.asarray(k, np.float64), axis=1)
+        allowed = (numerics.scorer_rel + planner.gamma(h + 2)) * b[:, None] * kn[None, :]
+        assert np.all(err <= allowed), (q_dtype, k_dtype, float((err / allowed).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.h * 2 >= 16], ids=lambda c: c.id)
+def test_gpu_triton_property_cases(cfg):
+    # The reference property cases, compiled: every adversarial family, method, variant.
+    for seed, adversarial in enumerate(ADVERSARIAL):
+        inputs = make_inputs(cfg, seed, adversarial)
+        base, _ = _base_and_full(inputs, cfg.top_k, "triton")
+        for method in ("dense", "dosa"):
+            for variant in planner.VARIANTS:
+                res, _ = _dosa(inputs, cfg.top_k, "triton", method=method, variant=variant)
+                _assert_same(base, res)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_equals_base():
+    from jsparse.certified import indexer_topk_decode, workloads
+
+    wl = workloads.make_decode("deepseek_like", 8, 16384, 4, seed=1)
+    b, s_max, d = wl.k_cache.shape
+    flat, offset = wl.k_cache.reshape(b * s_max, d), jnp.arange(b, dtype=jnp.int32) * s_max
+    witnesses = jnp.full((b, 4096), -1, jnp.int32)
+    for n in range(4):
+        q, w, lengths = wl.step(n)
+        res, witnesses = indexer_topk_decode(
+            q, w, wl.k_cache, 2048, k_scale=wl.k_scale, lengths=lengths, witnesses=witnesses
+        )
+        base = jsparse.indexer_topk(
+            q, w, flat, 2048, k_scale=wl.k_scale.reshape(-1), kv_start=offset,
+            kv_end=offset + lengths,
+        )  # fmt: skip
+        ids = jnp.where(base.indices >= 0, base.indices - offset[:, None], -1)
+        np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))

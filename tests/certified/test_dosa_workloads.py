@@ -1,0 +1,56 @@
+"""The named workloads: shapes, dtypes, ranges, and the properties they claim."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.certified import workloads
+
+T, S, H, D = 8, 256, 8, 32
+
+
+@pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
+def test_workload_shapes_and_ranges(name):
+    wl = workloads.make(name, T, S, heads=H, dim=D, seed=1)
+    assert wl.shape == (T, S, H, D)
+    assert wl.k.dtype == jnp.float8_e4m3fn and wl.k_scale.shape == (S,)
+    assert wl.weights.shape == (T, H) and wl.weights.dtype == jnp.float32
+    assert np.all(np.isfinite(np.asarray(wl.q, np.float32)))
+    assert np.all(np.asarray(wl.k_scale) > 0)
+    # A prefill chunk ending the context: query t at position S - T + t sees 0 .. itself.
+    np.testing.assert_array_equal(np.asarray(wl.kv_end), S - T + np.arange(T) + 1)
+    np.testing.assert_array_equal(np.asarray(wl.kv_start), 0)
+
+
+def test_deepseek_like_signed_weights_and_keys():
+    wl = workloads.deepseek_like(T, S, heads=H, dim=D, seed=2, fp8_queries=True)
+    w = np.asarray(wl.weights)
+    assert (w > 0).any() and (w < 0).any()  # a linear map of x: signed
+    assert wl.q.dtype == jnp.float8_e4m3fn
+    # FP8 payloads use the e4m3 range: the largest magnitude per key is ~448.
+    amax = np.abs(np.asarray(wl.k, np.float32)).max(axis=1)
+    assert np.all(amax > 200) and np.all(amax <= workloads.FP8_MAX)
+
+
+def test_from_arrays_quantizes_like_the_key_cache():
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((S, D)).astype(np.float32)
+    wl = workloads.from_arrays(
+        rng.standard_normal((T, H, D)).astype(np.float32),
+        rng.standard_normal((T, H)).astype(np.float32),
+        k,
+        quantize_keys=True,
+    )
+    back = np.asarray(wl.k, np.float32) * np.asarray(wl.k_scale)[:, None]
+    assert np.abs(back - k).max() <= 0.07 * np.abs(k).max()
+    assert wl.shape == (T, S, H, D)
+
+
+def test_make_decode_lengths_and_steps():
+    wl = workloads.make_decode("iid", 3, 128, 2, heads=H, dim=D, seed=0)
+    assert wl.k_cache.shape == (3, 130, D) and wl.q.shape == (2, 3, H, D)
+    q, w, lengths = wl.step(1)
+    np.testing.assert_array_equal(np.asarray(lengths), np.asarray(wl.lengths) + 2)
+    assert q.shape == (3, H, D) and w.shape == (3, H)
