@@ -3,6 +3,8 @@
     python bench/run.py                               # small default: CPU (interpret) or GPU
     python bench/run.py --backend pallas-gpu --preset prefill-chunk --method xla base full
     python bench/run.py --op indexer --preset decode --json out/decode.json
+    python bench/run.py --op dosa --prefill --keys 131072       # DoSA (bench/dosa.py)
+    python bench/run.py --op model throughput --context 2048    # the real model (bench/model.py)
 
 Every case is checked against the jnp reference before it is timed; a red check is
 reported and not timed. Times are medians over repeats of back-to-back calls with
@@ -20,9 +22,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 OPS = {"indexer": "bench.indexer"}
+# Ops with a command line of their own: `--op NAME` forwards every other argument.
+CLIS = {"dosa": "bench.dosa", "model": "bench.model", "recall": "bench.recall"}
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--op" in argv and argv.index("--op") + 1 < len(argv):
+        at = argv.index("--op")
+        if argv[at + 1] in CLIS:
+            module = importlib.import_module(CLIS[argv[at + 1]])
+            return module.main(argv[:at] + argv[at + 2 :]) or 0
+
     from bench import common
     from jsparse import backend
 
@@ -30,7 +41,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--op", choices=sorted(OPS), default="indexer")
+    parser.add_argument("--op", choices=sorted(OPS) + sorted(CLIS), default="indexer")
     parser.add_argument("--preset", default=None, help="a preset of configs/<op>.toml")
     parser.add_argument("--method", nargs="+", default=["xla", "base", "full"])
     parser.add_argument(
