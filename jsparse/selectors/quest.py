@@ -29,11 +29,24 @@ def page_metadata(
     b, s, hkv, d = k.shape
     n_pages = -(-s // page_size)
     pad = n_pages * page_size - s
-    pos = jnp.arange(n_pages * page_size)
-    visible = (pos[None, :] < lengths[:, None])[:, :, None, None]  # [B, S', 1, 1]
     kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-    lo = jnp.where(visible, kp, jnp.inf).reshape(b, n_pages, page_size, hkv, d).min(axis=2)
-    hi = jnp.where(visible, kp, -jnp.inf).reshape(b, n_pages, page_size, hkv, d).max(axis=2)
+    kp = kp.reshape(b, n_pages, page_size, hkv, d)
+    # Pages before the one holding the last visible token are complete: their min/max do
+    # not depend on ``lengths`` (under vmap over queries they are computed once). Only
+    # the last visible page is reduced over its visible tokens; later pages are empty.
+    in_range = (jnp.arange(n_pages * page_size) < s).reshape(1, n_pages, page_size, 1, 1)
+    full_lo = jnp.where(in_range, kp, jnp.inf).min(axis=2)
+    full_hi = jnp.where(in_range, kp, -jnp.inf).max(axis=2)
+    last = (lengths - 1) // page_size  # [B]; -1 when nothing is visible
+    tail = jnp.take_along_axis(kp, jnp.clip(last, 0)[:, None, None, None, None], axis=1)[:, 0]
+    tail_pos = jnp.clip(last, 0)[:, None] * page_size + jnp.arange(page_size)[None, :]
+    tail_ok = (tail_pos < lengths[:, None])[:, :, None, None]  # [B, page, 1, 1]
+    tail_lo = jnp.where(tail_ok, tail, jnp.inf).min(axis=1)  # [B, Hkv, D]
+    tail_hi = jnp.where(tail_ok, tail, -jnp.inf).max(axis=1)
+    page = jnp.arange(n_pages)[None, :, None, None]
+    last_b = last[:, None, None, None]
+    lo = jnp.where(page < last_b, full_lo, jnp.where(page == last_b, tail_lo[:, None], jnp.inf))
+    hi = jnp.where(page < last_b, full_hi, jnp.where(page == last_b, tail_hi[:, None], -jnp.inf))
     if dtype == "float32":
         return lo, hi
     u = _UNIT_ROUNDOFF[dtype]

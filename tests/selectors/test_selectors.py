@@ -241,3 +241,19 @@ def test_bad_select_inputs():
         sel.select(params, q[..., :8], k[..., :8], ok, 4)
     with pytest.raises(ValueError, match="integer"):
         sel.select(params, q, k, ok.astype(jnp.float32), 4)
+
+
+def test_quest_metadata_matches_masked_brute_force():
+    rng = np.random.default_rng(1)
+    k = jnp.asarray(rng.standard_normal((4, 37, HKV, D)), jnp.float32)
+    lengths = jnp.array([37, 16, 9, 0])
+    lo, hi = page_metadata(k, lengths, 8)
+    kn = np.asarray(k)
+    for b, n in enumerate(np.asarray(lengths)):
+        for p in range(5):
+            toks = kn[b, p * 8 : min((p + 1) * 8, n)]
+            if len(toks) == 0:
+                assert np.isposinf(lo[b, p]).all() and np.isneginf(hi[b, p]).all()
+            else:
+                np.testing.assert_array_equal(lo[b, p], toks.min(axis=0))
+                np.testing.assert_array_equal(hi[b, p], toks.max(axis=0))
