@@ -72,23 +72,44 @@ def _dense(q, k, v, lengths):
     return probs, out
 
 
-@jax.jit
-def _metrics(probs, out_full, v, mask, oracle_mask, denom):
-    m = mask[:, :, None, :].astype(jnp.float32)  # [T, Hkv, 1, S]
-    pm = probs * m
-    mass = pm.sum(axis=-1)  # [T, Hkv, G]
-    out = jnp.einsum("thgs,shd->thgd", pm, v.astype(jnp.float32), precision=_HIGHEST)
+def _finish(mass, out, out_full, hits, denom):
     out = out / jnp.where(mass > 0, mass, 1.0)[..., None]
     err = jnp.linalg.norm(out - out_full, axis=-1) / jnp.maximum(
         jnp.linalg.norm(out_full, axis=-1), 1e-30
     )
     err = jnp.where(mass > 0, err, 1.0)
-    hits = jnp.sum(mask & oracle_mask, axis=-1).astype(jnp.float32)  # [T, Hkv]
     return {
         "oracle_recall": hits / denom[:, None],
         "mass_recall": mass.mean(axis=-1),
         "output_error": err.mean(axis=-1),
     }
+
+
+@jax.jit
+def _metrics_dense(probs, out_full, v, idx, oracle_mask, denom):
+    """Through an ``[T, Hkv, S]`` membership mask: for wide selections."""
+    mask = selection_mask(idx, probs.shape[-1])
+    pm = probs * mask[:, :, None, :].astype(jnp.float32)  # [T, Hkv, G, S]
+    mass = pm.sum(axis=-1)  # [T, Hkv, G]
+    out = jnp.einsum("thgs,shd->thgd", pm, v.astype(jnp.float32), precision=_HIGHEST)
+    hits = jnp.sum(mask & oracle_mask, axis=-1).astype(jnp.float32)  # [T, Hkv]
+    return _finish(mass, out, out_full, hits, denom)
+
+
+@jax.jit
+def _metrics_gather(probs, out_full, v, idx, oracle_mask, denom):
+    """Through the selected ids only (``W`` ≪ ``S``): gathers probabilities and values.
+    Selections hold distinct ids (the selector contract), so nothing is counted twice."""
+    valid = idx >= 0  # [T, Hkv, W]
+    safe = jnp.where(valid, idx, 0)
+    w = valid.astype(jnp.float32)
+    p_sel = jnp.take_along_axis(probs, safe[:, :, None, :], axis=-1) * w[:, :, None, :]
+    mass = p_sel.sum(axis=-1)  # [T, Hkv, G]
+    v_heads = jnp.swapaxes(v.astype(jnp.float32), 0, 1)  # [Hkv, S, Dv]
+    v_sel = v_heads[jnp.arange(idx.shape[1])[None, :, None], safe]  # [T, Hkv, W, Dv]
+    out = jnp.einsum("thgw,thwd->thgd", p_sel, v_sel, precision=_HIGHEST)
+    hits = jnp.sum(jnp.take_along_axis(oracle_mask, safe, axis=-1) & valid, axis=-1)
+    return _finish(mass, out, out_full, hits.astype(jnp.float32), denom)
 
 
 class RecallReference:
@@ -133,9 +154,9 @@ class RecallReference:
             raise ValueError(
                 f"idx: expected [T={self.q.shape[0]}, Hkv={self.k.shape[1]}, W], got {idx.shape}"
             )
-        mask = selection_mask(idx, self.n_keys)
         denom = jnp.minimum(budget, self.lengths).astype(jnp.float32)
-        return _metrics(self.probs, self.out, self.v, mask, self.oracle_mask(budget), denom)
+        fn = _metrics_gather if 4 * idx.shape[-1] <= self.n_keys else _metrics_dense
+        return fn(self.probs, self.out, self.v, idx, self.oracle_mask(budget), denom)
 
 
 @functools.partial(jax.jit, static_argnames=("budget",))
