@@ -2,7 +2,7 @@
 
 * ``gpu`` tests run only where jax sees an NVIDIA GPU (``pytest -m gpu`` there).
 * ``assets`` tests need the real model and text; they skip with the fetch command
-  when those are absent.
+  when those are absent (``real_assets`` / ``real_model`` fixtures).
 * Pallas kernels are tested in interpret mode on the CPU through the
   ``kernel_impl`` fixture, compiled on the GPU.
 """
@@ -12,15 +12,45 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jsparse import backend
+from jsparse import assets, backend
+
+
+def _assets_skip_reason() -> str:
+    return (
+        f"needs the real model and text, absent from {assets.cache_dir()}; "
+        f"fetch them with `{assets.FETCH_COMMAND}` (or set ${assets.CACHE_ENV})"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     on_gpu = backend.has_nvidia_gpu()
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (jax sees none)")
+    have_assets = None
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip_gpu)
+        if "assets" in item.keywords:
+            if have_assets is None:
+                have_assets = assets.available()
+            if not have_assets:
+                item.add_marker(pytest.mark.skip(reason=_assets_skip_reason()))
+
+
+@pytest.fixture(scope="session")
+def real_assets():
+    """The :mod:`jsparse.assets` module, once the real model and text are known present;
+    skips with the fetch command otherwise. Tests using it should also be marked ``assets``."""
+    if not assets.available():
+        pytest.skip(_assets_skip_reason())
+    return assets
+
+
+@pytest.fixture(scope="session")
+def real_model(real_assets):
+    """SmolLM2-135M-Instruct loaded once per session (dense attention cores)."""
+    from jsparse.models.gguf_loader import load_model
+
+    return load_model()
 
 
 @pytest.fixture

@@ -1,0 +1,131 @@
+"""The GGUF loader and tokenizer on tiny GGUF files written by the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy_llama
+import pytest
+import tiny_gguf
+from test_llama import random_hf_weights
+
+from jsparse.models.capture import capture_qkv
+from jsparse.models.gguf_loader import load_model, permute_qk, unpermute_qk
+from jsparse.models.llama import LlamaConfig, forward_fn
+from jsparse.models.tokenizer import load_tokenizer
+
+CFG = LlamaConfig(
+    vocab_size=len(tiny_gguf.tiny_vocab()[0]),
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=64,
+    rope_theta=100.0,
+    norm_eps=1e-5,
+    max_seq_len=128,
+    name="tiny-llama",
+)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_hf_weights(CFG, seed=11)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory, weights):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return tiny_gguf.write_tiny_gguf(path, CFG.to_dict(), weights)
+
+
+def test_config_read_from_metadata(gguf_path):
+    assert load_model(gguf_path).config == CFG
+
+
+def test_loaded_model_matches_numpy(gguf_path, weights):
+    """Logits and post-RoPE q / k / v equal the numpy pass on the dequantised HF weights.
+
+    The file stores q / k rows interleaved; only a correct un-permutation makes RoPE
+    rotate the same pairs as the numpy pass (q·k alone would not notice).
+    """
+    stored = {name: tiny_gguf.stored_values(name, w) for name, w in weights.items()}
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 21)
+    ref = numpy_llama.forward(stored, CFG.to_dict(), ids)
+    model = load_model(gguf_path)
+    logits, _ = forward_fn(model)(ids[None])
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], rtol=2e-5, atol=2e-5)
+    for layer, arrays in capture_qkv(model, ids):
+        for name in ("q", "k", "v"):
+            np.testing.assert_allclose(arrays[name], ref[name][layer], rtol=2e-5, atol=2e-5)
+        # Scores of every query with every key, per KV group: what attention sees.
+        q, k = arrays["q"].reshape(len(ids), CFG.n_kv_heads, -1, CFG.head_dim), arrays["k"]
+        rq = ref["q"][layer].reshape(q.shape)
+        np.testing.assert_allclose(
+            np.einsum("tkgd,skd->kgts", q, k),
+            np.einsum("tkgd,skd->kgts", rq, ref["k"][layer]),
+            rtol=1e-4,
+            atol=1e-4,
+        )
+
+
+def test_without_unpermuting_rope_pairs_differ(tmp_path, weights):
+    """Control: a file whose q / k were not interleaved loads into different q / k."""
+    path = tiny_gguf.write_tiny_gguf(tmp_path / "plain.gguf", CFG.to_dict(), weights, permute=False)
+    stored = {name: tiny_gguf.stored_values(name, w) for name, w in weights.items()}
+    ids = np.arange(12)
+    ref = numpy_llama.forward(stored, CFG.to_dict(), ids, n_layers=1)
+    (_, arrays), *_ = capture_qkv(load_model(path), ids, layers=[0])
+    assert np.abs(arrays["q"] - ref["q"][0]).max() > 1e-2
+
+
+def test_permutation_helpers_match_llama_cpp_layout():
+    w = np.random.default_rng(1).standard_normal((24, 5)).astype(np.float32)
+    np.testing.assert_array_equal(permute_qk(w, 3), tiny_gguf.interleave_rows(w, 3))
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(w, 3), 3), w)
+
+
+def test_tokenizer_from_gguf(gguf_path):
+    tok = load_tokenizer(gguf_path)
+    tokens, _, _ = tiny_gguf.tiny_vocab()
+    # Merges apply, digits are split one by one, no prefix space and no BOS are added.
+    pieces = [tokens[i] for i in tok.encode("the cat in 42").ids]
+    assert pieces == ["t", "he", "Ġ", "c", "a", "t", "Ġ", "in", "Ġ", "4", "2"]
+    assert [tokens[i] for i in tok.encode(" the 42").ids] == ["Ġthe", "Ġ", "4", "2"]
+    assert tok.decode(tok.encode("the cat in 42").ids) == "the cat in 42"
+    assert tok.encode("<|im_start|>he").ids == [1, tokens.index("he")]
+
+
+@pytest.mark.parametrize("keep", [0.004, 0.5, 0.99])
+def test_truncated_file_is_a_clear_error(gguf_path, tmp_path, keep):
+    data = gguf_path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ValueError, match=r"cut\.gguf.*(truncated|corrupted)"):
+        load_model(cut)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(bad)
+
+
+def test_non_llama_architecture(tmp_path, weights):
+    path = tiny_gguf.write_tiny_gguf(tmp_path / "gpt2.gguf", CFG.to_dict(), weights, arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        load_model(path)
+
+
+def test_missing_tensor(tmp_path, weights):
+    path = tiny_gguf.write_tiny_gguf(
+        tmp_path / "holes.gguf", CFG.to_dict(), weights, drop=("blk.1.ffn_up.weight",)
+    )
+    with pytest.raises(ValueError, match=r"missing \['blk.1.ffn_up.weight'\]"):
+        load_model(path)

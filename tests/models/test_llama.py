@@ -1,0 +1,222 @@
+"""The NNX Llama against the independent numpy forward pass, and its KV cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy_llama
+import pytest
+from flax import nnx
+
+from jsparse.models.capture import capture_qkv
+from jsparse.models.llama import DenseCausalAttention, Llama, LlamaConfig, forward_fn
+
+TINY = LlamaConfig(
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=40,
+    rope_theta=100.0,  # a small base: every dimension pair rotates visibly in 20 tokens
+    norm_eps=1e-5,
+    max_seq_len=64,
+    name="tiny",
+)
+
+
+def random_hf_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """GGUF names, Hugging Face layout ([d_out, d_in], rotate-half q / k rows)."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, std):
+        return (std * rng.standard_normal(shape)).astype(np.float32)
+
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    out = {
+        "token_embd.weight": w(cfg.vocab_size, cfg.d_model, std=1.0),
+        "output_norm.weight": 1 + w(cfg.d_model, std=0.1),
+    }
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        out |= {
+            p + "attn_norm.weight": 1 + w(cfg.d_model, std=0.1),
+            p + "attn_q.weight": w(q, cfg.d_model, std=0.4),
+            p + "attn_k.weight": w(kv, cfg.d_model, std=0.4),
+            p + "attn_v.weight": w(kv, cfg.d_model, std=0.3),
+            p + "attn_output.weight": w(cfg.d_model, q, std=0.2),
+            p + "ffn_norm.weight": 1 + w(cfg.d_model, std=0.1),
+            p + "ffn_gate.weight": w(cfg.d_ff, cfg.d_model, std=0.3),
+            p + "ffn_up.weight": w(cfg.d_ff, cfg.d_model, std=0.3),
+            p + "ffn_down.weight": w(cfg.d_model, cfg.d_ff, std=0.2),
+        }
+    return out
+
+
+def nnx_model(cfg: LlamaConfig, weights: dict[str, np.ndarray], core=None) -> Llama:
+    """Puts HF-layout weights into a fresh NNX model (kernels are [d_in, d_out])."""
+    model = Llama(cfg, core, rngs=nnx.Rngs(0))
+    model.embed[...] = jnp.asarray(weights["token_embd.weight"])
+    model.norm.scale[...] = jnp.asarray(weights["output_norm.weight"])
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        layer.attn_norm.scale[...] = jnp.asarray(weights[p + "attn_norm.weight"])
+        layer.mlp_norm.scale[...] = jnp.asarray(weights[p + "ffn_norm.weight"])
+        for proj, name in (
+            (layer.attn.q_proj, "attn_q"),
+            (layer.attn.k_proj, "attn_k"),
+            (layer.attn.v_proj, "attn_v"),
+            (layer.attn.o_proj, "attn_output"),
+            (layer.mlp.gate_proj, "ffn_gate"),
+            (layer.mlp.up_proj, "ffn_up"),
+            (layer.mlp.down_proj, "ffn_down"),
+        ):
+            proj.kernel[...] = jnp.asarray(weights[p + name + ".weight"].T)
+    return model
+
+
+def np_cfg(cfg: LlamaConfig) -> dict:
+    return cfg.to_dict()
+
+
+def tokens_of(n, seed=1, vocab=TINY.vocab_size):
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+CORES = {
+    "default": None,
+    "chunks-3x5": lambda i: DenseCausalAttention(query_chunk=3, key_chunk=5),
+    "chunks-1x1": lambda i: DenseCausalAttention(query_chunk=1, key_chunk=1),
+}
+
+
+@pytest.mark.parametrize("core", list(CORES), ids=list(CORES))
+def test_forward_matches_numpy(core):
+    weights = random_hf_weights(TINY)
+    model = nnx_model(TINY, weights, CORES[core])
+    ids = tokens_of(19)
+    ref = numpy_llama.forward(weights, np_cfg(TINY), ids)
+    logits, cache = forward_fn(model)(ids[None])
+    assert cache is None
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], rtol=2e-5, atol=2e-5)
+    for layer, arrays in capture_qkv(model, ids):
+        for name in ("q", "k", "v"):
+            np.testing.assert_allclose(
+                arrays[name], ref[name][layer], rtol=2e-5, atol=2e-5, err_msg=f"{layer} {name}"
+            )
+
+
+def test_batch_rows_are_independent():
+    weights = random_hf_weights(TINY)
+    fwd = forward_fn(nnx_model(TINY, weights))
+    a, b = tokens_of(11, seed=2), tokens_of(11, seed=3)
+    both, _ = fwd(np.stack([a, b]))
+    np.testing.assert_allclose(both[0], fwd(a[None])[0][0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(both[1], fwd(b[None])[0][0], rtol=1e-6, atol=1e-6)
+
+
+def decode_vs_forward(model, ids, prefill: int, max_len: int):
+    """(stepwise logits, full-forward logits): prefill, then one token per call."""
+    fwd = forward_fn(model)
+    full, _ = fwd(ids)
+    cache = model.init_cache(ids.shape[0], max_len)
+    logits, cache = fwd(ids[:, :prefill], cache)
+    steps = [logits]
+    for t in range(prefill, ids.shape[1]):
+        logits, cache = fwd(ids[:, t : t + 1], cache)
+        steps.append(logits)
+    assert int(cache[0].length) == ids.shape[1]
+    return np.concatenate([np.asarray(s) for s in steps], axis=1), np.asarray(full)
+
+
+@pytest.mark.parametrize("prefill", [1, 7, 16])
+@pytest.mark.parametrize("core", ["default", "chunks-3x5"])
+def test_decode_matches_forward(prefill, core):
+    weights = random_hf_weights(TINY, seed=4)
+    model = nnx_model(TINY, weights, CORES[core])
+    ids = np.stack([tokens_of(20, seed=5), tokens_of(20, seed=6)])
+    steps, full = decode_vs_forward(model, ids, prefill, max_len=24)
+    scale = np.abs(full).max()
+    np.testing.assert_allclose(steps, full, rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.gpu
+def test_decode_matches_forward_smollm2_shapes_gpu():
+    """SmolLM2-135M shapes (30 layers, random weights): 300-token prefill + 12 steps."""
+    cfg = LlamaConfig.smollm2_135m()
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    ids = tokens_of(312, seed=7, vocab=cfg.vocab_size)[None]
+    steps, full = decode_vs_forward(model, ids, prefill=300, max_len=512)
+    scale = np.abs(full).max()
+    np.testing.assert_allclose(steps, full, rtol=0, atol=1e-5 * scale)
+    assert jax.devices()[0].platform == "gpu"
+
+
+def plain_softmax_attention(q, k, v, q_pos, k_pos):
+    """numpy: one (sequence, head) at a time, explicit mask."""
+    b, t, h, d = q.shape
+    g = h // k.shape[2]
+    out = np.zeros((b, t, h, v.shape[-1]))
+    for bi in range(b):
+        for head in range(h):
+            s = q[bi, :, head] @ k[bi, :, head // g].T / np.sqrt(d)
+            visible = (k_pos[bi][None, :] >= 0) & (k_pos[bi][None, :] <= q_pos[bi][:, None])
+            s = np.where(visible, s, -np.inf)
+            p = np.exp(s - s.max(axis=-1, keepdims=True))
+            out[bi, :, head] = (p / p.sum(axis=-1, keepdims=True)) @ v[bi, :, head // g]
+    return out
+
+
+@pytest.mark.parametrize("chunks", [(512, 512), (4, 3), (1, 16)])
+def test_dense_core_with_empty_and_unordered_slots(chunks):
+    rng = np.random.default_rng(8)
+    b, t, s, h, hkv, d = 2, 9, 14, 6, 2, 8
+    q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    k_pos = np.stack([rng.permutation(s), rng.permutation(s)]).astype(np.int32)
+    k_pos[:, [3, 11]] = -1  # empty slots in the middle
+    q_pos = np.stack([np.arange(4, 4 + t), np.arange(5, 5 + t)]).astype(np.int32)
+    core = DenseCausalAttention(*chunks)
+    out = core(q, k, v, q_positions=jnp.asarray(q_pos), k_positions=jnp.asarray(k_pos))
+    ref = plain_softmax_attention(q, k, v, q_pos, k_pos)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_swapped_core_is_called_and_agrees():
+    """Any callable with the core's signature plugs in; here jax.nn.dot_product_attention."""
+    calls = []
+
+    def sdpa_core(q, k, v, *, q_positions, k_positions):
+        calls.append(q.shape)
+        mask = (k_positions[:, None, None, :] >= 0) & (
+            k_positions[:, None, None, :] <= q_positions[:, None, :, None]
+        )
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+    weights = random_hf_weights(TINY)
+    model = nnx_model(TINY, weights)
+    ids = tokens_of(10)
+    dense, _ = forward_fn(model)(ids[None])
+    model.set_core(lambda i: sdpa_core)
+    swapped, _ = forward_fn(model)(ids[None])
+    assert calls, "the swapped core was not called"
+    np.testing.assert_allclose(np.asarray(swapped), np.asarray(dense), rtol=1e-5, atol=1e-5)
+
+
+def test_input_errors():
+    model = nnx_model(TINY, random_hf_weights(TINY))
+    fwd = forward_fn(model)
+    with pytest.raises(ValueError, match="ids must lie in"):
+        fwd(np.array([[1, TINY.vocab_size]]))
+    with pytest.raises(ValueError, match="rank 2"):
+        fwd(np.array([1, 2]))
+    cache = model.init_cache(1, 4)
+    with pytest.raises(ValueError, match="exceed its 4 slots"):
+        fwd(tokens_of(5)[None], cache)
+    with pytest.raises(ValueError, match="multiple of"):
+        LlamaConfig(
+            vocab_size=8, d_model=8, n_layers=1, n_heads=3, n_kv_heads=2, head_dim=4, d_ff=8
+        )

@@ -1,0 +1,108 @@
+"""SmolLM2-135M-Instruct from its GGUF on real text (needs ``python -m jsparse.assets fetch``).
+
+The oracle is the numpy pass of ``numpy_llama`` on weights read here independently
+(``gguf`` dequantisation + the tests' own row de-interleaving), in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy_llama
+import pytest
+import tiny_gguf
+from test_llama import decode_vs_forward
+
+from jsparse.models.capture import capture_qkv, capture_text, load_capture
+from jsparse.models.perplexity import perplexity, token_nll
+
+pytestmark = pytest.mark.assets
+
+N_TOKENS = 160
+OFFSET = 20_000  # mid-novel in Persuasion, the held-out evaluation text
+QK_LAYERS = (0, 1, 14, 29)
+
+
+@pytest.fixture(scope="module")
+def numpy_weights(real_assets):
+    import gguf
+
+    reader = gguf.GGUFReader(real_assets.model_path())
+    cfg = {
+        "n_heads": 9,
+        "n_kv_heads": 3,
+        "head_dim": 64,
+        "rope_theta": 1e5,
+        "norm_eps": 1e-5,
+        "n_layers": 30,
+    }
+    weights = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if t.name.endswith("attn_q.weight"):
+            w = tiny_gguf.deinterleave_rows(w, cfg["n_heads"])
+        elif t.name.endswith("attn_k.weight"):
+            w = tiny_gguf.deinterleave_rows(w, cfg["n_kv_heads"])
+        weights[t.name] = w
+    return weights, cfg
+
+
+@pytest.fixture(scope="module")
+def numpy_pass(real_assets, numpy_weights):
+    weights, cfg = numpy_weights
+    ids = real_assets.novel_token_ids("persuasion", OFFSET, N_TOKENS)
+    return ids, numpy_llama.forward(weights, cfg, ids)
+
+
+def test_config_is_smollm2(real_model):
+    c = real_model.config
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff) == (
+        30,
+        576,
+        9,
+        3,
+        64,
+        1536,
+    )
+    assert (c.vocab_size, c.rope_theta, c.norm_eps, c.tie_embeddings) == (49152, 1e5, 1e-5, True)
+
+
+def test_nll_matches_numpy(real_model, numpy_pass):
+    ids, ref = numpy_pass
+    got = token_nll(real_model, ids, context_len=N_TOKENS)
+    expected = numpy_llama.token_nll(ref["logits"], ids)
+    # f32 through 30 layers against f64: measured max |ΔNLL| = 2.8e-5 on this window.
+    np.testing.assert_allclose(got, expected, rtol=0, atol=3e-4)
+    assert abs(got.mean() - expected.mean()) < 1e-4
+
+
+def test_post_rope_qk_match_numpy(real_model, numpy_pass):
+    ids, ref = numpy_pass
+    for layer, arrays in capture_qkv(real_model, ids, layers=QK_LAYERS):
+        for name in ("q", "k", "v"):
+            expected = ref[name][layer]
+            err = np.abs(arrays[name] - expected).max() / np.abs(expected).max()
+            # measured ≤ 4.4e-6 over all 30 layers on this window
+            assert err < 5e-5, f"layer {layer} {name}: relative error {err:.2e}"
+
+
+def test_perplexity_pride_and_prejudice_first_512(real_assets, real_model):
+    """Hugging Face transformers on the same GGUF: ≈ 16.1 (no BOS, one window)."""
+    ids = real_assets.novel_token_ids("prideprejudice", 0, 512)
+    result = perplexity(real_model, ids, context_len=512)
+    assert result.n_scored == 511
+    assert result.perplexity == pytest.approx(16.1, abs=0.1)
+
+
+def test_decode_matches_forward(real_assets, real_model):
+    ids = real_assets.novel_token_ids("persuasion", 5000, 40)[None]
+    steps, full = decode_vs_forward(real_model, ids, prefill=33, max_len=64)
+    np.testing.assert_allclose(steps, full, rtol=0, atol=1e-5 * np.abs(full).max())
+
+
+def test_capture_text(real_model, tmp_path):
+    out = capture_text("persuasion", OFFSET, 24, tmp_path / "cap", layers=[0, 29], model=real_model)
+    capture = load_capture(out)
+    assert capture.meta["novel"] == "persuasion" and capture.meta["offset"] == OFFSET
+    assert capture.meta["layers"] == [0, 29]
+    assert capture.layers[29]["q"].shape == (24, 9, 64)
+    assert capture.layers[0]["k"].shape == (24, 3, 64)
