@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jsparse.calibration.cli import environment  # noqa: E402
-from jsparse.calibration.stream import moments_from_captures  # noqa: E402
+from jsparse.calibration.stream import moments_from_captures, stack_moments  # noqa: E402
 from jsparse.eval import protocol  # noqa: E402
 from jsparse.eval.captures import read_layer, read_meta  # noqa: E402
 
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         args.calib, layers=layers, max_tokens=args.calib_tokens, progress=not args.no_progress
     )
     calib_s = time.perf_counter() - t0
+    methods += protocol.rate_distortion_methods(
+        args.ranks, stack_moments(per_layer_moments), args.families
+    )
     n_calib = calib_info["n_tokens"]
     print(f"calibration moments: {n_calib} tokens, {len(layers)} layers, {calib_s:.1f} s")
     novels = {s.get("novel") for s in calib_info["sequences"]}

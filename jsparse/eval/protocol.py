@@ -31,7 +31,14 @@ from jsparse.calibration.stiefel import subspace_overlap
 from jsparse.eval.recall import RecallReference, select_causal
 from jsparse.selectors.base import ProjectedSelector, Selector, make_selector
 
-__all__ = ["Method", "default_methods", "evaluate_layer", "layer_diagnostics", "summarize"]
+__all__ = [
+    "Method",
+    "default_methods",
+    "evaluate_layer",
+    "layer_diagnostics",
+    "rate_distortion_methods",
+    "summarize",
+]
 
 METRICS = ("oracle_recall", "mass_recall", "output_error")
 
@@ -90,6 +97,23 @@ def default_methods(
     if families is not None:
         wanted = set(families)
         methods = [m for m in methods if m.family in wanted]
+    return methods
+
+
+def rate_distortion_methods(ranks: Sequence[int], moments: Moments, families=None):
+    """``jssa_rd`` at the same bytes per token as each rank ``r`` (r bytes: the FP8 rank-r
+    cache), its FP8/int4 split planned from the calibration ``moments`` of all layers
+    (leading layer axis); ``jssa_rd-shared`` uses JSSA's shared basis (ablation)."""
+    from jsparse.selectors.jssa_rd import JSSARDSelector
+
+    methods = []
+    for r in ranks:
+        for kind, family in (("exact", "jssa_rd"), ("shared", "jssa_rd-shared")):
+            if families is not None and family not in families:
+                continue
+            sel = JSSARDSelector.planned(moments, float(r), maps_kind=kind)
+            label = f"{family} r{r} ({sel.fp8_dims}+{sel.int4_dims})"
+            methods.append(Method(label, family, sel, r))
     return methods
 
 

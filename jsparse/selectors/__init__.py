@@ -1,10 +1,10 @@
 """Token selectors of the JSSA paper behind one interface (see ``base.py`` and README.md).
 
-Names: ``jssa``, ``loki``, ``fasa``, ``kq_svd``, ``quest``, ``oracle``, ``head_shared``,
-``full``.
+Names: ``jssa``, ``jssa_rd``, ``loki``, ``fasa``, ``kq_svd``, ``quest``, ``oracle``,
+``head_shared``, ``full``.
 """
 
-from jsparse.selectors import fasa, full, head_shared, jssa, kq_svd, loki, oracle, quest
+from jsparse.selectors import fasa, full, head_shared, jssa, jssa_rd, kq_svd, loki, oracle, quest
 from jsparse.selectors.base import (
     CACHE_DTYPES,
     SELECTORS,
@@ -25,6 +25,7 @@ __all__ = [
     "full",
     "head_shared",
     "jssa",
+    "jssa_rd",
     "kq_svd",
     "loki",
     "make_selector",

@@ -18,6 +18,8 @@ ALL = sorted(SELECTORS)
 
 
 def _config(name, rank=4):
+    if name == "jssa_rd":
+        return {"fp8_dims": 1, "int4_dims": rank - 1}
     return {"rank": rank} if name in RANKED else {}
 
 
@@ -33,7 +35,8 @@ def _data(s=70, b=3):
 
 def _calibrated(name, **extra):
     q, k, _, _ = _data()
-    sel = make_selector(name, **{**_config(name), **extra})
+    config = _config(name, extra.pop("rank", 4))
+    sel = make_selector(name, **{**config, **extra})
     return sel, sel.calibrate(q, k)
 
 
