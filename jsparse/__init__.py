@@ -14,7 +14,8 @@ Index outputs are int32 with ``-1`` marking an empty slot; their scores are ``-i
 
 Token selection (JSSA and the baselines it is compared with)::
 
-    sel = jsparse.make_selector("jssa", rank=16)
+    sel = jsparse.make_selector()                         # DEFAULT_SELECTOR: "jssa_rd"
+    sel = jsparse.make_selector("jssa", rank=16)          # the paper's method
     params = sel.calibrate(q_calib, k_calib)              # one layer
     idx = sel.select(params, q, k, lengths, budget)       # int32 [B, Hkv, budget]
 """
@@ -34,11 +35,12 @@ from jsparse.calibration import (
     update_moments,
 )
 from jsparse.checkpoint import load_bases, save_bases
-from jsparse.selectors import SELECTORS, Selector, make_selector
+from jsparse.selectors import DEFAULT_SELECTOR, SELECTORS, Selector, make_selector
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_SELECTOR",
     "SELECTORS",
     "MomentState",
     "Moments",

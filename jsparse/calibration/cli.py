@@ -74,7 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--method", default="jssa", help="a calibrated selector (default jssa)")
-    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rank", type=int, default=16, help="R (ignored by jssa_rd: see --bytes)")
+    p.add_argument(
+        "--bytes",
+        type=float,
+        default=16.0,
+        help="jssa_rd: scoring bytes per token per KV head; the FP8/int4 split is planned "
+        "from the calibration moments (default 16, JSSA's r = 16 FP8 budget for D = 64)",
+    )
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="selector options")
     p.add_argument("--max-tokens", type=int, help="cap on calibration tokens (captures)")
     p.add_argument("--window", type=int, default=8192, help="tokens per synthetic window")
@@ -138,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "git_commit")))
     options = dict(item.split("=", 1) for item in args.set)
     options = {key: _parse_value(value) for key, value in options.items()}
-    selector = make_selector(args.method, rank=args.rank, **options)
+    planned = args.method == "jssa_rd" and not {"fp8_dims", "int4_dims"} & set(options)
+    if args.method == "jssa_rd":
+        selector = make_selector(args.method, **options)
+    else:
+        selector = make_selector(args.method, rank=args.rank, **options)
     if not selector.calibrated:
         raise SystemExit(f"--method {args.method}: this selector has nothing to calibrate")
 
@@ -159,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         moments, info = _synthetic_moments(args.synthetic_tokens, args.window, timings)
 
     t0 = time.perf_counter()
+    if planned:
+        from jsparse.selectors.jssa_rd import JSSARDSelector
+
+        selector = JSSARDSelector.planned(moments, args.bytes, **options)
     params = jax.block_until_ready(selector.calibrate_from_moments(moments))  # all layers at once
     timings["fit_s"] = time.perf_counter() - t0
     t_calibrated = time.perf_counter()
@@ -167,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model or info["model"],
         "method": args.method,
         "selector": selector.describe(),
-        "rank": args.rank,
+        "rank": selector.rank,
+        "bytes_per_token": selector.bytes_per_token(info["head_dim"]),
         "n_layers": info["n_layers"],
         "n_heads": info["n_heads"],
         "n_kv_heads": info["n_kv_heads"],
@@ -184,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     timings["total_s"] = time.perf_counter() - t_start
 
     print(
-        f"calibrated {args.method} rank {args.rank}: {info['n_layers']} layers x "
+        f"calibrated {selector.describe()}: {info['n_layers']} layers x "
         f"{info['n_kv_heads']} KV heads from {info['n_tokens']} tokens -> {path}"
     )
     print("wall time: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items()))

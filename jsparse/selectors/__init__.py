@@ -7,6 +7,7 @@ Names: ``jssa``, ``jssa_rd``, ``loki``, ``fasa``, ``kq_svd``, ``quest``, ``oracl
 from jsparse.selectors import fasa, full, head_shared, jssa, jssa_rd, kq_svd, loki, oracle, quest
 from jsparse.selectors.base import (
     CACHE_DTYPES,
+    DEFAULT_SELECTOR,
     SELECTORS,
     ProjectedKeys,
     ProjectedSelector,
@@ -17,6 +18,7 @@ from jsparse.selectors.base import (
 
 __all__ = [
     "CACHE_DTYPES",
+    "DEFAULT_SELECTOR",
     "SELECTORS",
     "ProjectedKeys",
     "ProjectedSelector",

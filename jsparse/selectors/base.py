@@ -53,6 +53,7 @@ from jsparse.calibration.moments import (
 
 __all__ = [
     "CACHE_DTYPES",
+    "DEFAULT_SELECTOR",
     "SELECTORS",
     "ProjectedKeys",
     "ProjectedSelector",
@@ -74,6 +75,10 @@ CACHE_DTYPES: dict[str, tuple[Any, int]] = {
 
 SELECTORS: dict[str, type[Selector]] = {}
 
+# The best selector at equal scoring memory on held-out real activations (WORKSPACE.md,
+# "JSSA selectors"); the paper's method stays available, unchanged, as "jssa".
+DEFAULT_SELECTOR = "jssa_rd"
+
 
 def register(cls: type[Selector]) -> type[Selector]:
     """Class decorator: adds a selector class to :data:`SELECTORS` under ``cls.name``."""
@@ -83,8 +88,9 @@ def register(cls: type[Selector]) -> type[Selector]:
     return cls
 
 
-def make_selector(name: str, **config: Any) -> Selector:
-    """The selector called ``name`` with its configuration (see each class for options)."""
+def make_selector(name: str = DEFAULT_SELECTOR, **config: Any) -> Selector:
+    """The selector called ``name`` (default :data:`DEFAULT_SELECTOR`) with its
+    configuration (see each class for options)."""
     try:
         cls = SELECTORS[name]
     except KeyError:

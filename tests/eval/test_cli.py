@@ -50,3 +50,14 @@ def test_calibration_cli_writes_checkpoint(tmp_path):
     assert calibrate_main([*args, "--max-tokens", "100", "--no-progress"]) == 0
     _, meta = jsparse.load_bases(tmp_path / "f", method="fasa")
     assert meta["calibration"]["n_tokens"] == 100
+
+
+def test_calibration_cli_plans_jssa_rd(tmp_path):
+    write_synthetic_capture(tmp_path / "c", jax.random.key(0), 128, n_layers=2)
+    out = tmp_path / "rd"
+    args = ["--captures", str(tmp_path / "c"), "--method", "jssa_rd", "--bytes", "8"]
+    assert calibrate_main([*args, "--out", str(out), "--no-progress"]) == 0
+    bases, meta = jsparse.load_bases(out, method="jssa_rd")
+    assert meta["bytes_per_token"] <= 8
+    assert bases["query_map"].shape == (2, 3, meta["rank"], 64)
+    assert bases["key_offset"].shape == (2, 3, meta["rank"])

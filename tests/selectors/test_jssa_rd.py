@@ -30,7 +30,8 @@ def test_plan_by_hand():
 
 
 def test_options_and_bytes():
-    sel = make_selector("jssa_rd")
+    sel = make_selector()  # the default selector
+    assert sel.name == "jssa_rd"
     assert (sel.fp8_dims, sel.int4_dims, sel.rank) == (3, 26, 29)
     assert sel.bytes_per_token(64) == 16
     with pytest.raises(ValueError, match="rank"):
