@@ -47,7 +47,52 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write every record and the summary here")
     p.add_argument("--plot", help="write recall-vs-budget plots here (PNG)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--report", help="only print the tables of an earlier --json output")
     return p
+
+
+def report(path: str) -> None:
+    """Markdown tables of an earlier run, grouped by scoring bytes per token."""
+    data = json.loads(Path(path).read_text())
+    cfg = data["config"]
+    summary = {(r["context"], r["method"], r["budget"]): r for r in data["summary"]}
+    per_bytes: dict = {}
+    for label, nbytes in cfg["bytes_per_token"].items():
+        per_bytes.setdefault(nbytes, []).append(label)
+    env = data["environment"]
+    print(f"{env['date']} | {env['device']} | jax {env['jax']} | {env['git_commit']}")
+    print(
+        f"eval {cfg['eval_meta'].get('novel')} offset {cfg['eval_meta'].get('offset')}, "
+        f"{len(cfg['layers'])} layers, {cfg['queries']} queries per context; calibration "
+        f"{data['calibration']['n_tokens']} tokens"
+    )
+    for metric in protocol.METRICS:
+        for nbytes in sorted(per_bytes, reverse=True):
+            labels = per_bytes[nbytes] if nbytes else ["oracle", "full"]
+            if nbytes:
+                labels = ["oracle", *labels]
+            for context in cfg["contexts"]:
+                print(f"\n{metric}, {nbytes:g} B/token/KV head, context {context}")
+                print(protocol.markdown_table(summary, metric, context, labels, cfg["budgets"]))
+    context, budget = max(cfg["contexts"]), 256 if 256 in cfg["budgets"] else cfg["budgets"][0]
+    top_rank = max(cfg["ranks"])
+    keep = {"jssa", "loki", "fasa", "kq_svd", "quest", "jssa_rd"}
+    labels = []
+    for r in data["records"]:
+        if r["family"] in keep and r["rank"] == top_rank and r["method"] not in labels:
+            labels.append(r["method"])
+    by_layer: dict = {}
+    for r in data["records"]:
+        if r["context"] == context and r["budget"] == budget:
+            by_layer.setdefault(r["layer"], {})[r["method"]] = r["oracle_recall"]
+    print(f"\noracle recall per layer, context {context}, budget {budget}")
+    print("| layer | " + " | ".join(labels) + " |")
+    print("|---|" + "---:|" * len(labels))
+    for layer in sorted(by_layer):
+        row = by_layer[layer]
+        print(
+            f"| {layer} | " + " | ".join(f"{row.get(m, float('nan')):.3f}" for m in labels) + " |"
+        )
 
 
 def _synthetic_captures(tmp: Path) -> tuple[list[str], str]:
@@ -97,6 +142,9 @@ def plot(summary: dict, contexts, budgets, ranks, path: str, header: str) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.report:
+        report(args.report)
+        return 0
     env = environment()
     print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "git_commit")))
     tmp = None
