@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -119,6 +120,10 @@ def plot(summary: dict, contexts, budgets, ranks, path: str, header: str) -> Non
         len(rows), len(contexts), figsize=(4.2 * len(contexts), 3.3 * len(rows)), squeeze=False
     )
     labels = sorted({key[1] for key in summary})
+    cmap = plt.get_cmap("tab20")
+    stems = sorted({re.sub(r" r\d+.*", "", label) for label in labels})
+    stem_color = {stem: cmap(i % 20) for i, stem in enumerate(stems)}
+    colors = {label: stem_color[re.sub(r" r\d+.*", "", label)] for label in labels}
     for (metric, r), ax_row in zip(rows, axes, strict=True):
         for context, ax in zip(contexts, ax_row, strict=True):
             for label in labels:
@@ -127,8 +132,20 @@ def plot(summary: dict, contexts, budgets, ranks, path: str, header: str) -> Non
                     continue
                 if entry[0]["rank"] not in (None, r) or entry[0]["family"] == "full":
                     continue
-                style = "--" if entry[0]["rank"] is None else "-"
-                ax.plot(budgets, [e[metric] for e in entry], style, marker="o", ms=3, label=label)
+                family = entry[0]["family"]
+                style = "--" if entry[0]["rank"] is None else (":" if "-" in family else "-")
+                color = "black" if family == "oracle" else colors[label]
+                width = 2.2 if family in ("jssa", "jssa_rd") else 1.2
+                ax.plot(
+                    budgets,
+                    [e[metric] for e in entry],
+                    style,
+                    color=color,
+                    lw=width,
+                    marker="o",
+                    ms=3,
+                    label=label,
+                )
             ax.set_xscale("log", base=2)
             ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.set_title(f"{metric}, r={r} ({r} B/token), ctx {context}", fontsize=9)
@@ -144,6 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.report:
         report(args.report)
+        if args.plot:
+            data = json.loads(Path(args.report).read_text())
+            cfg = data["config"]
+            summary = {(r["context"], r["method"], r["budget"]): r for r in data["summary"]}
+            meta = cfg["eval_meta"]
+            header = (
+                f"{meta.get('model')} held-out {meta.get('novel')} @{meta.get('offset')}, "
+                f"{len(cfg['layers'])} layers, {cfg['queries']} queries/context; "
+                f"{data['environment']['git_commit']}"
+            )
+            plot(summary, cfg["contexts"], cfg["budgets"], cfg["ranks"], args.plot, header)
         return 0
     env = environment()
     print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "git_commit")))
