@@ -98,7 +98,7 @@ def write_synthetic_capture(
     meta = {
         "model": "synthetic",
         "novel": "synthetic",
-        "token_offset": start,
+        "offset": start,
         "n_tokens": n_tokens,
         "n_layers": n_layers,
         "n_heads": n_heads,
