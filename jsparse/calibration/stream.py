@@ -73,8 +73,7 @@ def moments_from_captures(
                 states[layer] = update_moments(states[layer], qc, kc, mask)
             bar.update()
         used.append(
-            {key: meta.get(key) for key in ("novel", "offset")}
-            | {"n_tokens": n, "path": str(d)}
+            {key: meta.get(key) for key in ("novel", "offset")} | {"n_tokens": n, "path": str(d)}
         )
         if remaining is not None:
             remaining -= n
