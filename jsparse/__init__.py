@@ -7,23 +7,63 @@ Shape letters used throughout (docstrings, jaxtyping annotations):
     Hkv  key-value heads              G    query heads per KV head (H // Hkv)
     D    head dim                     Dv   value head dim
     K    top_k (indexer Top-K)        R    rank of a scoring subspace
+    L    layers
     budget  tokens selected per KV head in decoding (the paper's "top-B")
 
 Index outputs are int32 with ``-1`` marking an empty slot; their scores are ``-inf``.
+
+Token selection (JSSA and the baselines it is compared with)::
+
+    sel = jsparse.make_selector()                         # DEFAULT_SELECTOR: "jssa_rd"
+    sel = jsparse.make_selector("jssa", rank=16)          # the paper's method
+    params = sel.calibrate(q_calib, k_calib)              # one layer
+    idx = sel.select(params, q, k, lengths, budget)       # int32 [B, Hkv, budget]
 """
 
 from jsparse import backend
+from jsparse.calibration import (
+    Moments,
+    MomentState,
+    compute_moments,
+    finalize_moments,
+    init_moments,
+    jssa_basis,
+    normalize_trace,
+    refine_basis,
+    selection_objective,
+    subspace_overlap,
+    update_moments,
+)
+from jsparse.checkpoint import load_bases, save_bases
 from jsparse.ops.indexer import IndexerTopK, indexer_scores, indexer_topk
+from jsparse.selectors import DEFAULT_SELECTOR, SELECTORS, Selector, make_selector
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_SELECTOR",
+    "SELECTORS",
     "IndexerTopK",
+    "MomentState",
+    "Moments",
+    "Selector",
     "__version__",
     "backend",
+    "compute_moments",
+    "finalize_moments",
     "indexer_scores",
     "indexer_topk",
     "indexer_topk_decode",
+    "init_moments",
+    "jssa_basis",
+    "load_bases",
+    "make_selector",
+    "normalize_trace",
+    "refine_basis",
+    "save_bases",
+    "selection_objective",
+    "subspace_overlap",
+    "update_moments",
 ]
 
 

@@ -1,0 +1,215 @@
+"""Calibrate a selector for every layer of a model and write an Orbax bases checkpoint.
+
+    python -m jsparse.calibration --captures CAP_DIR [CAP_DIR ...] --rank 16 --out BASES_DIR
+    python -m jsparse.calibration --synthetic-tokens 65536 --out /tmp/bases   # timing only
+
+``--captures`` reads activation captures (see :mod:`jsparse.eval.captures`), one layer of
+one sequence at a time. ``--synthetic-tokens`` generates SmolLM2-shaped post-RoPE
+activations on the device instead (30 layers, 9 query heads, 3 KV heads, head_dim 64, in
+windows of ``--window`` tokens, all layers per window at once): it measures the cost of
+calibration itself where real activations cannot be carried, and its bases mean nothing.
+The wall time is printed per phase (data, moments, fit, save).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["environment", "main"]
+
+
+def environment() -> dict:
+    """Device, versions and git commit, printed by every jsparse CLI."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        commit = (commit or "unknown") + ("+dirty" if dirty else "")
+    except OSError:
+        commit = "unknown"
+    device = jax.devices()[0]
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": f"{device.platform}:{device.device_kind} x{jax.device_count()}",
+        "host": platform.node(),
+        "cpu_count": __import__("os").cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "git_commit": commit,
+        "command": " ".join(sys.argv),
+    }
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jsparse.calibration", description=__doc__.split("\n")[0]
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--captures", nargs="+", help="calibration capture directories")
+    src.add_argument("--synthetic-tokens", type=int, help="generate this many tokens on the device")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--method", default="jssa", help="a calibrated selector (default jssa)")
+    p.add_argument("--rank", type=int, default=16, help="R (ignored by jssa_rd: see --bytes)")
+    p.add_argument(
+        "--bytes",
+        type=float,
+        default=16.0,
+        help="jssa_rd: scoring bytes per token per KV head; the FP8/int4 split is planned "
+        "from the calibration moments (default 16, JSSA's r = 16 FP8 budget for D = 64)",
+    )
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="selector options")
+    p.add_argument("--max-tokens", type=int, help="cap on calibration tokens (captures)")
+    p.add_argument("--window", type=int, default=8192, help="tokens per synthetic window")
+    p.add_argument("--chunk", type=int, default=4096, help="tokens per moment update (captures)")
+    p.add_argument("--model", help="model name for the metadata (default: from the captures)")
+    p.add_argument("--json", help="also write the timings and environment as JSON here")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _synthetic_moments(n_tokens: int, window: int, timings: dict):
+    from jsparse.calibration.moments import finalize_moments, init_moments, update_moments
+    from jsparse.eval.synthetic import synthetic_qkv
+
+    n_layers, n_heads, n_kv, d = 30, 9, 3, 64
+
+    @jax.jit
+    def generate(start):
+        def layer(key):
+            q, k, _ = synthetic_qkv(
+                key, window, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, start=start
+            )
+            return q, k
+
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(n_layers))
+        return jax.vmap(layer)(keys)  # [L, N, H, D], [L, N, Hkv, D]
+
+    state = init_moments(n_kv, d, (n_layers,))
+    n_windows = -(-n_tokens // window)
+    for w in range(n_windows):
+        t0 = time.perf_counter()
+        q, k = jax.block_until_ready(generate(w * window))
+        t1 = time.perf_counter()
+        valid = min(window, n_tokens - w * window)
+        mask = np.broadcast_to(np.arange(window) < valid, (n_layers, window))
+        state = jax.block_until_ready(update_moments(state, q, k, mask))
+        t2 = time.perf_counter()
+        timings["data_s"] += t1 - t0
+        timings["moments_s"] += t2 - t1
+        if w == 0:  # the first window includes compilation
+            timings["first_window_s"] = t2 - t0
+    info = {
+        "model": "synthetic (SmolLM2 shapes)",
+        "sequences": [{"synthetic_windows": n_windows, "window": window}],
+        "n_tokens": n_tokens,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv,
+        "head_dim": d,
+    }
+    return finalize_moments(state), info
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jsparse.calibration.stream import moments_from_captures, stack_moments
+    from jsparse.checkpoint import save_bases
+    from jsparse.selectors import make_selector
+
+    args = _parser().parse_args(argv)
+    env = environment()
+    print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "git_commit")))
+    options = dict(item.split("=", 1) for item in args.set)
+    options = {key: _parse_value(value) for key, value in options.items()}
+    planned = args.method == "jssa_rd" and not {"fp8_dims", "int4_dims"} & set(options)
+    if args.method == "jssa_rd":
+        selector = make_selector(args.method, **options)
+    else:
+        selector = make_selector(args.method, rank=args.rank, **options)
+    if not selector.calibrated:
+        raise SystemExit(f"--method {args.method}: this selector has nothing to calibrate")
+
+    timings = {"data_s": 0.0, "moments_s": 0.0}
+    t_start = time.perf_counter()
+    if args.captures:
+        t0 = time.perf_counter()
+        per_layer, info = moments_from_captures(
+            args.captures,
+            max_tokens=args.max_tokens,
+            chunk=args.chunk,
+            progress=not args.no_progress,
+        )
+        moments = stack_moments(per_layer)
+        timings["data_and_moments_s"] = time.perf_counter() - t0
+        del timings["data_s"], timings["moments_s"]
+    else:
+        moments, info = _synthetic_moments(args.synthetic_tokens, args.window, timings)
+
+    t0 = time.perf_counter()
+    if planned:
+        from jsparse.selectors.jssa_rd import JSSARDSelector
+
+        selector = JSSARDSelector.planned(moments, args.bytes, **options)
+    params = jax.block_until_ready(selector.calibrate_from_moments(moments))  # all layers at once
+    timings["fit_s"] = time.perf_counter() - t0
+    t_calibrated = time.perf_counter()
+
+    metadata = {
+        "model": args.model or info["model"],
+        "method": args.method,
+        "selector": selector.describe(),
+        "rank": selector.rank,
+        "bytes_per_token": selector.bytes_per_token(info["head_dim"]),
+        "n_layers": info["n_layers"],
+        "n_heads": info["n_heads"],
+        "n_kv_heads": info["n_kv_heads"],
+        "head_dim": info["head_dim"],
+        "calibration": {"data": info["sequences"], "n_tokens": info["n_tokens"]},
+        "environment": env,
+    }
+    t0 = time.perf_counter()
+    path = save_bases(
+        args.out, {k: np.asarray(v) for k, v in params.items()}, metadata, overwrite=args.overwrite
+    )
+    timings["save_s"] = time.perf_counter() - t0
+    timings["calibration_total_s"] = t_calibrated - t_start
+    timings["total_s"] = time.perf_counter() - t_start
+
+    print(
+        f"calibrated {selector.describe()}: {info['n_layers']} layers x "
+        f"{info['n_kv_heads']} KV heads from {info['n_tokens']} tokens -> {path}"
+    )
+    print("wall time: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items()))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"environment": env, "timings": timings, "metadata": metadata}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""Streaming second moments of group-mean queries and keys (MATH.md §2.2).
+
+JSSA, Loki, FASA and KQ-SVD all calibrate from the same four statistics per
+(layer, KV head): the uncentred second moments ``G_Q = E[q̄ q̄ᵀ]`` and ``G_K = E[k kᵀ]``
+and the means ``E[q̄]``, ``E[k]``. They are sums over tokens, so calibration streams: the
+state below is a pytree of running sums that :func:`update_moments` grows one chunk at a
+time (jit-compiled, fixed shapes, optional mask for padded chunks) and
+:func:`finalize_moments` turns into expectations. Nothing of the activations is kept.
+
+Leading axes are free: a state built with ``batch_shape=(L,)`` accumulates all layers of a
+model at once from ``q [L, N, H, D]``, ``k [L, N, Hkv, D]``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from jsparse import _checks
+
+__all__ = [
+    "MomentState",
+    "Moments",
+    "compute_moments",
+    "finalize_moments",
+    "group_mean_queries",
+    "init_moments",
+    "normalize_trace",
+    "update_moments",
+]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class MomentState(NamedTuple):
+    """Running sums over calibration tokens (a jit-able pytree).
+
+    ``*L`` is any leading batch shape (for example one axis for layers).
+    """
+
+    gram_q: Float[Array, "*L Hkv D D"]  # Σ q̄ q̄ᵀ
+    gram_k: Float[Array, "*L Hkv D D"]  # Σ k kᵀ
+    sum_q: Float[Array, "*L Hkv D"]  # Σ q̄
+    sum_k: Float[Array, "*L Hkv D"]  # Σ k
+    count: Float[Array, "*L"]  # tokens seen (f32 is exact up to 2**24 tokens per update)
+
+
+class Moments(NamedTuple):
+    """Finalized calibration statistics of one or more layers."""
+
+    gram_q: Float[Array, "*L Hkv D D"]  # G_Q = E[q̄ q̄ᵀ], uncentred
+    gram_k: Float[Array, "*L Hkv D D"]  # G_K = E[k kᵀ], uncentred
+    mean_q: Float[Array, "*L Hkv D"]  # E[q̄]
+    mean_k: Float[Array, "*L Hkv D"]  # E[k]
+    n_tokens: Float[Array, "*L"]
+
+    @property
+    def cov_k(self) -> Float[Array, "*L Hkv D D"]:
+        """Centred key covariance ``G_K - E[k] E[k]ᵀ`` (what key PCA diagonalises)."""
+        return self.gram_k - self.mean_k[..., :, None] * self.mean_k[..., None, :]
+
+    @property
+    def cov_q(self) -> Float[Array, "*L Hkv D D"]:
+        """Centred group-mean query covariance."""
+        return self.gram_q - self.mean_q[..., :, None] * self.mean_q[..., None, :]
+
+    def layer(self, index: int) -> Moments:
+        """The statistics of one entry of the leading axis (for example one layer)."""
+        return Moments(*(x[index] for x in self))
+
+
+def init_moments(n_kv_heads: int, head_dim: int, batch_shape: tuple[int, ...] = ()) -> MomentState:
+    """An empty accumulator for ``n_kv_heads`` KV heads of dimension ``head_dim``."""
+    if n_kv_heads < 1 or head_dim < 1:
+        raise ValueError(
+            f"init_moments: need n_kv_heads, head_dim >= 1, got {n_kv_heads=}, {head_dim=}"
+        )
+    shape = (*batch_shape, n_kv_heads)
+    f32 = jnp.float32
+    return MomentState(
+        gram_q=jnp.zeros((*shape, head_dim, head_dim), f32),
+        gram_k=jnp.zeros((*shape, head_dim, head_dim), f32),
+        sum_q=jnp.zeros((*shape, head_dim), f32),
+        sum_k=jnp.zeros((*shape, head_dim), f32),
+        count=jnp.zeros(batch_shape, f32),
+    )
+
+
+def group_mean_queries(q: Float[Array, "*N H D"], n_kv_heads: int) -> Float[Array, "*N Hkv D"]:
+    """``q̄ = (1/G) Σ_g q_g`` over the G query heads that share each KV head.
+
+    Query head ``h`` reads KV head ``h // G`` (the usual grouped-query layout, where the
+    KV heads are repeated ``G`` times consecutively).
+    """
+    n_heads = q.shape[-2]
+    if n_heads % n_kv_heads:
+        raise ValueError(
+            f"group_mean_queries: {n_heads} query heads (q.shape={tuple(q.shape)}) are not a "
+            f"multiple of {n_kv_heads} KV heads"
+        )
+    g = n_heads // n_kv_heads
+    q = q.astype(jnp.float32)
+    return q.reshape(*q.shape[:-2], n_kv_heads, g, q.shape[-1]).mean(axis=-2)
+
+
+def normalize_trace(gram: Float[Array, "*L D D"]) -> Float[Array, "*L D D"]:
+    """``G̃ = G / tr(G)`` (unit trace; a zero matrix stays zero)."""
+    tr = jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None]
+    return jnp.where(tr > 0, gram / jnp.where(tr > 0, tr, 1.0), 0.0)
+
+
+def _check_update_inputs(state: MomentState, q, k, mask) -> None:
+    n_kv, d = state.sum_k.shape[-2:]
+    lead = state.count.shape
+    _checks.check_rank("q", q, len(lead) + 3, f"[*L={lead}, N, H, D]")
+    _checks.check_rank("k", k, len(lead) + 3, f"[*L={lead}, N, Hkv, D]")
+    if tuple(q.shape[: len(lead)]) != lead or tuple(k.shape[: len(lead)]) != lead:
+        raise ValueError(
+            f"update_moments: leading axes of q {tuple(q.shape)} / k {tuple(k.shape)} must be "
+            f"the state's batch shape {lead}"
+        )
+    _checks.check_dim("k", k, -2, n_kv, "KV heads of the state")
+    _checks.check_dim("k", k, -1, d, "head_dim of the state")
+    _checks.check_dim("q", q, -1, d, "head_dim of the state")
+    _checks.check_dim("q", q, -3, k.shape[-3], "tokens N, as in k")
+    if q.shape[-2] % n_kv:
+        raise ValueError(f"q: {q.shape[-2]} query heads are not a multiple of {n_kv} KV heads")
+    if mask is not None and tuple(mask.shape) != tuple(k.shape[:-2]):
+        raise ValueError(f"mask: expected shape {tuple(k.shape[:-2])}, got {tuple(mask.shape)}")
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _update(state: MomentState, q, k, mask) -> MomentState:
+    n_kv = state.sum_k.shape[-2]
+    qm = group_mean_queries(q, n_kv)
+    k = k.astype(jnp.float32)
+    w = jnp.ones(k.shape[:-2], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    qw = qm * w[..., None, None]
+    kw = k * w[..., None, None]
+    # Sum over tokens inside one matmul per chunk; f32 with HIGHEST precision (no TF32 on GPU).
+    return MomentState(
+        gram_q=state.gram_q + jnp.einsum("...nhd,...nhe->...hde", qw, qm, precision=_HIGHEST),
+        gram_k=state.gram_k + jnp.einsum("...nhd,...nhe->...hde", kw, k, precision=_HIGHEST),
+        sum_q=state.sum_q + qw.sum(axis=-3),
+        sum_k=state.sum_k + kw.sum(axis=-3),
+        count=state.count + w.sum(axis=-1),
+    )
+
+
+def update_moments(
+    state: MomentState,
+    q: Float[Array, "*L N H D"],
+    k: Float[Array, "*L N Hkv D"],
+    mask: Bool[Array, "*L N"] | None = None,
+) -> MomentState:
+    """Adds one chunk of post-RoPE queries and keys to the running sums.
+
+    ``mask`` (optional) marks the valid tokens of a padded chunk, so a fixed chunk shape
+    compiles once. The input state's buffers are donated: use the returned state.
+    """
+    _check_update_inputs(state, q, k, mask)
+    return _update(state, q, k, mask)
+
+
+def finalize_moments(state: MomentState) -> Moments:
+    """Turns running sums into expectations. Raises if no token was accumulated."""
+    count = _checks.concrete(state.count)
+    if count is not None and (count <= 0).any():
+        raise ValueError("finalize_moments: no calibration token was accumulated (count is 0)")
+    n = state.count
+    return Moments(
+        gram_q=state.gram_q / n[..., None, None, None],
+        gram_k=state.gram_k / n[..., None, None, None],
+        mean_q=state.sum_q / n[..., None, None],
+        mean_k=state.sum_k / n[..., None, None],
+        n_tokens=n,
+    )
+
+
+def compute_moments(q: Float[Array, "*L N H D"], k: Float[Array, "*L N Hkv D"]) -> Moments:
+    """One-shot moments of a single chunk (the non-streaming path)."""
+    if k.ndim < 3:
+        raise ValueError(f"k: expected [*L, N, Hkv, D], got shape {tuple(k.shape)}")
+    state = init_moments(k.shape[-2], k.shape[-1], tuple(k.shape[:-3]))
+    return finalize_moments(update_moments(state, q, k))

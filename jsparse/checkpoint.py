@@ -1,0 +1,229 @@
+"""Orbax persistence of calibrated bases (one method, all layers of a model).
+
+A checkpoint is a directory::
+
+    PATH/arrays/         Orbax StandardCheckpointer: the pytree of arrays
+    PATH/metadata.json   model and shapes, method, rank, calibration data, jsparse
+                         version, and per array its shape, dtype and SHA-256
+
+``load_bases`` restores into an abstract target built from the metadata
+(``jax.ShapeDtypeStruct``), checks the caller's expectations (layers, KV heads, head dim,
+rank, method) before reading any array, and verifies every array's checksum, so a
+truncated or altered checkpoint fails loudly instead of returning wrong bases.
+Orbax is imported on first use, keeping ``import jsparse`` light.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FORMAT", "load_bases", "save_bases"]
+
+FORMAT = "jsparse-bases/1"
+REQUIRED_METADATA = ("model", "method", "n_layers", "n_kv_heads", "head_dim", "rank")
+_ARRAYS = "arrays"
+_META = "metadata.json"
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if not isinstance(key, str) or "/" in key or not key:
+            raise ValueError(f"bases: keys must be non-empty strings without '/', got {key!r}")
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "/"))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, leaf = name.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def _digest(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def save_bases(
+    path: str | Path,
+    bases: Mapping[str, Any],
+    metadata: Mapping[str, Any],
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Writes ``bases`` (a nested dict of arrays) and ``metadata`` to directory ``path``.
+
+    ``metadata`` must hold ``model``, ``method``, ``n_layers``, ``n_kv_heads``,
+    ``head_dim`` and ``rank``; add ``calibration`` (data and token count) and anything
+    else JSON can encode. ``jsparse_version`` and the array specs are added here.
+    Returns the absolute path.
+    """
+    import orbax.checkpoint as ocp
+
+    from jsparse import __version__
+
+    path = Path(path).absolute()
+    missing = [key for key in REQUIRED_METADATA if key not in metadata]
+    if missing:
+        raise ValueError(
+            f"save_bases: metadata lacks {missing}; required: {list(REQUIRED_METADATA)}"
+        )
+    if not isinstance(bases, Mapping) or not bases:
+        raise ValueError(
+            f"save_bases: bases must be a non-empty dict of arrays, got {type(bases).__name__}"
+        )
+    flat = {name: np.asarray(value) for name, value in _flatten(bases).items()}
+    _check_shapes({n: a.shape for n, a in flat.items()}, metadata, "save_bases")
+    if path.exists():
+        if not overwrite:
+            raise FileExistsError(f"save_bases: {path} exists (pass overwrite=True to replace it)")
+        import shutil
+
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path / _ARRAYS, _unflatten(flat))
+    meta = dict(metadata)
+    meta["format"] = FORMAT
+    meta["jsparse_version"] = __version__
+    meta["arrays"] = {
+        name: {"shape": list(a.shape), "dtype": a.dtype.name, "sha256": _digest(a)}
+        for name, a in flat.items()
+    }
+    # Written last: a directory without metadata.json is an incomplete save.
+    (path / _META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=_json_default))
+    return path
+
+
+def _check_shapes(shapes: Mapping[str, Any], meta: Mapping[str, Any], where: str) -> None:
+    """Every array is per (layer, KV head); ``[L, Hkv, R, D]`` arrays are projection maps."""
+    lead = (meta["n_layers"], meta["n_kv_heads"])
+    for name, shape in shapes.items():
+        shape = tuple(shape)
+        if shape[:2] != lead:
+            raise ValueError(
+                f"{where}: array {name!r} has shape {shape}; expected leading axes "
+                f"(n_layers, n_kv_heads) = {lead}"
+            )
+        if len(shape) == 4 and shape[2:] != (meta["rank"], meta["head_dim"]):
+            raise ValueError(
+                f"{where}: array {name!r} has shape {shape}; expected [n_layers, n_kv_heads, "
+                f"rank, head_dim] = {(*lead, meta['rank'], meta['head_dim'])}"
+            )
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"metadata value of type {type(value).__name__} is not JSON-serialisable")
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of a checkpoint, without reading its arrays."""
+    path = Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"load_bases: no checkpoint at {path}")
+    meta_file = path / _META
+    if not meta_file.is_file():
+        raise ValueError(f"load_bases: {path} is not a complete bases checkpoint (no {_META})")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"load_bases: corrupt checkpoint metadata {meta_file}: {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "arrays" not in meta:
+        raise ValueError(f"load_bases: {meta_file} is not {FORMAT} metadata")
+    return meta
+
+
+def load_bases(
+    path: str | Path,
+    *,
+    n_layers: int | None = None,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    rank: int | None = None,
+    method: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restores ``(bases, metadata)`` saved by :func:`save_bases`.
+
+    Every keyword given is checked against the metadata before arrays are read; a
+    mismatch (for example a rank or head count that is not the model's) raises
+    ``ValueError`` naming both values. Raises ``FileNotFoundError`` for a missing path
+    and ``ValueError`` for an incomplete or corrupt checkpoint.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    meta = read_metadata(path)
+    expected = {
+        "n_layers": n_layers,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "rank": rank,
+        "method": method,
+    }
+    for key, want in expected.items():
+        if want is not None and meta.get(key) != want:
+            raise ValueError(
+                f"load_bases: checkpoint {path} has {key}={meta.get(key)!r}, expected {want!r}"
+            )
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    specs = meta["arrays"]
+    try:
+        _check_shapes({n: tuple(s["shape"]) for n, s in specs.items()}, meta, "load_bases")
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"load_bases: corrupt metadata in {path / _META}: {err!r}") from err
+    try:
+        target = _unflatten(
+            {
+                name: jax.ShapeDtypeStruct(
+                    tuple(spec["shape"]), np.dtype(spec["dtype"]), sharding=sharding
+                )
+                for name, spec in specs.items()
+            }
+        )
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"load_bases: corrupt array specs in {path / _META}: {err}") from err
+    if not (path / _ARRAYS).is_dir():
+        raise ValueError(f"load_bases: {path} has metadata but no {_ARRAYS}/ directory")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path / _ARRAYS, target)
+    except Exception as err:  # tensorstore / orbax raise many types for damaged files
+        raise ValueError(
+            f"load_bases: corrupt checkpoint {path}: {type(err).__name__}: {err}"
+        ) from err
+    flat = _flatten(restored)
+    if set(flat) != set(specs):
+        raise ValueError(
+            f"load_bases: corrupt checkpoint {path}: arrays {sorted(flat)} != {sorted(specs)}"
+        )
+    for name, spec in specs.items():
+        a = np.asarray(flat[name])
+        if (
+            list(a.shape) != spec["shape"]
+            or a.dtype.name != spec["dtype"]
+            or _digest(a) != spec["sha256"]
+        ):
+            raise ValueError(
+                f"load_bases: corrupt checkpoint {path}: array {name!r} fails its checksum"
+            )
+    return restored, meta

@@ -1,0 +1,1 @@
+"""Evaluation of token selectors: recall metrics, capture reading, synthetic test data."""

@@ -1,0 +1,310 @@
+"""One interface for every token selector, and the registry.
+
+Per layer::
+
+    sel = make_selector("jssa", rank=16)                  # any name in SELECTORS
+    params = sel.calibrate(q_calib, k_calib)              # [N, H, D], [N, Hkv, D] post-RoPE
+    idx = sel.select(params, q, k, lengths, budget)       # q [B, H, D], k [B, S, Hkv, D],
+                                                          # lengths [B] -> int32 [B, Hkv, budget]
+
+Streaming calibration over many sequences (one pass feeds every selector)::
+
+    state = sel.calibration_state(n_kv_heads, head_dim)
+    for q, k in chunks:
+        state = sel.update(state, q, k)
+    params = sel.finalize(state)          # == sel.calibrate_from_moments(finalize_moments(state))
+
+Contract of ``select``:
+
+* ``idx[b, h]`` lists ``min(budget, lengths[b])`` distinct token positions in
+  ``[0, lengths[b])`` for KV head ``h``, best first (score descending, then position
+  ascending: deterministic ties), then ``-1`` in the empty slots. Tokens at or beyond
+  ``lengths[b]`` are never selected. With ``budget >= lengths[b]`` every visible token is
+  returned. ``full`` is the one exception on width: it returns all ``S`` positions.
+* ``budget`` is static (one compilation per budget); everything else can be traced, so
+  ``jax.jit(sel.select, static_argnames="budget")`` and ``jax.vmap`` work.
+* Selectors with a projected-key cache (jssa, jssa_*, loki, fasa, kq_svd, head_shared)
+  also expose ``project_keys(params, k) -> ProjectedKeys`` (the cache as stored, in
+  ``cache_dtype``) and ``select_projected(params, q, cache, lengths, budget)``.
+  ``bytes_per_token(head_dim)`` is the scoring-side memory per token per KV head, the
+  quantity "equal memory" compares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jsparse import _checks
+from jsparse.calibration.moments import (
+    Moments,
+    MomentState,
+    compute_moments,
+    finalize_moments,
+    init_moments,
+    update_moments,
+)
+
+__all__ = [
+    "CACHE_DTYPES",
+    "DEFAULT_SELECTOR",
+    "SELECTORS",
+    "ProjectedKeys",
+    "ProjectedSelector",
+    "Selector",
+    "make_selector",
+    "register",
+    "top_budget",
+]
+
+Params = dict[str, Array]
+HIGHEST = jax.lax.Precision.HIGHEST
+
+# name -> (dtype, bytes per value). FP8 is the paper's default scoring cache (App. E.2).
+CACHE_DTYPES: dict[str, tuple[Any, int]] = {
+    "float8_e4m3fn": (jnp.float8_e4m3fn, 1),
+    "bfloat16": (jnp.bfloat16, 2),
+    "float32": (jnp.float32, 4),
+}
+
+SELECTORS: dict[str, type[Selector]] = {}
+
+# The best selector at equal scoring memory on held-out real activations (WORKSPACE.md,
+# "JSSA selectors"); the paper's method stays available, unchanged, as "jssa".
+DEFAULT_SELECTOR = "jssa_rd"
+
+
+def register(cls: type[Selector]) -> type[Selector]:
+    """Class decorator: adds a selector class to :data:`SELECTORS` under ``cls.name``."""
+    if cls.name in SELECTORS:
+        raise ValueError(f"selector {cls.name!r} is already registered")
+    SELECTORS[cls.name] = cls
+    return cls
+
+
+def make_selector(name: str = DEFAULT_SELECTOR, **config: Any) -> Selector:
+    """The selector called ``name`` (default :data:`DEFAULT_SELECTOR`) with its
+    configuration (see each class for options)."""
+    try:
+        cls = SELECTORS[name]
+    except KeyError:
+        raise ValueError(f"unknown selector {name!r}; known: {sorted(SELECTORS)}") from None
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise ValueError(
+            f"selector {name!r}: unknown option(s) {unknown}; options: {sorted(fields)}"
+        )
+    return cls(**config)
+
+
+class ProjectedKeys(NamedTuple):
+    """A projected-key scoring cache: ``values * scale[:, None, :, None]`` ≈ the f32 projection."""
+
+    values: Array  # [B, S, Hkv, R] in the cache dtype
+    scale: Float[Array, "B Hkv"]  # f32; 1 for bfloat16 / float32 caches
+
+
+def top_budget(
+    scores: Float[Array, "B Hkv S"], lengths: Int[Array, " B"], budget: int
+) -> Int[Array, "B Hkv budget"]:
+    """Top-``budget`` positions per row, invisible tokens masked, ``-1`` padded.
+
+    ``jax.lax.top_k`` returns equal scores lowest index first, which makes ties
+    deterministic (score descending, then position ascending).
+    """
+    s = scores.shape[-1]
+    pos = jnp.arange(s, dtype=jnp.int32)
+    visible = pos[None, None, :] < lengths[:, None, None]
+    masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    kk = min(budget, s)
+    _, idx = jax.lax.top_k(masked, kk)
+    idx = idx.astype(jnp.int32)
+    idx = jnp.where(idx < lengths[:, None, None], idx, -1)
+    if budget > s:
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, budget - s)), constant_values=-1)
+    return idx
+
+
+def check_select_inputs(q, k, lengths, budget, *, head_dim: int | None = None) -> None:
+    """Shape and value checks shared by every selector (values only when concrete)."""
+    _checks.check_rank("q", q, 3, "[B, H, D]")
+    _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")
+    _checks.check_rank("lengths", lengths, 1, "[B]")
+    _checks.check_dim("k", k, 0, q.shape[0], "batch B of q")
+    _checks.check_dim("k", k, 3, q.shape[2], "head_dim D of q")
+    _checks.check_dim("lengths", lengths, 0, q.shape[0], "batch B of q")
+    if head_dim is not None:
+        _checks.check_dim("q", q, 2, head_dim, "head_dim the selector was calibrated for")
+    if q.shape[1] % k.shape[2]:
+        raise ValueError(
+            f"q has {q.shape[1]} query heads, not a multiple of the {k.shape[2]} KV heads of "
+            f"k (q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)})"
+        )
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths: expected an integer dtype, got {lengths.dtype}")
+    if not isinstance(budget, (int, np.integer)) or budget < 1:
+        raise ValueError(f"budget: expected a static int >= 1, got {budget!r}")
+    values = _checks.concrete(lengths)
+    if values is not None and ((values < 0).any() or (values > k.shape[1]).any()):
+        raise ValueError(f"lengths: every entry must be in [0, S={k.shape[1]}], got {values}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selector:
+    """Base class. Subclasses set ``name`` and implement ``scores`` (and calibration)."""
+
+    name: ClassVar[str] = ""
+    calibrated: ClassVar[bool] = False  # whether calibrate() learns anything
+
+    # --- calibration -------------------------------------------------------------------
+    def calibration_state(self, n_kv_heads: int, head_dim: int) -> MomentState:
+        """An empty streaming accumulator (the same one for every selector)."""
+        return init_moments(n_kv_heads, head_dim)
+
+    def update(self, state: MomentState, q: Float[Array, "N H D"], k: Float[Array, "N Hkv D"]):
+        """Adds a chunk of post-RoPE calibration queries and keys to ``state``."""
+        return update_moments(state, q, k)
+
+    def finalize(self, state: MomentState) -> Params:
+        return self.calibrate_from_moments(finalize_moments(state))
+
+    def calibrate(self, q: Float[Array, "N H D"], k: Float[Array, "N Hkv D"]) -> Params:
+        """Params of one layer from calibration queries ``[N, H, D]`` and keys ``[N, Hkv, D]``."""
+        _checks.check_rank("q", q, 3, "[N, H, D]")
+        _checks.check_rank("k", k, 3, "[N, Hkv, D]")
+        return self.calibrate_from_moments(compute_moments(q, k))
+
+    def calibrate_from_moments(self, moments: Moments) -> Params:
+        """Params of one layer from finalized moments (``gram_q`` shaped ``[Hkv, D, D]``)."""
+        return {}
+
+    # --- selection ---------------------------------------------------------------------
+    def scores(
+        self,
+        params: Params,
+        q: Float[Array, "B H D"],
+        k: Float[Array, "B S Hkv D"],
+        lengths: Int[Array, " B"],
+    ) -> Float[Array, "B Hkv S"]:
+        """Per-token ranking scores (higher = keep). Scores of tokens at or beyond
+        ``lengths`` are arbitrary: ``select`` masks them."""
+        raise NotImplementedError
+
+    def select(
+        self,
+        params: Params,
+        q: Float[Array, "B H D"],
+        k: Float[Array, "B S Hkv D"],
+        lengths: Int[Array, " B"],
+        budget: int,
+    ) -> Int[Array, "B Hkv budget"]:
+        """Token positions per KV head: int32 ``[B, Hkv, budget]``, ``-1`` padded."""
+        check_select_inputs(q, k, lengths, budget, head_dim=self._head_dim(params))
+        return _select(self, params, q, k, lengths, budget)
+
+    def _select_impl(self, params, q, k, lengths, budget):
+        return top_budget(self.scores(params, q, k, lengths), lengths, budget)
+
+    def _head_dim(self, params: Params) -> int | None:
+        return None
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        """Extra scoring-side memory per token per KV head, in bytes (0: reads the KV cache)."""
+        return 0.0
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{self.name}({fields})"
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _select(sel: Selector, params, q, k, lengths, budget):
+    return sel._select_impl(params, q, k, lengths, budget)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectedSelector(Selector):
+    """Scores ``(A q̄)·(B k)`` per KV head, keys cached as ``B k`` in ``cache_dtype``.
+
+    Subclasses return ``(A, B)`` (each ``[Hkv, R, D]``) from ``maps(params)``; for a shared
+    subspace (JSSA, Loki) ``A = B = M``. FP8 caches use one scale per (sequence, KV head),
+    the amax of the keys given to ``project_keys`` over 448; a per-head scale multiplies
+    every score of that head alike, so only the FP8 rounding of the values affects ranking.
+    """
+
+    rank: int = 16
+    cache_dtype: str = "float8_e4m3fn"
+
+    calibrated: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(
+                f"cache_dtype: got {self.cache_dtype!r}; expected one of {sorted(CACHE_DTYPES)}"
+            )
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank: expected an int >= 1, got {self.rank!r}")
+
+    def maps(self, params: Params) -> tuple[Float[Array, "Hkv R D"], Float[Array, "Hkv R D"]]:
+        raise NotImplementedError
+
+    def _head_dim(self, params: Params) -> int | None:
+        return self.maps(params)[1].shape[-1]
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        return float(self.rank * CACHE_DTYPES[self.cache_dtype][1])
+
+    def project_queries(self, params: Params, q: Float[Array, "B H D"]) -> Float[Array, "B Hkv R"]:
+        """``A q̄`` in f32, ``q̄`` the mean of each KV head's query heads."""
+        a, _ = self.maps(params)
+        hkv = a.shape[0]
+        qm = q.astype(jnp.float32).reshape(q.shape[0], hkv, -1, q.shape[-1]).mean(axis=2)
+        return jnp.einsum("bhd,hrd->bhr", qm, a, precision=HIGHEST)
+
+    def project_keys(self, params: Params, k: Float[Array, "B S Hkv D"]) -> ProjectedKeys:
+        """The scoring cache ``B k`` as stored (``cache_dtype``) with its per-head scale."""
+        _, b = self.maps(params)
+        _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")
+        _checks.check_dim("k", k, 2, b.shape[0], "KV heads of the calibrated params")
+        _checks.check_dim("k", k, 3, b.shape[-1], "head_dim of the calibrated params")
+        proj = jnp.einsum("bshd,hrd->bshr", k.astype(jnp.float32), b, precision=HIGHEST)
+        return quantize_cache(proj, self.cache_dtype)
+
+    def scores_projected(self, params: Params, q, cache: ProjectedKeys) -> Float[Array, "B Hkv S"]:
+        qp = self.project_queries(params, q)
+        s = jnp.einsum("bhr,bshr->bhs", qp, cache.values.astype(jnp.float32), precision=HIGHEST)
+        return s * cache.scale[:, :, None]
+
+    def scores(self, params, q, k, lengths):
+        return self.scores_projected(params, q, self.project_keys(params, k))
+
+    def select_projected(
+        self,
+        params: Params,
+        q: Float[Array, "B H D"],
+        cache: ProjectedKeys,
+        lengths: Int[Array, " B"],
+        budget: int,
+    ) -> Int[Array, "B Hkv budget"]:
+        """``select`` from an already projected cache (the decoding path)."""
+        return top_budget(self.scores_projected(params, q, cache), lengths, budget)
+
+
+def quantize_cache(proj: Float[Array, "B S Hkv R"], cache_dtype: str) -> ProjectedKeys:
+    dtype, _ = CACHE_DTYPES[cache_dtype]
+    ones = jnp.ones((proj.shape[0], proj.shape[2]), jnp.float32)
+    if cache_dtype != "float8_e4m3fn":
+        return ProjectedKeys(proj.astype(dtype), ones)
+    fmax = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(proj), axis=(1, 3))  # [B, Hkv]
+    scale = jnp.where(amax > 0, amax / fmax, 1.0)
+    # e4m3fn has no inf: an unclipped overflow would become NaN.
+    values = jnp.clip(proj / scale[:, None, :, None], -fmax, fmax).astype(dtype)
+    return ProjectedKeys(values, scale)

@@ -1,0 +1,209 @@
+"""jssa_rd: JSSA's objective solved exactly, with a rate-distortion scoring cache.
+
+Two changes to JSSA (MATH.md §2.1-2.4), each measured on held-out SmolLM2 activations
+(WORKSPACE.md, "JSSA selectors"):
+
+1. **The exact minimiser of the selection objective.** JSSA minimises an AM-GM upper
+   bound of ``E[(q̄ᵀ(I - P)k)²]`` over shared subspaces ``P = MᵀM``. Allowing the query and
+   key maps to differ, ``q̄·k ≈ (A q̄)·(B k)``, the same objective has an exact closed-form
+   minimiser, the rank-R SVD of ``G_Q^{1/2} G_K^{1/2}`` (Eckart-Young; the KQ-SVD
+   factorisation of §2.7). Components come sorted by their share of the score variance.
+   ``maps_kind="shared"`` keeps JSSA's closed-form basis instead (for ablations).
+
+2. **Rate-distortion allocation of the byte budget.** JSSA spends its budget uniformly:
+   ``R`` dims × 8 bits. The score variance is far from uniform over components (on
+   SmolLM2 the first two carry most of it), and a truncated component costs its whole
+   variance while a 4-bit one costs a few percent of it. So, for the same bytes per token,
+   the leading ``fp8_dims`` components are stored in FP8 and the next ``int4_dims`` in
+   4-bit integers: greedy reverse water-filling (:func:`plan_bit_allocation`) picks the
+   split from the calibrated component variances. Every stored coordinate is centred by
+   its calibrated mean first: that shifts all scores of a query by one constant (ranking
+   unchanged) and keeps the quantisers' range on the part of the key that varies.
+
+Cache per token per KV head: ``fp8_dims + int4_dims / 2`` bytes (int4 packed two per
+byte; per-(sequence, KV head) FP8 scale and per-(sequence, KV head, dim) int4 scales are
+per-sequence constants). Scales are the amax of the keys given to ``project_keys``, as
+for the FP8 cache of the other selectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from jsparse import _checks
+from jsparse.calibration.eigenbasis import jssa_basis
+from jsparse.calibration.moments import Moments
+from jsparse.selectors.base import HIGHEST, ProjectedSelector, register
+from jsparse.selectors.kq_svd import _fit as _kq_svd_fit
+
+__all__ = ["JSSARDSelector", "MixedKeys", "component_weights", "plan_bit_allocation"]
+
+_FP8 = jnp.float8_e4m3fn
+_FP8_MAX = 448.0
+_INT4_MAX = 7  # symmetric levels -7..7
+# Quantisation noise variance relative to the component's variance (MATH: uniform noise,
+# step²/12): FP8 e4m3 has 3 mantissa bits (relative step 2^-3, so (2^-4)²/3 of x²);
+# int4 with an amax scale has step amax/7, i.e. (kappa/7)²/12 of σ², kappa = amax/σ.
+FP8_REL_NOISE = (2.0**-4) ** 2 / 3
+
+
+def component_weights(a, b, moments: Moments) -> np.ndarray:
+    """``[*L, Hkv, R]`` share of the centred score variance carried by each component:
+    ``E[(A q̄)_r²] · Var[(B k)_r]``, normalised to sum to 1 per (layer, KV head)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    gq = np.asarray(moments.gram_q, np.float64)
+    ck = np.asarray(moments.cov_k, np.float64)
+    wq = np.einsum("...rd,...de,...re->...r", a, gq, a)
+    wk = np.einsum("...rd,...de,...re->...r", b, ck, b)
+    w = np.maximum(wq * wk, 0.0)
+    return w / np.maximum(w.sum(axis=-1, keepdims=True), 1e-30)
+
+
+def plan_bit_allocation(weights, bytes_per_token: float, *, kappa: float = 4.0) -> tuple[int, int]:
+    """``(fp8_dims, int4_dims)`` for a budget of ``bytes_per_token`` (reverse water-filling).
+
+    ``weights [..., R]`` are component variance shares (:func:`component_weights`), in
+    decreasing order along the last axis; leading axes are averaged (one split for a whole
+    model keeps shapes uniform). Starting from nothing stored, the 4-bit step with the
+    largest distortion saving per bit is taken until the budget is spent: storing a
+    component in int4 saves ``w (1 - ε4)``, upgrading it to FP8 saves ``w (ε4 - ε8)``,
+    with ``ε4 = (kappa/7)²/12``, ``ε8`` = :data:`FP8_REL_NOISE`. ``kappa`` is the ratio
+    of a dimension's amax to its standard deviation (≈ 4 for 8K Gaussian samples).
+    """
+    w = np.asarray(weights, np.float64)
+    w = w.reshape(-1, w.shape[-1]).mean(axis=0)
+    eps4 = (kappa / _INT4_MAX) ** 2 / 12
+    bits_left = round(8 * bytes_per_token)
+    fmt = np.zeros(w.shape[0], int)  # bits per component: 0, 4 or 8
+    while bits_left >= 4:
+        gain = np.where(
+            fmt == 0, w * (1 - eps4), np.where(fmt == 4, w * (eps4 - FP8_REL_NOISE), -1)
+        )
+        r = int(np.argmax(gain))
+        if gain[r] <= 0:
+            break
+        fmt[r] += 4
+        bits_left -= 4
+    fp8 = int((fmt == 8).sum())
+    int4 = int((fmt == 4).sum())
+    return fp8, int4
+
+
+class MixedKeys(NamedTuple):
+    """The rate-distortion scoring cache of :class:`JSSARDSelector`."""
+
+    high: Array  # [B, S, Hkv, fp8_dims] float8_e4m3fn
+    high_scale: Float[Array, "B Hkv"]
+    low: Array  # [B, S, Hkv, int4_dims] int4
+    low_scale: Float[Array, "B Hkv R4"]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class JSSARDSelector(ProjectedSelector):
+    """Per-KV-head selection with the group-mean query, exact-objective maps and a
+    mixed FP8 / int4 projected-key cache (see the module docstring).
+
+    Options: ``fp8_dims`` and ``int4_dims`` (``rank`` = their sum is derived and must not
+    be passed differently), ``maps_kind`` (``"exact"`` or ``"shared"``), ``rcond``. The
+    default split (3 + 26 = 16 bytes per token) is what :meth:`planned` gives on SmolLM2's
+    calibration moments at 16 bytes; plan your own for another model or budget.
+    Params: ``query_map``, ``key_map`` ``[Hkv, R, D]`` and ``key_offset [Hkv, R]``.
+    """
+
+    fp8_dims: int = 3
+    int4_dims: int = 26
+    maps_kind: str = "exact"
+    rcond: float = 1e-6
+    rank: int = 0  # derived: fp8_dims + int4_dims
+    cache_dtype: str = "mixed"
+
+    name: ClassVar[str] = "jssa_rd"
+
+    def __post_init__(self):
+        if self.fp8_dims < 0 or self.int4_dims < 0 or self.fp8_dims + self.int4_dims < 1:
+            raise ValueError(
+                f"jssa_rd: need fp8_dims, int4_dims >= 0 and a positive total, got "
+                f"{self.fp8_dims=}, {self.int4_dims=}"
+            )
+        total = self.fp8_dims + self.int4_dims
+        if self.rank not in (0, total):
+            raise ValueError(f"jssa_rd: rank is fp8_dims + int4_dims = {total}, got {self.rank}")
+        object.__setattr__(self, "rank", total)
+        if self.cache_dtype != "mixed":
+            raise ValueError(f"jssa_rd: cache_dtype is always 'mixed', got {self.cache_dtype!r}")
+        if self.maps_kind not in ("exact", "shared"):
+            raise ValueError(
+                f"jssa_rd: maps_kind must be 'exact' or 'shared', got {self.maps_kind!r}"
+            )
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        return self.fp8_dims + self.int4_dims / 2
+
+    @classmethod
+    def planned(
+        cls,
+        moments: Moments,
+        bytes_per_token: float,
+        *,
+        maps_kind: str = "exact",
+        kappa: float = 4.0,
+        rcond: float = 1e-6,
+    ) -> JSSARDSelector:
+        """The selector whose FP8 / int4 split :func:`plan_bit_allocation` chooses for
+        ``bytes_per_token`` from calibration ``moments`` (any leading axes: one split)."""
+        d = moments.gram_q.shape[-1]
+        full = cls(fp8_dims=d, int4_dims=0, maps_kind=maps_kind, rcond=rcond)
+        a, b = full.maps(full.calibrate_from_moments(moments))
+        fp8, int4 = plan_bit_allocation(
+            component_weights(a, b, moments), bytes_per_token, kappa=kappa
+        )
+        return cls(fp8_dims=fp8, int4_dims=int4, maps_kind=maps_kind, rcond=rcond)
+
+    def calibrate_from_moments(self, moments: Moments):
+        d = moments.gram_q.shape[-1]
+        if self.rank > d:
+            raise ValueError(f"jssa_rd: rank {self.rank} exceeds head_dim {d}")
+        if self.maps_kind == "exact":
+            params = dict(_kq_svd_fit(moments.gram_q, moments.gram_k, self.rank, self.rcond))
+        else:
+            basis = jssa_basis(moments, self.rank)
+            params = {"query_map": basis, "key_map": basis}
+        params["key_offset"] = jnp.einsum(
+            "...rd,...d->...r", params["key_map"], moments.mean_k, precision=HIGHEST
+        )
+        return params
+
+    def maps(self, params):
+        return params["query_map"], params["key_map"]
+
+    def project_keys(self, params, k) -> MixedKeys:
+        b = params["key_map"]
+        _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")
+        _checks.check_dim("k", k, 2, b.shape[0], "KV heads of the calibrated params")
+        _checks.check_dim("k", k, 3, b.shape[-1], "head_dim of the calibrated params")
+        proj = jnp.einsum("bshd,hrd->bshr", k.astype(jnp.float32), b, precision=HIGHEST)
+        x = proj - params["key_offset"][None, None]  # centred: a per-query constant shift
+        hi, lo = x[..., : self.fp8_dims], x[..., self.fp8_dims :]
+        hi_amax = jnp.max(jnp.abs(hi), axis=(1, 3), initial=0.0)  # [B, Hkv]
+        hi_scale = jnp.where(hi_amax > 0, hi_amax / _FP8_MAX, 1.0)  # [B, Hkv]
+        high = jnp.clip(hi / hi_scale[:, None, :, None], -_FP8_MAX, _FP8_MAX).astype(_FP8)
+        lo_amax = jnp.max(jnp.abs(lo), axis=1, initial=0.0)  # [B, Hkv, R4]
+        lo_scale = jnp.where(lo_amax > 0, lo_amax / _INT4_MAX, 1.0)
+        low = jnp.clip(jnp.round(lo / lo_scale[:, None]), -_INT4_MAX, _INT4_MAX).astype(jnp.int4)
+        return MixedKeys(high, hi_scale, low, lo_scale)
+
+    def dequantize(self, params, cache: MixedKeys) -> Float[Array, "B S Hkv R"]:
+        """The cached projection in f32 (offset added back)."""
+        hi = cache.high.astype(jnp.float32) * cache.high_scale[:, None, :, None]
+        lo = cache.low.astype(jnp.float32) * cache.low_scale[:, None]
+        return jnp.concatenate([hi, lo], axis=-1) + params["key_offset"][None, None]
+
+    def scores_projected(self, params, q, cache: MixedKeys):
+        qp = self.project_queries(params, q)
+        return jnp.einsum("bhr,bshr->bhs", qp, self.dequantize(params, cache), precision=HIGHEST)

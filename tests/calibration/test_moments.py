@@ -1,0 +1,105 @@
+"""Streaming second moments against numpy."""
+
+import jax
+import numpy as np
+import pytest
+
+from jsparse.calibration import (
+    compute_moments,
+    finalize_moments,
+    group_mean_queries,
+    init_moments,
+    normalize_trace,
+    update_moments,
+)
+
+
+def _numpy_moments(q, k, n_kv):
+    n, h, d = q.shape
+    qm = q.reshape(n, n_kv, h // n_kv, d).mean(axis=2).astype(np.float64)
+    k = k.astype(np.float64)
+    return (
+        np.einsum("nhd,nhe->hde", qm, qm) / n,
+        np.einsum("nhd,nhe->hde", k, k) / n,
+        qm.mean(axis=0),
+        k.mean(axis=0),
+    )
+
+
+@pytest.mark.parametrize("chunks", [1, 3], ids=["one-shot", "three-chunks"])
+def test_streaming_matches_numpy(chunks):
+    rng = np.random.default_rng(0)
+    n, h, hkv, d = 301, 6, 2, 16
+    q = rng.standard_normal((n, h, d)).astype(np.float32)
+    k = (rng.standard_normal((n, hkv, d)) + 2.0).astype(np.float32)
+    state = init_moments(hkv, d)
+    for part in np.array_split(np.arange(n), chunks):
+        state = update_moments(state, q[part], k[part])
+    m = finalize_moments(state)
+    gq, gk, mq, mk = _numpy_moments(q, k, hkv)
+    np.testing.assert_allclose(m.gram_q, gq, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.gram_k, gk, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.mean_q, mq, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.mean_k, mk, rtol=1e-5, atol=1e-6)
+    assert float(m.n_tokens) == n
+    np.testing.assert_allclose(m.cov_k, gk - mk[:, :, None] * mk[:, None, :], atol=1e-4)
+
+
+def test_mask_and_layer_axis():
+    rng = np.random.default_rng(1)
+    n_layers, n, h, hkv, d = 2, 40, 4, 2, 8
+    q = rng.standard_normal((n_layers, n, h, d)).astype(np.float32)
+    k = rng.standard_normal((n_layers, n, hkv, d)).astype(np.float32)
+    mask = np.zeros((n_layers, n), bool)
+    mask[:, :25] = True  # a padded chunk: only the first 25 tokens are real
+    m = finalize_moments(update_moments(init_moments(hkv, d, (n_layers,)), q, k, mask))
+    for layer in range(n_layers):
+        gq, gk, _, _ = _numpy_moments(q[layer, :25], k[layer, :25], hkv)
+        np.testing.assert_allclose(m.gram_q[layer], gq, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(m.layer(layer).gram_k, gk, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(m.n_tokens, [25, 25])
+
+
+def test_group_mean_and_trace():
+    q = np.arange(2 * 6 * 4, dtype=np.float32).reshape(2, 6, 4)
+    qm = group_mean_queries(q, 2)  # heads 0-2 -> KV head 0, heads 3-5 -> KV head 1
+    np.testing.assert_allclose(qm[:, 0], q[:, 0:3].mean(axis=1))
+    np.testing.assert_allclose(qm[:, 1], q[:, 3:6].mean(axis=1))
+    g = compute_moments(q, np.ones((2, 2, 4), np.float32)).gram_q
+    np.testing.assert_allclose(
+        np.trace(normalize_trace(g), axis1=-2, axis2=-1), [1.0, 1.0], rtol=1e-6
+    )
+    np.testing.assert_array_equal(normalize_trace(np.zeros((3, 3), np.float32)), 0.0)
+
+
+def test_bad_inputs():
+    state = init_moments(2, 8)
+    with pytest.raises(ValueError, match="KV heads"):
+        update_moments(state, np.zeros((5, 4, 8)), np.zeros((5, 3, 8)))
+    with pytest.raises(ValueError, match="head_dim"):
+        update_moments(state, np.zeros((5, 4, 8)), np.zeros((5, 2, 7)))
+    with pytest.raises(ValueError, match="tokens"):
+        update_moments(state, np.zeros((4, 4, 8)), np.zeros((5, 2, 8)))
+    with pytest.raises(ValueError, match="multiple"):
+        update_moments(state, np.zeros((5, 3, 8)), np.zeros((5, 2, 8)))
+    with pytest.raises(ValueError, match="no calibration token"):
+        finalize_moments(init_moments(2, 8))
+
+
+def test_jit_update_inside_scan():
+    """The state is a pytree: updates compose under jit/scan."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((4, 10, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((4, 10, 2, 8)).astype(np.float32)
+
+    @jax.jit
+    def run(q, k):
+        def body(state, chunk):
+            return update_moments(state, *chunk), None
+
+        state, _ = jax.lax.scan(body, init_moments(2, 8), (q, k))
+        return finalize_moments(state)
+
+    m = run(q, k)
+    ref = compute_moments(q.reshape(40, 4, 8), k.reshape(40, 2, 8))
+    np.testing.assert_allclose(m.gram_k, ref.gram_k, rtol=1e-5, atol=1e-6)

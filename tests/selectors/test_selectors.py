@@ -1,0 +1,262 @@
+"""Every selector behind the one interface: contract, maths, bad inputs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.calibration import compute_moments
+from jsparse.eval.synthetic import synthetic_qkv
+from jsparse.selectors import SELECTORS, make_selector
+from jsparse.selectors.quest import page_bounds, page_metadata
+
+H, HKV, D = 6, 2, 16
+RANKED = ("jssa", "loki", "fasa", "kq_svd", "head_shared")
+ALL = sorted(SELECTORS)
+
+
+def _config(name, rank=4):
+    if name == "jssa_rd":
+        return {"fp8_dims": 1, "int4_dims": rank - 1}
+    return {"rank": rank} if name in RANKED else {}
+
+
+@functools.cache
+def _data(s=70, b=3):
+    q, k, _ = synthetic_qkv(jax.random.key(0), 512, n_heads=H, n_kv_heads=HKV, head_dim=D, latent=6)
+    qe, ke, _ = synthetic_qkv(
+        jax.random.key(0), s + b, n_heads=H, n_kv_heads=HKV, head_dim=D, latent=6, start=900
+    )
+    kb = jnp.stack([ke[i : i + s] for i in range(b)])  # [B, S, Hkv, D]
+    return q, k, qe[s : s + b], kb
+
+
+def _calibrated(name, **extra):
+    q, k, _, _ = _data()
+    config = _config(name, extra.pop("rank", 4))
+    sel = make_selector(name, **{**config, **extra})
+    return sel, sel.calibrate(q, k)
+
+
+def test_registry():
+    assert set(SELECTORS) >= {
+        "jssa",
+        "loki",
+        "fasa",
+        "kq_svd",
+        "quest",
+        "oracle",
+        "head_shared",
+        "full",
+    }
+    with pytest.raises(ValueError, match="unknown selector"):
+        make_selector("nope")
+    with pytest.raises(ValueError, match="unknown option"):
+        make_selector("jssa", rnk=4)
+    with pytest.raises(ValueError, match="cache_dtype"):
+        make_selector("loki", cache_dtype="int4")
+    with pytest.raises(ValueError, match="even"):
+        make_selector("fasa", rank=5)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_contract(name):
+    """Shape, dtype, distinct visible ids, -1 padding last, budget >= length gives all."""
+    sel, params = _calibrated(name)
+    _, _, q, k = _data()
+    lengths = jnp.array([70, 33, 5], jnp.int32)
+    for budget in (8, 40, 80):
+        idx = np.asarray(sel.select(params, q, k, lengths, budget))
+        width = k.shape[1] if name == "full" else budget
+        assert idx.shape == (3, HKV, width) and idx.dtype == np.int32
+        for b, length in enumerate(np.asarray(lengths)):
+            for h in range(HKV):
+                row = idx[b, h]
+                valid = row[row >= 0]
+                assert len(set(valid.tolist())) == len(valid)
+                assert (valid < length).all()
+                n = min(length, width)
+                assert (row[:n] >= 0).all() and (row[n:] == -1).all()
+                if budget >= length:
+                    assert sorted(valid.tolist()) == list(range(length))
+
+
+def test_head_shared_same_set_for_every_kv_head():
+    sel, params = _calibrated("head_shared")
+    _, _, q, k = _data()
+    idx = np.asarray(sel.select(params, q, k, jnp.array([70, 60, 50]), 16))
+    np.testing.assert_array_equal(idx[:, 0], idx[:, 1])
+    full = make_selector("head_shared", basis="full")
+    idx = np.asarray(full.select({}, q, k, jnp.array([70, 60, 50]), 16))
+    np.testing.assert_array_equal(idx[:, 0], idx[:, 1])
+
+
+def test_jit_and_vmap():
+    sel, params = _calibrated("jssa")
+    _, _, q, k = _data()
+    lengths = jnp.array([70, 50, 20], jnp.int32)
+    eager = sel.select(params, q, k, lengths, 12)
+    jitted = jax.jit(sel.select, static_argnames="budget")(params, q, k, lengths, budget=12)
+    np.testing.assert_array_equal(eager, jitted)
+    per = jax.vmap(lambda qq, kk, ll: sel.select(params, qq[None], kk[None], ll[None], 12)[0])
+    np.testing.assert_array_equal(per(q, k, lengths), eager)
+
+
+def test_ties_are_deterministic_lowest_position_first():
+    sel = make_selector("oracle")
+    q = jnp.ones((1, 2, 4))
+    k = jnp.ones((1, 10, 1, 4))  # every score equal
+    idx = sel.select({}, q, k, jnp.array([10]), 4)
+    np.testing.assert_array_equal(idx[0, 0], [0, 1, 2, 3])
+
+
+def test_streaming_calibration_equals_one_shot():
+    q, k, _, _ = _data()
+    sel = make_selector("jssa", rank=4)
+    state = sel.calibration_state(HKV, D)
+    for part in np.array_split(np.arange(q.shape[0]), 4):
+        state = sel.update(state, q[part], k[part])
+    np.testing.assert_allclose(
+        sel.finalize(state)["basis"], sel.calibrate(q, k)["basis"], atol=2e-5
+    )
+
+
+def test_kq_svd_full_rank_reproduces_scores():
+    q, k, qe, kb = _data()
+    sel = make_selector("kq_svd", rank=D, cache_dtype="float32")
+    params = sel.calibrate(q, k)
+    a, b = params["query_map"], params["key_map"]
+    np.testing.assert_allclose(
+        np.einsum("hrd,hre->hde", a, b), np.broadcast_to(np.eye(D), (HKV, D, D)), atol=1e-4
+    )
+    lengths = jnp.full((kb.shape[0],), kb.shape[1])
+    got = sel.scores(params, qe, kb, lengths)
+    exact = make_selector("oracle").scores({}, qe, kb, lengths)
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-5 * float(jnp.abs(exact).max()))
+
+
+@pytest.mark.parametrize("name", ["jssa", "loki", "kq_svd", "fasa"])
+def test_full_rank_f32_matches_oracle(name):
+    sel, params = _calibrated(name, rank=D, cache_dtype="float32")
+    _, _, q, k = _data()
+    lengths = jnp.array([70, 70, 70])
+    got = np.asarray(sel.select(params, q, k, lengths, 20))
+    ref = np.asarray(make_selector("oracle").select({}, q, k, lengths, 20))
+    overlap = np.mean(
+        [len(set(got[b, h]) & set(ref[b, h])) / 20 for b in range(3) for h in range(2)]
+    )
+    assert overlap >= 0.95
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_quest_page_bound_is_an_upper_bound(dtype):
+    rng = np.random.default_rng(0)
+    b, s, page = 2, 53, 8
+    k = jnp.asarray(rng.standard_normal((b, s, HKV, D)) * 3.0, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, HKV, D)), jnp.float32)
+    lengths = jnp.array([53, 30])
+    lo, hi = page_metadata(k, lengths, page, dtype)
+    bounds = np.asarray(page_bounds(q, lo, hi))  # [B, Hkv, P]
+    scores = np.einsum("bhd,bshd->bhs", q, k)
+    for bi, length in enumerate(np.asarray(lengths)):
+        for t in range(length):
+            assert (bounds[bi, :, t // page] >= scores[bi, :, t] - 1e-4).all()
+        assert np.isneginf(bounds[bi, :, -(-length // page) :]).all()  # no visible token
+    if dtype == "float32":  # tight: some key reaches each channel's extreme
+        exact = np.asarray(lo)[0, 0], np.asarray(hi)[0, 0]
+        np.testing.assert_allclose(exact[0], np.asarray(k)[0, :page].min(axis=0))
+        np.testing.assert_allclose(exact[1], np.asarray(k)[0, :page].max(axis=0))
+
+
+def test_quest_selects_whole_pages_in_bound_order():
+    sel = make_selector("quest", page_size=4, cache_dtype="float32")
+    _, _, q, k = _data()
+    idx = np.asarray(sel.select({}, q, k, jnp.array([70, 70, 70]), 12))
+    for row in idx.reshape(-1, 12):
+        pages = row.reshape(3, 4) // 4
+        assert (pages == pages[:, :1]).all()  # each block of 4 is one page, in order
+        np.testing.assert_array_equal(row.reshape(3, 4) % 4, np.tile(np.arange(4), (3, 1)))
+
+
+def test_fasa_keeps_whole_rope_pairs():
+    _sel, params = _calibrated("fasa", rank=6)
+    ch = np.asarray(params["channels"])
+    assert ch.shape == (HKV, 6)
+    for row in ch:
+        for c in row:
+            assert (c + D // 2 if c < D // 2 else c - D // 2) in row
+    sel2 = make_selector("fasa", rank=6, rope_layout="interleaved")
+    ch2 = np.asarray(sel2.calibrate(*_data()[:2])["channels"])
+    for row in ch2:
+        assert all((c ^ 1) in row for c in row)
+
+
+def test_fasa_picks_dominant_pairs():
+    q, k, _, _ = _data()
+    m = compute_moments(q, k)
+    sel = make_selector("fasa", rank=4)
+    contrib = np.asarray(sel.pair_contribution(m))
+    chosen = np.asarray(sel.calibrate_from_moments(m)["channels"])
+    for h in range(HKV):
+        top = set(np.argsort(-contrib[h])[:2].tolist())
+        assert top | {p + D // 2 for p in top} == set(chosen[h].tolist())
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16", "float32"])
+def test_projected_cache_dtype_and_bytes(dtype):
+    sel, params = _calibrated("jssa", cache_dtype=dtype)
+    _, _, q, k = _data()
+    cache = sel.project_keys(params, k)
+    assert cache.values.shape == (3, 70, HKV, 4) and cache.values.dtype == jnp.dtype(dtype)
+    exact = jnp.einsum("bshd,hrd->bshr", k, params["basis"])
+    approx = cache.values.astype(jnp.float32) * cache.scale[:, None, :, None]
+    tol = {"float8_e4m3fn": 0.07, "bfloat16": 0.01, "float32": 1e-5}[dtype]
+    np.testing.assert_allclose(approx, exact, atol=tol * float(jnp.abs(exact).max()))
+    assert sel.bytes_per_token(D) == 4 * {"float8_e4m3fn": 1, "bfloat16": 2, "float32": 4}[dtype]
+    lengths = jnp.array([70, 70, 70])
+    np.testing.assert_array_equal(
+        sel.select_projected(params, q, cache, lengths, 9), sel.select(params, q, k, lengths, 9)
+    )
+
+
+def test_equal_memory_bookkeeping():
+    assert make_selector("jssa", rank=16).bytes_per_token(64) == 16
+    assert make_selector("quest", page_size=16, cache_dtype="bfloat16").bytes_per_token(64) == 16
+    assert make_selector("quest", page_size=32, cache_dtype="bfloat16").bytes_per_token(64) == 8
+    assert make_selector("fasa", rank=8).bytes_per_token(64) == 8
+
+
+def test_bad_select_inputs():
+    sel, params = _calibrated("jssa")
+    _, _, q, k = _data()
+    ok = jnp.array([70, 70, 70])
+    with pytest.raises(ValueError, match="rank 3"):
+        sel.select(params, q[0], k, ok, 4)
+    with pytest.raises(ValueError, match="lengths"):
+        sel.select(params, q, k, jnp.array([71, 1, 1]), 4)
+    with pytest.raises(ValueError, match="budget"):
+        sel.select(params, q, k, ok, 0)
+    with pytest.raises(ValueError, match="multiple"):
+        sel.select(params, q[:, :5], k, ok, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        sel.select(params, q[..., :8], k[..., :8], ok, 4)
+    with pytest.raises(ValueError, match="integer"):
+        sel.select(params, q, k, ok.astype(jnp.float32), 4)
+
+
+def test_quest_metadata_matches_masked_brute_force():
+    rng = np.random.default_rng(1)
+    k = jnp.asarray(rng.standard_normal((4, 37, HKV, D)), jnp.float32)
+    lengths = jnp.array([37, 16, 9, 0])
+    lo, hi = page_metadata(k, lengths, 8)
+    kn = np.asarray(k)
+    for b, n in enumerate(np.asarray(lengths)):
+        for p in range(5):
+            toks = kn[b, p * 8 : min((p + 1) * 8, n)]
+            if len(toks) == 0:
+                assert np.isposinf(lo[b, p]).all() and np.isneginf(hi[b, p]).all()
+            else:
+                np.testing.assert_array_equal(lo[b, p], toks.min(axis=0))
+                np.testing.assert_array_equal(hi[b, p], toks.max(axis=0))

@@ -1,0 +1,110 @@
+"""Orbax persistence of bases: bit-exact round trip and clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.checkpoint import read_metadata
+
+L, HKV, R, D = 3, 2, 4, 8
+
+
+def _bases():
+    rng = np.random.default_rng(0)
+    basis = rng.standard_normal((L, HKV, R, D)).astype(np.float32)
+    basis[0, 0, 0, 0] = np.float32(1e-38)  # a denormal-adjacent value survives exactly
+    return {
+        "basis": basis,
+        "extra": {"channels": rng.integers(0, D, (L, HKV, R)).astype(np.int32)},
+    }
+
+
+def _meta(**over):
+    meta = {
+        "model": "test-model",
+        "method": "jssa",
+        "n_layers": L,
+        "n_kv_heads": HKV,
+        "head_dim": D,
+        "rank": R,
+        "calibration": {"data": ["synthetic"], "n_tokens": 1234},
+    }
+    meta.update(over)
+    return meta
+
+
+def test_round_trip_bit_exact(tmp_path):
+    bases = _bases()
+    path = jsparse.save_bases(tmp_path / "ckpt", bases, _meta())
+    restored, meta = jsparse.load_bases(path, n_layers=L, n_kv_heads=HKV, head_dim=D, rank=R)
+    for got, want in [
+        (restored["basis"], bases["basis"]),
+        (restored["extra"]["channels"], bases["extra"]["channels"]),
+    ]:
+        got = np.asarray(got)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+    assert meta["jsparse_version"] == jsparse.__version__
+    assert meta["calibration"] == {"data": ["synthetic"], "n_tokens": 1234}
+    assert meta["method"] == "jssa" and meta["rank"] == R
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        jsparse.load_bases(tmp_path / "absent")
+
+
+def test_expectations_checked(tmp_path):
+    path = jsparse.save_bases(tmp_path / "ckpt", _bases(), _meta())
+    with pytest.raises(ValueError, match="rank=4, expected 16"):
+        jsparse.load_bases(path, rank=16)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        jsparse.load_bases(path, n_kv_heads=3)
+    with pytest.raises(ValueError, match="method"):
+        jsparse.load_bases(path, method="loki")
+
+
+def test_save_refuses_inconsistent_shapes_and_existing_dirs(tmp_path):
+    with pytest.raises(ValueError, match="rank, head_dim"):
+        jsparse.save_bases(tmp_path / "a", _bases(), _meta(rank=8))
+    with pytest.raises(ValueError, match="n_layers"):
+        jsparse.save_bases(tmp_path / "b", _bases(), _meta(n_layers=30))
+    with pytest.raises(ValueError, match="metadata lacks"):
+        jsparse.save_bases(tmp_path / "c", _bases(), {"model": "x"})
+    path = jsparse.save_bases(tmp_path / "d", _bases(), _meta())
+    with pytest.raises(FileExistsError):
+        jsparse.save_bases(path, _bases(), _meta())
+    jsparse.save_bases(path, _bases(), _meta(model="again"), overwrite=True)
+    assert read_metadata(path)["model"] == "again"
+
+
+def test_corrupt_metadata(tmp_path):
+    path = jsparse.save_bases(tmp_path / "ckpt", _bases(), _meta())
+    meta_file = path / "metadata.json"
+    meta_file.write_text(meta_file.read_text()[:40])
+    with pytest.raises(ValueError, match="corrupt checkpoint metadata"):
+        jsparse.load_bases(path)
+    meta_file.unlink()
+    with pytest.raises(ValueError, match="not a complete"):
+        jsparse.load_bases(path)
+
+
+def test_corrupt_arrays(tmp_path):
+    path = jsparse.save_bases(tmp_path / "ckpt", _bases(), _meta())
+    data_files = [p for p in (path / "arrays").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert data_files
+    for p in data_files:
+        p.write_bytes(p.read_bytes()[: max(1, p.stat().st_size // 2)])  # truncated
+    with pytest.raises(ValueError, match="corrupt checkpoint"):
+        jsparse.load_bases(path)
+
+
+def test_tampered_values_fail_checksum(tmp_path):
+    path = jsparse.save_bases(tmp_path / "ckpt", _bases(), _meta())
+    meta = json.loads((path / "metadata.json").read_text())
+    meta["arrays"]["basis"]["sha256"] = "0" * 64
+    (path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="checksum"):
+        jsparse.load_bases(path)
