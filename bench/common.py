@@ -5,10 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import platform
 import statistics
-import subprocess
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -18,38 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse._environment import environment  # noqa: F401  (bench modules call common.environment)
+
 ROOT = Path(__file__).resolve().parents[1]
 L2_BYTES = 60 * 2**20  # H200; rotating inputs only matters when a set fits in L2
 
 BACKENDS = {"pallas-gpu": "triton", "interpret": "triton", "xla": "reference"}
-
-
-def git_commit() -> str:
-    """The commit being measured (JSPARSE_COMMIT overrides: copies without .git)."""
-    if os.environ.get("JSPARSE_COMMIT"):
-        return os.environ["JSPARSE_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
-        return (out.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
-def environment() -> dict:
-    dev = jax.devices()[0]
-    return {
-        "device": f"{dev.platform}:{dev.device_kind}",
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "commit": git_commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
 
 
 def load_presets(op: str) -> dict:

@@ -14,12 +14,9 @@ for the real model's (perplexity needs the real weights).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,47 +32,12 @@ from flax import nnx  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from jsparse import assets  # noqa: E402
+from jsparse._environment import environment  # noqa: E402
 from jsparse.models.llama import DenseCausalAttention, Llama, LlamaConfig, forward_fn  # noqa: E402
 
 # Perplexity of this GGUF measured with Hugging Face transformers (REAL_DATA.md):
 # Pride and Prejudice from its first token, no BOS, one window.
 REFERENCE_PPL = {("prideprejudice", 0, 512): 16.1, ("prideprejudice", 0, 4096): 18.5}
-
-
-def git_commit() -> str:
-    if os.environ.get("JSPARSE_COMMIT"):
-        return os.environ["JSPARSE_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        if out.returncode != 0:
-            return "unknown (not a git checkout; set JSPARSE_COMMIT)"
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown (no git)"
-
-
-def environment() -> dict:
-    import flax
-
-    device = jax.devices()[0]
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": f"{device.platform}: {device.device_kind}",
-        "n_devices": jax.device_count(),
-        "host_cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "flax": flax.__version__,
-        "commit": git_commit(),
-    }
 
 
 def build_model(weights: str, query_chunk: int, key_chunk: int) -> Llama:

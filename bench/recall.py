@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jsparse.calibration.cli import environment  # noqa: E402
+from jsparse._environment import environment  # noqa: E402
 from jsparse.calibration.stream import moments_from_captures, stack_moments  # noqa: E402
 from jsparse.eval import protocol  # noqa: E402
 from jsparse.eval.captures import read_layer, read_meta  # noqa: E402
@@ -61,7 +61,8 @@ def report(path: str) -> None:
     for label, nbytes in cfg["bytes_per_token"].items():
         per_bytes.setdefault(nbytes, []).append(label)
     env = data["environment"]
-    print(f"{env['date']} | {env['device']} | jax {env['jax']} | {env['git_commit']}")
+    commit = env.get("commit", env.get("git_commit"))  # runs before 2026-11-29 22:30 say git_commit
+    print(f"{env['date']} | {env['device']} | jax {env['jax']} | {commit}")
     print(
         f"eval {cfg['eval_meta'].get('novel')} offset {cfg['eval_meta'].get('offset')}, "
         f"{len(cfg['layers'])} layers, {cfg['queries']} queries per context; calibration "
@@ -169,12 +170,12 @@ def main(argv: list[str] | None = None) -> int:
             header = (
                 f"{meta.get('model')} held-out {meta.get('novel')} @{meta.get('offset')}, "
                 f"{len(cfg['layers'])} layers, {cfg['queries']} queries/context; "
-                f"{data['environment']['git_commit']}"
+                f"{data['environment'].get('commit', data['environment'].get('git_commit'))}"
             )
             plot(summary, cfg["contexts"], cfg["budgets"], cfg["ranks"], args.plot, header)
         return 0
     env = environment()
-    print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "git_commit")))
+    print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "commit")))
     tmp = None
     if args.synthetic:
         print("SYNTHETIC DATA: a smoke test of the pipeline; these numbers are not a result.")
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         header = (
             f"{eval_meta.get('model')} held-out {eval_meta.get('novel')}, {len(layers)} layers, "
-            f"{args.queries} queries/window; {env['git_commit']}"
+            f"{args.queries} queries/window; {env.get('commit', env.get('git_commit'))}"
             + (" — SYNTHETIC, not a result" if args.synthetic else "")
         )
         plot(summary, args.contexts, args.budgets, args.ranks, args.plot, header)

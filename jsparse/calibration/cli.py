@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,36 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["environment", "main"]
+from jsparse._environment import environment
 
-
-def environment() -> dict:
-    """Device, versions and git commit, printed by every jsparse CLI."""
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        commit = (commit or "unknown") + ("+dirty" if dirty else "")
-    except OSError:
-        commit = "unknown"
-    device = jax.devices()[0]
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "device": f"{device.platform}:{device.device_kind} x{jax.device_count()}",
-        "host": platform.node(),
-        "cpu_count": __import__("os").cpu_count(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "git_commit": commit,
-        "command": " ".join(sys.argv),
-    }
+__all__ = ["main"]
 
 
 def _parse_value(text: str):
@@ -142,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     env = environment()
-    print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "git_commit")))
+    print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "commit")))
     options = dict(item.split("=", 1) for item in args.set)
     options = {key: _parse_value(value) for key, value in options.items()}
     planned = args.method == "jssa_rd" and not {"fp8_dims", "int4_dims"} & set(options)
