@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, backend
 from jsparse.ops.indexer import reference
-from jsparse.ops.indexer.methods import default_seed_count
+from jsparse.ops.indexer.methods import default_seed_count, recent_and_strided_ids
 from jsparse.ops.indexer.result import IndexerTopK
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 from jsparse.ops.topk.reference import select_topk_reference
@@ -260,20 +260,7 @@ def default_seed_ids(
     rest of the range. Queries with fewer visible keys than seeds use all of them.
     """
     n = default_seed_count(top_k, num_keys) if n_seeds is None else n_seeds
-    n = min(n, num_keys)
-    recent = n // 2
-    j = jnp.arange(n, dtype=jnp.int32)[None, :]
-    start = kv_start[:, None]
-    end = kv_end[:, None]
-    length = end - start
-    # recent part: end-1, end-2, ...; sampled part: evenly spread over [start, end - recent)
-    rest = jnp.maximum(length - recent, 0)
-    n_sample = n - recent
-    sample_j = jnp.maximum(j - recent, 0)
-    sampled = start + (sample_j * rest) // jnp.maximum(n_sample, 1)
-    ids = jnp.where(j < recent, end - 1 - j, sampled)
-    ids = jnp.where(length <= n, start + j, ids)  # short ranges: every visible key
-    return jnp.where(j < jnp.minimum(length, n), ids, -1).astype(jnp.int32)
+    return recent_and_strided_ids(kv_start, kv_end, min(n, num_keys))
 
 
 def _topk_xla(q, weights, k, k_scale, start, end, top_k):

@@ -63,15 +63,24 @@ def block_seed_ids(start, end, block_t, n_seeds, num_keys):
     e_blk = jnp.pad(end, (0, pad), constant_values=0).reshape(-1, block_t)
     lo = jnp.min(jnp.where(e_blk > s_blk, s_blk, num_keys), axis=1)
     hi = jnp.max(jnp.where(e_blk > s_blk, e_blk, 0), axis=1)
-    lo = jnp.minimum(lo, hi)
-    n = n_seeds
+    return recent_and_strided_ids(jnp.minimum(lo, hi), hi, n_seeds)
+
+
+def recent_and_strided_ids(lo, hi, n: int):
+    """Per row, n distinct ids in [lo, hi): the most recent half, a strided sample of the rest.
+
+    Recent keys score high on causal text (locality); the strided sample covers the rest
+    of the range. A range shorter than n gives every id in it, then -1 padding.
+    """
     recent = n // 2
     j = jnp.arange(n, dtype=jnp.int32)[None, :]
-    length = (hi - lo)[:, None]
+    lo, hi = lo[:, None], hi[:, None]
+    length = hi - lo
     rest = jnp.maximum(length - recent, 0)
-    sampled = lo[:, None] + (jnp.maximum(j - recent, 0) * rest) // max(n - recent, 1)
-    ids = jnp.where(j < recent, hi[:, None] - 1 - j, sampled)
-    ids = jnp.where(length <= n, lo[:, None] + j, ids)
+    # recent part: hi-1, hi-2, ...; sampled part: evenly spread over [lo, hi - recent)
+    sampled = lo + (jnp.maximum(j - recent, 0) * rest) // max(n - recent, 1)
+    ids = jnp.where(j < recent, hi - 1 - j, sampled)
+    ids = jnp.where(length <= n, lo + j, ids)  # short ranges: every id
     return jnp.where(j < jnp.minimum(length, n), ids, -1).astype(jnp.int32)
 
 
