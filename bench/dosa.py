@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -219,11 +218,6 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
 
 
 def main(argv=None) -> int:
-    from jsparse.certified import api
-
-    # The compiled certified path declines on GPUs until its guard is fixed (api.py); this
-    # benchmark runs it anyway because it checks every answer against base before timing.
-    os.environ.setdefault(api.UNSAFE_GPU_ENV, "1")
     parser = argparse.ArgumentParser(prog="bench.dosa", description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="write every row to this JSON file")
     parser.add_argument("--prefill", action="store_true", help="prefill only")

@@ -7,7 +7,6 @@ with every option of the certificate (variants, r, policy) and the per-query rep
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from jaxtyping import Array, Float, Int
@@ -21,28 +20,14 @@ METHODS = ("dense", "dosa")
 POLICIES = ("auto", "always")
 
 
-# Compiled on an H200, the Triton screening dropped the key whose score equals τ in a
-# few adversarial cases (WORKSPACE.md, 2026-11-29 run 5): the numerical guard does not yet
-# cover the GPU's screening arithmetic. Until it does, the compiled path answers only when
-# asked for explicitly with this variable set (benchmarks, debugging); otherwise it
-# declines, and implementation=None falls back to the exact jnp reference.
-UNSAFE_GPU_ENV = "JSPARSE_UNSAFE_CERTIFIED_TRITON"
-
-
-def _triton_guarded(*args, **kwargs):
+def _triton(*args, **kwargs):
     from jsparse.certified import triton as triton_impl  # Pallas imports only when used
 
-    if not backend.is_interpret() and os.environ.get(UNSAFE_GPU_ENV) != "1":
-        raise NotImplementedError(
-            "dense/dosa on the compiled Triton backend are not yet exact on the GPU (the "
-            "screening guard can miss the key at the threshold); use "
-            f"implementation='reference', or set {UNSAFE_GPU_ENV}=1 to run it anyway"
-        )
     return triton_impl.certified_topk_triton(*args, **kwargs)
 
 
 def _implementations():
-    return {"triton": _triton_guarded, "reference": ref_impl.certified_topk_reference}
+    return {"triton": _triton, "reference": ref_impl.certified_topk_reference}
 
 
 def certified_topk(

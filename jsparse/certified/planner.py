@@ -42,6 +42,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from jsparse._rounding import round_to
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 
 VARIANTS = ("dosa", "neg_all", "no_neg", "strength_only", "no_proj")
@@ -287,11 +288,12 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     a_w = jnp.where(neg_set, jnp.abs(w), 0.0)
     v = jnp.einsum("th,thd->td", a_w, q32, precision=jax.lax.Precision.HIGHEST)
     v_err = jnp.float32(gamma(h + 1)) * jnp.sum(a_w * qn_up, axis=1)
-    hi = v.astype(screen_dtype)
+    # round_to: the error terms below are exact only if the rounding really happens.
+    hi = round_to(v, screen_dtype)
     if screen_dtype == jnp.float32:
         lo = jnp.zeros_like(hi)
     else:
-        lo = (v - hi.astype(jnp.float32)).astype(screen_dtype)
+        lo = round_to(v - hi.astype(jnp.float32), screen_dtype)
     rest = (v - hi.astype(jnp.float32)) - lo.astype(jnp.float32)
     # rest is exact in f32 (a float minus its rounding); the u‖v‖ term covers the rare
     # inexact case (subnormal conversions).
@@ -302,7 +304,7 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     slot_heads = order[:, :n_ret]  # the first n_ret heads of the priority order
     slot_ok = jnp.take_along_axis(retained, slot_heads, axis=1)
     q_slots = jnp.take_along_axis(q32, slot_heads[:, :, None], axis=1)
-    q_tilde = jnp.where(slot_ok[:, :, None], q_slots, 0.0).astype(screen_dtype)
+    q_tilde = round_to(jnp.where(slot_ok[:, :, None], q_slots, 0.0), screen_dtype)
     omega = jnp.where(slot_ok, jnp.take_along_axis(omega_by_head, slot_heads, axis=1), 0.0)
     omega_mag_s = jnp.where(slot_ok, jnp.take_along_axis(omega_mag, slot_heads, axis=1), 0.0)
     qn_s = jnp.where(slot_ok, jnp.take_along_axis(qn_up, slot_heads, axis=1), 0.0)

@@ -42,6 +42,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _checks
+from jsparse._rounding import round_to
 from jsparse.calibration.moments import (
     Moments,
     MomentState,
@@ -301,10 +302,10 @@ def quantize_cache(proj: Float[Array, "B S Hkv R"], cache_dtype: str) -> Project
     dtype, _ = CACHE_DTYPES[cache_dtype]
     ones = jnp.ones((proj.shape[0], proj.shape[2]), jnp.float32)
     if cache_dtype != "float8_e4m3fn":
-        return ProjectedKeys(proj.astype(dtype), ones)
+        return ProjectedKeys(round_to(proj, dtype), ones)
     fmax = float(jnp.finfo(dtype).max)
     amax = jnp.max(jnp.abs(proj), axis=(1, 3))  # [B, Hkv]
     scale = jnp.where(amax > 0, amax / fmax, 1.0)
     # e4m3fn has no inf: an unclipped overflow would become NaN.
-    values = jnp.clip(proj / scale[:, None, :, None], -fmax, fmax).astype(dtype)
+    values = round_to(jnp.clip(proj / scale[:, None, :, None], -fmax, fmax), dtype)
     return ProjectedKeys(values, scale)

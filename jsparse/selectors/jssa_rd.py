@@ -36,6 +36,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jsparse import _checks
+from jsparse._rounding import round_to
 from jsparse.calibration.eigenbasis import jssa_basis
 from jsparse.calibration.moments import Moments
 from jsparse.selectors.base import HIGHEST, ProjectedSelector, register
@@ -192,7 +193,7 @@ class JSSARDSelector(ProjectedSelector):
         hi, lo = x[..., : self.fp8_dims], x[..., self.fp8_dims :]
         hi_amax = jnp.max(jnp.abs(hi), axis=(1, 3), initial=0.0)  # [B, Hkv]
         hi_scale = jnp.where(hi_amax > 0, hi_amax / _FP8_MAX, 1.0)  # [B, Hkv]
-        high = jnp.clip(hi / hi_scale[:, None, :, None], -_FP8_MAX, _FP8_MAX).astype(_FP8)
+        high = round_to(jnp.clip(hi / hi_scale[:, None, :, None], -_FP8_MAX, _FP8_MAX), _FP8)
         lo_amax = jnp.max(jnp.abs(lo), axis=1, initial=0.0)  # [B, Hkv, R4]
         lo_scale = jnp.where(lo_amax > 0, lo_amax / _INT4_MAX, 1.0)
         low = jnp.clip(jnp.round(lo / lo_scale[:, None]), -_INT4_MAX, _INT4_MAX).astype(jnp.int4)

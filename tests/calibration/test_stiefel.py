@@ -48,7 +48,8 @@ def test_refinement_monotone_and_orthonormal(lr):
     history = np.asarray(out.history)
     assert history.shape == (151, 3)
     assert (np.diff(history, axis=0) <= 0).all(), "objective increased during refinement"
-    gram = np.asarray(out.basis @ np.swapaxes(out.basis, -1, -2))
+    m = np.asarray(out.basis, np.float64)  # checked in float64: a GPU matmul would use TF32
+    gram = m @ np.swapaxes(m, -1, -2)
     np.testing.assert_allclose(gram, np.broadcast_to(np.eye(8), gram.shape), atol=1e-5)
     np.testing.assert_allclose(history[0], selection_objective(basis, gq, gk), rtol=1e-5)
 
@@ -65,7 +66,7 @@ def test_random_start_is_optimised():
 
 def test_qr_retraction_and_overlap():
     x = jax.random.normal(jax.random.key(2), (4, 5, 12))
-    m = qr_retraction(x)
+    m = np.asarray(qr_retraction(x), np.float64)
     np.testing.assert_allclose(
         m @ np.swapaxes(m, -1, -2), np.broadcast_to(np.eye(5), (4, 5, 5)), atol=1e-5
     )

@@ -10,7 +10,7 @@ import pytest
 
 from jsparse.certified import VARIANTS, make_plan, planner
 from jsparse.ops.indexer.api import default_seed_ids
-from tests.certified.dosa_cases import CONFIGS, make_inputs
+from tests.certified.dosa_cases import CONFIGS, Config, make_inputs
 
 RNG = np.random.default_rng(0)
 
@@ -86,6 +86,29 @@ def test_plan_bound_in_exact_arithmetic(variant):
     if variant == "no_neg":
         assert not np.asarray(plan.neg_set).any()
         np.testing.assert_array_equal(np.asarray(plan.rows[:, :2], np.float32), 0.0)
+
+
+def test_plan_rows_hold_the_rounding_they_claim():
+    # bf16 screening rows from f32 queries: the retained rows are the heads rounded to
+    # bf16, and hi + lo carries v_A to ~16 bits. The guard's error terms assume exactly
+    # this; XLA on a GPU drops a f32 → bf16 → f32 rounding inside one program unless it
+    # is kept (jsparse._rounding), which made lo = 0 and the bound miss keys at τ.
+    cfg = Config(5, 8, 16, 96, 6, "float32", "bfloat16")
+    inputs = make_inputs(cfg, 1)
+    q, w, *_ = inputs
+    plan = _plan(inputs, cfg.top_k, "neg_all", r=2)
+    rows = np.asarray(plan.rows.astype(jnp.float32), np.float64)
+    heads = np.asarray(plan.heads)
+    q_bf = np.asarray(q.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    for t in range(cfg.t):
+        for j in range(planner.AUX_ROWS, rows.shape[1]):
+            if heads[t, j] >= 0:
+                np.testing.assert_array_equal(rows[t, j], q_bf[t, heads[t, j]])
+    a_w = np.where(np.asarray(plan.neg_set), np.abs(np.asarray(w, np.float64)), 0.0)
+    v = np.einsum("th,thd->td", a_w, np.asarray(q, np.float64))
+    assert np.abs(v).max() > 0, "the case must have a negative aggregate"
+    err = np.abs(rows[:, 0] + rows[:, 1] - v)
+    assert np.all(err <= 2.0**-15 * np.abs(v).max(axis=1, keepdims=True))
 
 
 def test_retained_heads_rule():

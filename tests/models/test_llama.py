@@ -265,7 +265,8 @@ def test_swapped_core_is_called_and_agrees():
     model.set_core(lambda i: sdpa_core)
     swapped, _ = forward_fn(model)(ids[None])
     assert calls, "the swapped core was not called"
-    np.testing.assert_allclose(np.asarray(swapped), np.asarray(dense), rtol=1e-5, atol=1e-5)
+    # Two f32 attention cores differ by reassociation: 2e-5 measured on an H200.
+    np.testing.assert_allclose(np.asarray(swapped), np.asarray(dense), rtol=F32_TOL, atol=F32_TOL)
 
 
 def test_input_errors():

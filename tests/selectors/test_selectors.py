@@ -210,7 +210,7 @@ def test_projected_cache_dtype_and_bytes(dtype):
     _, _, q, k = _data()
     cache = sel.project_keys(params, k)
     assert cache.values.shape == (3, 70, HKV, 4) and cache.values.dtype == jnp.dtype(dtype)
-    exact = jnp.einsum("bshd,hrd->bshr", k, params["basis"])
+    exact = np.einsum("bshd,hrd->bshr", np.asarray(k, np.float64), params["basis"])
     approx = cache.values.astype(jnp.float32) * cache.scale[:, None, :, None]
     tol = {"float8_e4m3fn": 0.07, "bfloat16": 0.01, "float32": 1e-5}[dtype]
     np.testing.assert_allclose(approx, exact, atol=tol * float(jnp.abs(exact).max()))
