@@ -230,6 +230,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=TOP_K)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=3)
+    parser.add_argument(
+        "--decode-shapes", nargs="*", metavar="BxS", help="decode batch x context (default all)"
+    )
     parser.add_argument("--refine-block", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--diag-queries", type=int, default=8)
@@ -259,6 +262,8 @@ def main(argv=None) -> int:
                     run_prefill(workloads.make(name, t, s, seed=0, **kw), args, rows)
         if not args.prefill:
             shapes = SMOKE_DECODE if args.smoke else DECODE_SHAPES
+            if args.decode_shapes:
+                shapes = [tuple(int(x) for x in v.split("x")) for v in args.decode_shapes]
             kw = dict(heads=16, dim=32) if args.smoke else {}
             for batch, length in shapes:
                 run_decode("deepseek_like", batch, length, args, rows, **kw)

@@ -43,6 +43,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -209,6 +210,9 @@ def _screen_launch(tiles, plan, start, end, k, knorm, scale, lists, counts, surv
     )(*inputs, lists, counts, surv)
 
 
+PROBE_QUERIES = 64  # queries planned first to decide whether screening can pay (policy auto)
+
+
 def _class_tiles(block_class, c, nsub):
     """Scorer blocks of width class c packed into tiles of nsub blocks: [n_tiles, nsub]."""
     n = block_class.shape[0]
@@ -286,6 +290,57 @@ def _pipeline(
     method, widths, policy, n_seeds, list_capacity, record_capacity, cfg,
     screen_cfg, splits, sort,
 ):  # fmt: skip
+    t = q.shape[0]
+    if policy == "auto" and seed_ids is None and t > 2 * PROBE_QUERIES:
+        # A useless bound (i.i.d.-like scores: τ from seeds admits a large share of keys)
+        # costs seeds + plan on top of scoring everything. Plan a strided sample of the
+        # queries first, and score everything with ``base`` unless most would be screened.
+        probe = np.linspace(0, t - 1, PROBE_QUERIES).astype(np.int32)
+        *_, probe_plan = _seeds_and_plan(
+            q[probe], weights[probe], k, k_scale, start[probe], end[probe], None,
+            None if r_arr is None else r_arr[probe], flags, top_k=top_k, widths=widths,
+            policy=policy, n_seeds=n_seeds, list_capacity=list_capacity, cfg=cfg,
+        )  # fmt: skip
+        worth = jnp.mean(probe_plan.prune.astype(jnp.float32)) >= 0.5
+    else:
+        worth = None
+
+    def certified(_):
+        return _certified(
+            q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags,
+            method=method, widths=widths, policy=policy, n_seeds=n_seeds,
+            list_capacity=list_capacity, record_capacity=record_capacity, cfg=cfg,
+            screen_cfg=screen_cfg, splits=splits, sort=sort,
+        )  # fmt: skip
+
+    if worth is None:
+        return certified(None)
+    shapes = jax.eval_shape(certified, None)
+
+    def everything(_):
+        base = methods.topk_base(q, weights, k, top_k, k_scale, start, end, cfg=cfg, sort=sort)
+        visible = (end - start).astype(jnp.int32)
+        none = jnp.zeros((t,), bool)
+        plan = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1].plan)
+        plan = plan.replace(
+            tau_code=jnp.full((t,), EMPTY_CODE, jnp.int32),
+            reason=jnp.full((t,), planner.REASON_USELESS, jnp.int32),
+            est_survival=jnp.ones((t,), jnp.float32),
+        )
+        result = base.replace(
+            candidates=visible, survivors=visible, threshold=code_to_score(plan.tau_code),
+            fallback=~none,
+        )  # fmt: skip
+        return result, CertifiedInfo(plan, none, none, none, visible)
+
+    return jax.lax.cond(worth, certified, everything, None)
+
+
+def _seeds_and_plan(
+    q, weights, k, k_scale, start, end, seed_ids, r_arr, flags, *, top_k, widths, policy,
+    n_seeds, list_capacity, cfg,
+):  # fmt: skip
+    """Seeds per scorer block, τ per query (their K-th score) and the screening plan."""
     t, _, d = q.shape
     s = k.shape[0]
     bt = cfg.block_t
@@ -312,6 +367,21 @@ def _pipeline(
         list_capacity=list_capacity,
     )  # fmt: skip
 
+    return tau, knorm, plan
+
+
+def _certified(
+    q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags, *,
+    method, widths, policy, n_seeds, list_capacity, record_capacity, cfg,
+    screen_cfg, splits, sort,
+):  # fmt: skip
+    t = q.shape[0]
+    bt = cfg.block_t
+    keep_all = jnp.full((t,), EMPTY_CODE, jnp.int32)
+    tau, knorm, plan = _seeds_and_plan(
+        q, weights, k, k_scale, start, end, seed_ids, r_arr, flags, top_k=top_k,
+        widths=widths, policy=policy, n_seeds=n_seeds, list_capacity=list_capacity, cfg=cfg,
+    )  # fmt: skip
     lists, list_counts, n_surv, lists_ordered = screen(
         plan, start, end, k, k_scale, knorm, block_t=bt, cap=list_capacity, cfg=screen_cfg,
         splits=splits,

@@ -197,3 +197,23 @@ def test_gpu_decode_equals_base():
         )  # fmt: skip
         ids = jnp.where(base.indices >= 0, base.indices - offset[:, None], -1)
         np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
+
+
+@pytest.mark.parametrize("workload, screened", [("iid", False), ("low_survival", True)])
+def test_probe_skips_screening_where_the_bound_cannot_pay(kernel_impl, workload, screened):
+    # policy="auto" plans a strided sample of the queries first; where most of them would
+    # not be screened (i.i.d. scores: τ from seeds admits ~half the keys) every query is
+    # scored by base, and the report says so.
+    from jsparse.certified import workloads
+
+    data = workloads.make(workload, 192, 1024, heads=8, dim=32, seed=0)
+    kw = dict(k_scale=data.k_scale, kv_start=data.kv_start, kv_end=data.kv_end)
+    base = jsparse.indexer_topk(data.q, data.weights, data.k, 32, implementation=kernel_impl, **kw)
+    res, info = dosa_topk(
+        data.q, data.weights, data.k, 32, implementation=kernel_impl, return_info=True, **kw
+    )
+    _assert_same(base, res)
+    assert bool(np.mean(np.asarray(info.screened)) > 0.5) == screened
+    if not screened:
+        assert np.asarray(res.fallback).all()
+        assert (np.asarray(info.plan.reason) == planner.REASON_USELESS).all()
