@@ -3,6 +3,7 @@
     python -m bench.dosa                      # everything of the issue (H200: ~minutes)
     python -m bench.dosa --prefill --workloads low_survival --keys 131072
     python -m bench.dosa --decode --json out.json
+    python -m bench.dosa --prefill --shapes 65536x65536 --methods base dosa   # causal 64K
     python -m bench.dosa --smoke              # tiny shapes, any machine (interpret mode on CPU)
 
 Entry point ``main(argv)`` (``bench/run.py --op dosa`` can forward its arguments here).
@@ -39,8 +40,16 @@ import numpy as np
 import jsparse
 from bench import common
 from jsparse import backend
-from jsparse.certified import VARIANTS, diagnose, dosa_topk, indexer_topk_decode, workloads
+from jsparse.certified import (
+    VARIANTS,
+    diagnose,
+    dosa_topk,
+    indexer_topk_decode,
+    make_plan,
+    workloads,
+)
 from jsparse.certified.reference import select_queries
+from jsparse.ops.indexer.api import default_seed_ids
 
 TOP_K = 2048
 HEADS, DIM = 64, 128
@@ -90,6 +99,41 @@ def _diagnostics(info, wl, top_k, n_sample):
         "survival_pct_sample": 100 * float(np.mean(np.asarray(d.survival))),
         "slack_rel_median": float(np.nanmedian(np.asarray(d.slack_rel_median))),
     }
+
+
+def run_certificate(wl, args, out):
+    """Figure 9's survival column without timing: every variant's bound on a strided
+    sample of queries (reference arithmetic with per-query default seeds, any machine:
+    survival is a property of the data and the certificate, not of the hardware)."""
+    t, s, _, _ = wl.shape
+    top_k = min(args.top_k, s)
+    rows = jnp.asarray(np.linspace(0, t - 1, args.diag_queries).astype(np.int32))
+    q, w, start, end = wl.q[rows], wl.weights[rows], wl.kv_start[rows], wl.kv_end[rows]
+    seeds = default_seed_ids(start, end, top_k, num_keys=s)
+    print(f"\n| {wl.name} T={t} S={s}, {len(rows)} queries | survival % | above τ % | "
+          "above τ* % | seed deficit | slack | r |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for variant in args.variants:
+        plan = make_plan(
+            q, w, wl.k, wl.k_scale, start, end, seeds, top_k, variant=variant, policy="always"
+        )
+        d = diagnose(plan, q, w, wl.k, wl.k_scale, start, end, top_k=top_k)
+        scale = np.abs(np.asarray(d.tau_star))
+        row = {
+            "workload": wl.name, "T": t, "S": s, "variant": variant, "queries": len(rows),
+            "survival_pct": 100 * float(np.mean(np.asarray(d.survival))),
+            "above_tau_pct": 100 * float(np.mean(np.asarray(d.above_tau))),
+            "above_tau_star_pct": 100 * float(np.mean(np.asarray(d.above_tau_star))),
+            "seed_deficit_rel_median": float(np.nanmedian(np.asarray(d.seed_deficit) / scale)),
+            "slack_rel_median": float(np.nanmedian(np.asarray(d.slack_rel_median))),
+            "mean_r": float(np.mean(np.asarray(plan.r))),
+        }  # fmt: skip
+        out.append(row)
+        print(
+            f"| {variant} | {row['survival_pct']:.2f} | {row['above_tau_pct']:.2f} | "
+            f"{row['above_tau_star_pct']:.2f} | {row['seed_deficit_rel_median']:.3g} | "
+            f"{row['slack_rel_median']:.3g} | {row['mean_r']:.1f} |"
+        )
 
 
 def run_prefill(wl, args, out):
@@ -225,6 +269,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", default="iid,deepseek_like,low_survival")
     parser.add_argument("--keys", type=int, nargs="*", help="prefill key counts (default all)")
     parser.add_argument("--queries", type=int, help="prefill queries (default per shape)")
+    parser.add_argument(
+        "--shapes", nargs="*", metavar="TxS", help="prefill queries x keys (default all)"
+    )
     parser.add_argument("--methods", nargs="*", help="subset of base full dense dosa")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     parser.add_argument("--top-k", type=int, default=TOP_K)
@@ -237,6 +284,11 @@ def main(argv=None) -> int:
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--diag-queries", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpret)")
+    parser.add_argument(
+        "--certificate",
+        action="store_true",
+        help="per-variant survival on a query sample only (reference arithmetic, no timing)",
+    )
     args = parser.parse_args(argv)
 
     env = common.environment()  # JSPARSE_COMMIT names the commit on copies without .git
@@ -253,14 +305,17 @@ def main(argv=None) -> int:
     with backend.interpret_mode(not backend.has_nvidia_gpu()):
         if not args.decode:
             shapes = SMOKE_PREFILL if args.smoke else PREFILL_SHAPES
+            if args.shapes:
+                shapes = [tuple(int(x) for x in v.split("x")) for v in args.shapes]
             for t, s in shapes:
                 if args.keys and s not in args.keys:
                     continue
                 t = args.queries or t
                 for name in names:
                     kw = dict(heads=16, dim=32) if args.smoke else dict(heads=HEADS, dim=DIM)
-                    run_prefill(workloads.make(name, t, s, seed=0, **kw), args, rows)
-        if not args.prefill:
+                    wl = workloads.make(name, t, s, seed=0, **kw)
+                    (run_certificate if args.certificate else run_prefill)(wl, args, rows)
+        if not args.prefill and not args.certificate:
             shapes = SMOKE_DECODE if args.smoke else DECODE_SHAPES
             if args.decode_shapes:
                 shapes = [tuple(int(x) for x in v.split("x")) for v in args.decode_shapes]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jsparse import backend
+from jsparse import _chunking, backend
 from jsparse.certified import planner
 from jsparse.certified import reference as ref_impl
 from jsparse.ops.indexer.result import IndexerTopK
@@ -104,8 +105,18 @@ def dosa_topk(
     start, end = api._validate(q, weights, k, k_scale, kv_start, kv_end)
     top_k = api._check_top_k(top_k)
     seeds = api._check_seeds(seeds, q.shape[0], start, end)
-    return certified_topk(
-        q, weights, k, top_k, k_scale, start, end, seeds,
-        method=method, implementation=implementation, variant=variant, r=r, policy=policy,
-        sorted=sorted, return_info=return_info, **options,
-    )  # fmt: skip
+
+    def call(q, weights, start, end, seeds, r):
+        return certified_topk(
+            q, weights, k, top_k, k_scale, start, end, seeds,
+            method=method, implementation=implementation, variant=variant, r=r,
+            policy=policy, sorted=sorted, return_info=return_info, **options,
+        )  # fmt: skip
+
+    chunk = _chunking.queries_per_chunk(q.shape[0], _chunking.key_row(k.shape[0]))
+    r_arr = None if isinstance(r, (str, int)) else np.asarray(r)
+    if r_arr is None or r_arr.ndim == 0:
+        return _chunking.over_query_chunks(
+            lambda *a: call(*a, r), chunk, q, weights, start, end, seeds
+        )
+    return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds, r_arr)

@@ -357,3 +357,30 @@ def test_jit_compatible():
     np.testing.assert_array_equal(
         f(inputs), jsparse.indexer_topk(**inputs, top_k=8, implementation="reference").indices
     )
+
+
+def test_large_calls_run_in_query_chunks(monkeypatch):
+    # Kernels address [T, row] buffers with int32 offsets: a call with T·row ≥ 2^31
+    # (64K × 64K causal prefill) runs over query chunks. Shrink the limit to see it here.
+    from jsparse import _chunking
+    from jsparse.certified import dosa_topk
+
+    rng = np.random.default_rng(5)
+    t, h, d, s, top_k = 600, 2, 8, 300, 7
+    q = jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((s, d)), jnp.float32)
+    end = jnp.asarray(rng.integers(1, s + 1, t), jnp.int32)
+    kw = dict(kv_end=end, implementation="reference")
+    whole = {m: jsparse.indexer_topk(q, w, k, top_k, method=m, **kw) for m in ("xla", "base")}
+    whole["dosa"] = dosa_topk(q, w, k, top_k, r=np.full(t, 1), **kw)
+    scores = jsparse.indexer_scores(q, w, k, **kw)
+    monkeypatch.setattr(_chunking, "INDEX_LIMIT", 256 * _chunking.key_row(s))
+    assert _chunking.queries_per_chunk(t, _chunking.key_row(s)) == 256
+    for m in ("xla", "base"):
+        got = jsparse.indexer_topk(q, w, k, top_k, method=m, **kw)
+        np.testing.assert_array_equal(got.indices, whole[m].indices)
+        np.testing.assert_array_equal(got.visible, whole[m].visible)
+    got = dosa_topk(q, w, k, top_k, r=np.full(t, 1), **kw)
+    np.testing.assert_array_equal(got.indices, whole["dosa"].indices)
+    np.testing.assert_array_equal(jsparse.indexer_scores(q, w, k, **kw), scores)

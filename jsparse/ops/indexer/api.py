@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jsparse import _checks, backend
+from jsparse import _checks, _chunking, backend
 from jsparse.ops.indexer import reference
 from jsparse.ops.indexer.methods import default_seed_count, recent_and_strided_ids
 from jsparse.ops.indexer.result import IndexerTopK
@@ -141,17 +141,15 @@ def indexer_scores(
       implementation: see :mod:`jsparse.backend`.
     """
     start, end = _validate(q, weights, k, k_scale, kv_start, kv_end)
-    return backend.dispatch(
-        "indexer_scores",
-        _score_implementations(),
-        implementation,
-        q,
-        weights,
-        k,
-        k_scale,
-        start,
-        end,
-    )
+
+    def call(q, weights, start, end):
+        return backend.dispatch(
+            "indexer_scores", _score_implementations(), implementation,
+            q, weights, k, k_scale, start, end,
+        )  # fmt: skip
+
+    chunk = _chunking.queries_per_chunk(q.shape[0], _chunking.key_row(k.shape[0]))
+    return _chunking.over_query_chunks(call, chunk, q, weights, start, end)
 
 
 def indexer_topk(
@@ -190,30 +188,25 @@ def indexer_topk(
     top_k = _check_top_k(top_k)
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
-    if method == "xla":
-        return _topk_xla(q, weights, k, k_scale, start, end, top_k)
-    seeds = _check_seeds(seeds, q.shape[0], start, end)
-    if method in ("dense", "dosa"):
-        from jsparse import certified  # the planner stays off the import path until used
+    seeds = None if method == "xla" else _check_seeds(seeds, q.shape[0], start, end)
 
-        return certified.certified_topk(
-            q, weights, k, top_k, k_scale, start, end, seeds,
-            method=method, sorted=sorted, implementation=implementation,
+    def call(q, weights, start, end, seeds):
+        if method == "xla":
+            return _topk_xla(q, weights, k, k_scale, start, end, top_k)
+        if method in ("dense", "dosa"):
+            from jsparse import certified  # the planner stays off the import path until used
+
+            return certified.certified_topk(
+                q, weights, k, top_k, k_scale, start, end, seeds,
+                method=method, sorted=sorted, implementation=implementation,
+            )  # fmt: skip
+        return backend.dispatch(
+            f"indexer_topk[{method}]", _topk_implementations(method), implementation,
+            q, weights, k, top_k, k_scale, start, end, seeds, sorted,
         )  # fmt: skip
-    return backend.dispatch(
-        f"indexer_topk[{method}]",
-        _topk_implementations(method),
-        implementation,
-        q,
-        weights,
-        k,
-        top_k,
-        k_scale,
-        start,
-        end,
-        seeds,
-        sorted,
-    )
+
+    chunk = _chunking.queries_per_chunk(q.shape[0], _chunking.key_row(k.shape[0]))
+    return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds)
 
 
 def _check_seeds(seeds, t, start, end):
