@@ -113,14 +113,17 @@ def run_certificate(wl, args, out):
     print(f"\n| {wl.name} T={t} S={s}, {len(rows)} queries | survival % | above τ % | "
           "above τ* % | seed deficit | slack | r |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for variant in args.variants:
+    for variant, r in ((v, r) for v in args.variants for r in args.r):
+        r = r if r == "auto" else int(r)
         plan = make_plan(
-            q, w, wl.k, wl.k_scale, start, end, seeds, top_k, variant=variant, policy="always"
-        )
+            q, w, wl.k, wl.k_scale, start, end, seeds, top_k, r=r, variant=variant,
+            policy="always",
+        )  # fmt: skip
         d = diagnose(plan, q, w, wl.k, wl.k_scale, start, end, top_k=top_k)
         scale = np.abs(np.asarray(d.tau_star))
         row = {
-            "workload": wl.name, "T": t, "S": s, "variant": variant, "queries": len(rows),
+            "workload": wl.name, "T": t, "S": s, "variant": variant, "r_arg": r,
+            "queries": len(rows),
             "survival_pct": 100 * float(np.mean(np.asarray(d.survival))),
             "above_tau_pct": 100 * float(np.mean(np.asarray(d.above_tau))),
             "above_tau_star_pct": 100 * float(np.mean(np.asarray(d.above_tau_star))),
@@ -130,7 +133,7 @@ def run_certificate(wl, args, out):
         }  # fmt: skip
         out.append(row)
         print(
-            f"| {variant} | {row['survival_pct']:.2f} | {row['above_tau_pct']:.2f} | "
+            f"| {variant}, r={r} | {row['survival_pct']:.2f} | {row['above_tau_pct']:.2f} | "
             f"{row['above_tau_star_pct']:.2f} | {row['seed_deficit_rel_median']:.3g} | "
             f"{row['slack_rel_median']:.3g} | {row['mean_r']:.1f} |"
         )
@@ -152,6 +155,14 @@ def run_prefill(wl, args, out):
         # fewer key loads, more wasted evaluations; exact against base with that block.
         calls["dosa[refine_block=4]"] = lambda: dosa_topk(
             q, w, k, top_k, refine_block=4, return_info=True, **kw
+        )
+    for spec in args.screen_configs or ():
+        # Screening tile sweep: block_s,tile_rows,num_warps,num_stages (ScreenConfig).
+        from jsparse.certified.triton import ScreenConfig
+
+        cfg = ScreenConfig(*(int(x) for x in spec.split(",")))
+        calls[f"dosa[screen={spec}]"] = lambda c=cfg: dosa_topk(
+            q, w, k, top_k, screen_cfg=c, return_info=True, **kw
         )
     for variant in args.variants:
         calls[f"dosa[{variant},always]"] = lambda v=variant: dosa_topk(
@@ -285,9 +296,18 @@ def main(argv=None) -> int:
     parser.add_argument("--diag-queries", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpret)")
     parser.add_argument(
+        "--screen-configs",
+        nargs="*",
+        metavar="BS,ROWS,WARPS,STAGES",
+        help="extra dosa rows with these screening tiles (jsparse.certified.triton.ScreenConfig)",
+    )
+    parser.add_argument(
         "--certificate",
         action="store_true",
         help="per-variant survival on a query sample only (reference arithmetic, no timing)",
+    )
+    parser.add_argument(
+        "--r", nargs="*", default=["auto"], help="retained heads for --certificate (auto or ints)"
     )
     args = parser.parse_args(argv)
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The indexer and DoSA measurements of the H200 tables, in one run from the repository root:
+#
+#     OUT=out bash bench/indexer_gpu.sh [step ...]
+#
+# Steps (default: all, in this order): tests, prefill, causal, decode, dosa, dosa-causal,
+# dosa-decode. Each step has a time limit (seconds, STEP_LIMIT, default 300) and writes
+# its log and JSON under $OUT; a step that fails or runs out of time does not stop the
+# others. Every bench row is checked against the reference or `base` before it is timed.
+set -uo pipefail
+OUT=${OUT:-out}
+PY=${PYTHON:-python3}
+LIMIT=${STEP_LIMIT:-300}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+status=0
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests prefill causal decode dosa dosa-causal dosa-decode)
+
+run() {  # run NAME CMD...: log to $OUT/NAME.log
+  local name=$1
+  shift
+  echo "+ $*" | tee "$OUT/$name.log"
+  timeout "$LIMIT" "$@" >>"$OUT/$name.log" 2>&1 || { echo "$name: exit $?" | tee -a "$OUT/$name.log"; status=1; }
+}
+
+for s in "${steps[@]}"; do
+  case $s in
+    tests) run tests "$PY" -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests ;;
+    prefill) run prefill "$PY" bench/run.py --backend pallas-gpu --preset prefill-chunk \
+      --method xla base full --json "$OUT/prefill.json" --quiet ;;
+    causal) run causal "$PY" bench/run.py --backend pallas-gpu --preset causal-prefill \
+      --method xla base full --json "$OUT/causal.json" --quiet ;;
+    decode) run decode "$PY" bench/run.py --backend pallas-gpu --preset decode \
+      --method xla base full --json "$OUT/decode.json" --quiet ;;
+    dosa) run dosa "$PY" -m bench.dosa --prefill --shapes 8192x32768 8192x65536 8192x131072 \
+      --json "$OUT/dosa.json" ;;
+    dosa-causal) run dosa-causal "$PY" -m bench.dosa --prefill --shapes 65536x65536 \
+      --methods base full dosa --variants --json "$OUT/dosa_causal.json" ;;
+    dosa-decode) run dosa-decode "$PY" -m bench.dosa --decode --json "$OUT/dosa_decode.json" ;;
+    *) echo "unknown step $s"; status=1 ;;
+  esac
+done
+exit $status
