@@ -48,6 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jsparse import backend
+from jsparse.ops.indexer import methods
+from jsparse.ops.topk.codes import EMPTY_CODE
 
 _NEG_INF = float("-inf")
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -279,3 +281,24 @@ def indexer_scores_mosaic(q, weights, k, k_scale, start, end, *, cfg=None):
     cfg = cfg or default_config(q.shape[1])
     check_supported(q.shape, q.dtype, k.dtype, cfg)
     return _scores(q, weights, k, k_scale, start, end, cfg=cfg, interpret=backend.is_interpret())
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort", "interpret"))
+def _topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg, sort, interpret):
+    scores = _scores(q, weights, k, k_scale, start, end, cfg=cfg, interpret=interpret)
+    # Selection is the exact Triton selection of the ``base`` method, unchanged.
+    indices, values = methods._select_dense(scores, start, end, top_k, sort)
+    t = q.shape[0]
+    empty = jnp.full((t,), EMPTY_CODE, jnp.int32)
+    return methods._result(indices, values, start, end, end - start, empty, jnp.zeros((t,), bool))
+
+
+def topk_base_mosaic(q, weights, k, top_k, k_scale, start, end, seeds, sort=True, *, cfg=None):
+    """``base``: every visible score from the Mosaic GPU scorer, then exact selection."""
+    del seeds
+    cfg = cfg or default_config(q.shape[1])
+    check_supported(q.shape, q.dtype, k.dtype, cfg)
+    return _topk_base(
+        q, weights, k, top_k, k_scale, start, end,
+        cfg=cfg, sort=sort, interpret=backend.is_interpret(),
+    )  # fmt: skip
