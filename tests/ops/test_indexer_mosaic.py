@@ -14,6 +14,8 @@ tensor cores' own accumulation is looser for fp8 (see ``GPU_UNIT_ROUNDOFF``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,11 +92,11 @@ def assert_scores_close(got, want, bound):
 
 
 # (name, T, H, D, S, ranges, k_scale): odd T (a padded query row) and S (a padded key
-# tile), a block whose queries see nothing, H = 16 (N = 32), D = 64 and 128.
+# tile), a block whose queries see nothing, H = 12 (padded to 16), D = 64 and 128.
 CASES = [
     ("odd", 5, 64, 64, 300, "odd", True),
     ("causal", 6, 16, 128, 520, "causal", False),
-    ("all-h8", 4, 8, 64, 256, "all", True),
+    ("all-h12", 4, 12, 64, 256, "all", True),
 ]
 
 
@@ -153,8 +155,8 @@ def test_not_the_default():
         (jnp.float32, jnp.float32, 64, 128, "bfloat16 or both float8"),
         (jnp.bfloat16, FP8, 64, 128, "bfloat16 or both float8"),
         (jnp.bfloat16, jnp.bfloat16, 64, 96, "multiple of 64"),
-        (jnp.bfloat16, jnp.bfloat16, 12, 128, "multiple of 8"),
         (FP8, FP8, 256, 128, "wgmma N tile"),
+        (jnp.bfloat16, jnp.bfloat16, 128, 512, "shared memory"),
     ],
 )
 def test_unsupported_inputs_raise_not_implemented(q_dtype, k_dtype, h, d, match):
@@ -174,12 +176,21 @@ def test_falls_back_when_named_in_a_sequence():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+# (name, T, H, D, S, config or None for the default)
+LOWERING_CASES = [
+    ("decode", 1, 64, 128, 8192, None),
+    ("chunk", 64, 64, 128, 8192, None),
+    ("small-tiles", 7, 12, 64, 300, mosaic.MosaicScorerConfig(3, 64, 1)),
+    ("wide", 8, 128, 256, 4096, mosaic.MosaicScorerConfig(1, 128, 2)),
+]
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("t", [1, 64], ids=["decode", "chunk"])
-def test_lowers_to_cuda(dtype, t):
-    """The whole Pallas → Mosaic GPU lowering (layouts, wgmma operand checks, TMA shapes)
-    runs on the CPU; only the final MLIR → PTX compile needs the GPU."""
-    h, d, s = 64, 128, 8192
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: c[0])
+def test_lowers_to_cuda(dtype, case):
+    """The whole Pallas → Mosaic GPU lowering (register layouts, wgmma operand checks, TMA
+    copy sizes) runs on the CPU; only the final MLIR → PTX compile needs the GPU."""
+    _, t, h, d, s, cfg = case
     f32, i32 = jnp.float32, jnp.int32
     structs = (
         jax.ShapeDtypeStruct((t, h, d), DTYPES[dtype]),
@@ -189,7 +200,7 @@ def test_lowers_to_cuda(dtype, t):
         jax.ShapeDtypeStruct((t,), i32),
         jax.ShapeDtypeStruct((t,), i32),
     )
-    lowered = lower_for_h200(mosaic.indexer_scores_mosaic, *structs)
+    lowered = lower_for_h200(functools.partial(mosaic.indexer_scores_mosaic, cfg=cfg), *structs)
     assert "mosaic_gpu" in lowered.as_text()
 
 

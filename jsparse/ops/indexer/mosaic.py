@@ -23,8 +23,9 @@ Tiling (one CTA = one warpgroup = one block of BT queries):
   wgmma; N = BT·H ≤ 256 is the wgmma N limit.
 * Both operands are K-major in shared memory (D contiguous in rows of k and of q), which
   fp8 wgmma requires; ``q_smem`` is passed transposed as a view, no data moves.
-* The head reduction slices the accumulator at multiples of H columns: H must be a
-  multiple of 8 (the wgmma register tile width) for those slices to be register-aligned.
+* The head reduction slices the accumulator at multiples of H columns, so H is padded
+  (zero queries, zero weights) to a multiple of 8, the wgmma register tile width, and
+  BT·H to a multiple of 32 (one block's weights must be a whole 128-byte copy).
 * Causal tile skipping: the wrapper computes, per query block, the key tiles some query
   of the block can see, ``[first, last)``; the pipeline's grid is that many steps
   (a dynamic grid) and the other tiles of the block's rows are written -inf from one
@@ -94,6 +95,17 @@ def interpret_params():
     return params()
 
 
+_SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
+
+
+def _smem_bytes(n, d, itemsize, cfg):
+    """Shared memory of one CTA: queries, key/scale tiles, weights, ranges, outputs."""
+    bt, bs, steps = cfg.block_t, cfg.block_s, cfg.max_concurrent_steps
+    buffers = [n * d * itemsize, steps * bs * d * itemsize, steps * bs * 4, n * 4, _META * 4]
+    buffers += [2 * bt * bs * 4, bt * bs * 4]
+    return sum(-(-b // 1024) * 1024 for b in buffers) + 1024  # 1 KiB-aligned, + barriers
+
+
 def check_supported(q_shape, q_dtype, k_dtype, cfg: MosaicScorerConfig) -> None:
     """Raises ``NotImplementedError`` for valid inputs this kernel does not handle."""
     q_dtype, k_dtype = jnp.dtype(q_dtype), jnp.dtype(k_dtype)
@@ -108,16 +120,18 @@ def check_supported(q_shape, q_dtype, k_dtype, cfg: MosaicScorerConfig) -> None:
             f"mosaic indexer: head dim D = {d} must be a multiple of 64 (one 128-byte "
             "swizzled row of fp8, two of bf16)"
         )
-    if h % 8:
+    n = cfg.block_t * padded_heads(h, cfg.block_t)
+    smem = _smem_bytes(n, d, q_dtype.itemsize, cfg)
+    if smem > _SMEM_LIMIT:
         raise NotImplementedError(
-            f"mosaic indexer: H = {h} heads must be a multiple of 8 (the accumulator's "
-            "register tile width) to sum each query's heads"
+            f"mosaic indexer: tiles need {smem} bytes of shared memory (BT·H = {n}, D = {d}, "
+            f"BS = {cfg.block_s}, {cfg.max_concurrent_steps} steps); an H200 CTA has "
+            f"{_SMEM_LIMIT}: lower max_concurrent_steps or block_s"
         )
-    n = cfg.block_t * h
     if n > 256:
         raise NotImplementedError(
-            f"mosaic indexer: block_t·H = {cfg.block_t}·{h} = {n} exceeds the wgmma N tile "
-            "(256); use block_t = 1 or implementation='triton'"
+            f"mosaic indexer: block_t·H = {cfg.block_t}·{h} (padded: {n}) exceeds the wgmma "
+            "N tile (256); use block_t = 1 or implementation='triton'"
         )
 
 
@@ -188,7 +202,11 @@ def _kernel(q_ref, w_ref, k_ref, scale_ref, meta_ref, out_ref, scratch, *, cfg, 
     pipeline(k_ref, scale_ref)
 
     # Tiles no query of the block can see: -inf, straight from shared memory.
-    fill_smem[...] = jnp.full((bt, bs), _NEG_INF, jnp.float32)
+    # Row by row in the scores' own layout: a whole-tile splat has no register layout
+    # for odd BT (a [3, 128] strided layout needs a multiple of 256 elements).
+    neg_inf_row = cast(jnp.full((bs,), _NEG_INF, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    for b in range(bt):
+        fill_smem[b] = neg_inf_row
     plgpu.commit_smem()
     n_tiles = out_ref.shape[1] // bs
 
@@ -210,6 +228,19 @@ def _transforms(ref):
         plgpu.TilingTransform((8, swizzle // itemsize)),
         plgpu.SwizzleTransform(swizzle),
     )
+
+
+def padded_heads(heads: int, block_t: int) -> int:
+    """H rounded up so that H is a multiple of 8 and BT·H of 32.
+
+    A block's weights, BT·H f32, are one copy to shared memory, and Mosaic GPU copies a
+    multiple of 128 bytes. Padded heads have zero queries and weight 0: no score
+    changes. H = 64 (DeepSeek) is never padded.
+    """
+    h = -(-heads // 8) * 8
+    while (block_t * h) % 32:
+        h += 8
+    return h
 
 
 def _block_meta(start, end, t_pad, cfg):
@@ -234,6 +265,11 @@ def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret):
     t, h, d = q.shape
     s = k.shape[0]
     bt, bs = cfg.block_t, cfg.block_s
+    hp = padded_heads(h, bt)
+    if hp != h:
+        q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+        weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
+        h = hp
     n = bt * h
     t_pad = -(-t // bt) * bt
     s_pad = -(-s // bs) * bs
