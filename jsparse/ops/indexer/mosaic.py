@@ -6,7 +6,14 @@ Why a second GPU kernel: the Triton scorer widens fp8 keys to f16 in registers, 
 needs a register load of every key tile and so gives up the asynchronous global → shared
 copy; on an H200 its fp8 path reached 36.5% of XLA's fp8 matmul rate. Here key tiles
 stream through shared memory by TMA and feed the tensor cores directly (wgmma reads both
-operands from shared memory), fp8 × fp8 natively with f32 accumulation, bf16 likewise.
+operands from shared memory), fp8 × fp8 natively or bf16 × bf16, into an f32 accumulator
+(Hopper's fp8 MMA keeps fewer bits while it accumulates: scores round differently from
+the Triton kernel's, which is why this is a separate, opt-in scorer).
+
+Differences between compiled and interpreted runs, both forced by jax 0.10.2's Mosaic GPU
+interpreter and both value-preserving: ``layout_cast`` is skipped (no interpreter rule),
+and each block's queries arrive pre-transposed instead of as a transposed view (the
+interpreter's wgmma cannot apply one). The cross-lowering test covers the compiled path.
 
 Tiling (one CTA = one warpgroup = one block of BT queries):
 
