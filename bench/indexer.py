@@ -34,6 +34,11 @@ def add_arguments(parser):
         "--scorer-config", default=None,
         help="block_t,block_s,num_warps,num_stages for the Triton scorer (default: heuristic)",
     )  # fmt: skip
+    parser.add_argument(
+        "--implementation", choices=["triton", "mosaic", "reference"], default=None,
+        help="the implementation name for base/full instead of the backend's (e.g. mosaic "
+        "with --backend pallas-gpu to time the Mosaic GPU scorer; it has base only)",
+    )  # fmt: skip
 
 
 def make_inputs(case: dict, seed: int):
@@ -102,6 +107,10 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     presets = common.load_presets("indexer")
     cases = common.expand_cases(presets[args.preset])
     cfg = _scorer_config(args.scorer_config)
+    if args.implementation is not None:
+        if cfg is not None and args.implementation != "triton":
+            raise SystemExit("--scorer-config configures the Triton scorer; drop --implementation")
+        impl = args.implementation
     rows = []
     progress = tqdm(total=len(cases) * len(args.method), desc="indexer", disable=args.quiet)
     for case in cases:

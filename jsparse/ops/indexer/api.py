@@ -339,17 +339,25 @@ def seed_threshold_code(
 
 
 def _score_implementations():
-    from jsparse.ops.indexer import triton as triton_impl  # Pallas imports only when used
+    # Pallas imports only when used. "mosaic" is opt-in (backend.OPT_IN_IMPLEMENTATIONS).
+    from jsparse.ops.indexer import mosaic as mosaic_impl
+    from jsparse.ops.indexer import triton as triton_impl
 
     return {
         "triton": triton_impl.indexer_scores_triton,
+        "mosaic": mosaic_impl.indexer_scores_mosaic,
         "reference": jax.jit(reference.indexer_scores_reference),
     }
 
 
 def _topk_implementations(method):
-    from jsparse.ops.indexer import triton as triton_impl  # Pallas imports only when used
+    from jsparse.ops.indexer import mosaic as mosaic_impl  # Pallas imports only when used
+    from jsparse.ops.indexer import triton as triton_impl
 
     if method == "base":
-        return {"triton": triton_impl.topk_base_triton, "reference": _topk_base_reference}
+        return {
+            "triton": triton_impl.topk_base_triton,
+            "mosaic": mosaic_impl.topk_base_mosaic,
+            "reference": _topk_base_reference,
+        }
     return {"triton": triton_impl.topk_full_triton, "reference": _topk_full_reference}

@@ -1,0 +1,347 @@
+"""The dense indexer scorer as a Pallas Mosaic GPU kernel (Hopper: TMA + wgmma).
+
+    s[t, i] = k_scale[i] · Σ_h w[t, h] · relu(q[t, h] · k[i])          (MATH.md §1.1)
+
+Why a second GPU kernel: the Triton scorer widens fp8 keys to f16 in registers, which
+needs a register load of every key tile and so gives up the asynchronous global → shared
+copy; on an H200 its fp8 path reached 36.5% of XLA's fp8 matmul rate. Here key tiles
+stream through shared memory by TMA and feed the tensor cores directly (wgmma reads both
+operands from shared memory), fp8 × fp8 natively or bf16 × bf16, into an f32 accumulator
+(Hopper's fp8 MMA keeps fewer bits while it accumulates: scores round differently from
+the Triton kernel's, which is why this is a separate, opt-in scorer).
+
+Differences between compiled and interpreted runs, both forced by jax 0.10.2's Mosaic GPU
+interpreter and both value-preserving: ``layout_cast`` is skipped (no interpreter rule),
+and each block's queries arrive pre-transposed instead of as a transposed view (the
+interpreter's wgmma cannot apply one). The cross-lowering test covers the compiled path.
+
+Tiling (one CTA = one warpgroup = one block of BT queries):
+
+    queries  q_smem [BT·H, D]     loaded once per CTA by TMA (rows t·H + h of q)
+    keys     k_smem [BS, D]       one tile per pipeline step, multi-buffered TMA
+    logits   acc    [BS, BT·H]    wgmma(k_smem, q_smemᵀ), f32 accumulator, K = D
+    scores   [BT, BS]             relu, × w (per column), Σ over each query's H columns,
+                                  × k_scale (per row), -inf where not visible
+
+* Keys are the M side of the wgmma and query heads the N side (not the other way round):
+  the sum over heads is then a reduction along the accumulator's minor axis, which a
+  warpgroup does inside each thread plus a few lane shuffles, while summing over rows
+  would need shared-memory traffic between warps. M = BS = 64·k fits one warpgroup's
+  wgmma; N = BT·H ≤ 256 is the wgmma N limit.
+* Both operands are K-major in shared memory (D contiguous in rows of k and of q), which
+  fp8 wgmma requires; ``q_smem`` is passed transposed as a view, no data moves.
+* The head reduction slices the accumulator at multiples of H columns, so H is padded
+  (zero queries, zero weights) to a multiple of 8, the wgmma register tile width, and
+  BT·H to a multiple of 32 (one block's weights must be a whole 128-byte copy).
+* Causal tile skipping: the wrapper computes, per query block, the key tiles some query
+  of the block can see, ``[first, last)``; the pipeline's grid is that many steps
+  (a dynamic grid) and the other tiles of the block's rows are written -inf from one
+  shared-memory tile of -inf, by TMA, without touching keys.
+* Shapes are padded on the host to whole tiles (T to BT, S to BS) so that every TMA box
+  is in bounds; padded keys are invisible, padded query rows are sliced away.
+
+Interpret mode (``jsparse.backend.interpret_mode``) runs the kernel on the CPU through
+Mosaic GPU's interpreter, which simulates shared memory, barriers and TMA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jsparse import backend
+from jsparse.ops.indexer import methods
+from jsparse.ops.topk.codes import EMPTY_CODE
+
+_NEG_INF = float("-inf")
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_SUPPORTED = (jnp.dtype(jnp.bfloat16), _FP8)
+# Per-block metadata row: first tile, number of visible tiles, BT starts, BT ends, padded
+# to 32 int32: Mosaic GPU copies a multiple of 128 bytes (one byte per warpgroup thread).
+_META = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicScorerConfig:
+    """Tiles of the Mosaic GPU scorer."""
+
+    block_t: int = 2  # queries per CTA: N = block_t·H of the wgmma (≤ 256)
+    block_s: int = 128  # keys per tile: M of the wgmma (a multiple of 64)
+    max_concurrent_steps: int = 3  # key tiles in flight through shared memory
+
+    def __post_init__(self):
+        if self.block_t < 1 or self.block_t > (_META - 2) // 2:
+            raise ValueError(f"MosaicScorerConfig.block_t must be in [1, 15], got {self.block_t}")
+        if self.block_s < 64 or self.block_s % 64:
+            raise ValueError(
+                f"MosaicScorerConfig.block_s must be a positive multiple of 64, got {self.block_s}"
+            )
+        if self.max_concurrent_steps < 1:
+            raise ValueError(
+                "MosaicScorerConfig.max_concurrent_steps must be ≥ 1, "
+                f"got {self.max_concurrent_steps}"
+            )
+
+
+def default_config(heads: int) -> MosaicScorerConfig:
+    """Two queries per CTA at H=64 (N = 128), one at H > 128 (N ≤ 256). Unmeasured."""
+    return MosaicScorerConfig(block_t=max(1, min(2, 256 // max(heads, 1))))
+
+
+def interpret_params():
+    """Mosaic GPU interpret-mode parameters (public in jax ≥ 0.11.1, private before)."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
+_SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
+
+
+def _smem_bytes(n, d, itemsize, cfg):
+    """Shared memory of one CTA: queries, key/scale tiles, weights, ranges, outputs."""
+    bt, bs, steps = cfg.block_t, cfg.block_s, cfg.max_concurrent_steps
+    buffers = [n * d * itemsize, steps * bs * d * itemsize, steps * bs * 4, n * 4, _META * 4]
+    buffers += [2 * bt * bs * 4, bt * bs * 4]
+    return sum(-(-b // 1024) * 1024 for b in buffers) + 1024  # 1 KiB-aligned, + barriers
+
+
+def check_supported(q_shape, q_dtype, k_dtype, cfg: MosaicScorerConfig) -> None:
+    """Raises ``NotImplementedError`` for valid inputs this kernel does not handle."""
+    q_dtype, k_dtype = jnp.dtype(q_dtype), jnp.dtype(k_dtype)
+    if q_dtype not in _SUPPORTED or k_dtype != q_dtype:
+        raise NotImplementedError(
+            f"mosaic indexer: q and k must both be bfloat16 or both float8_e4m3fn, got "
+            f"q {q_dtype.name}, k {k_dtype.name} (use implementation='triton')"
+        )
+    _, h, d = q_shape
+    if d % 64:
+        raise NotImplementedError(
+            f"mosaic indexer: head dim D = {d} must be a multiple of 64 (one 128-byte "
+            "swizzled row of fp8, two of bf16)"
+        )
+    n = cfg.block_t * padded_heads(h, cfg.block_t)
+    smem = _smem_bytes(n, d, q_dtype.itemsize, cfg)
+    if smem > _SMEM_LIMIT:
+        raise NotImplementedError(
+            f"mosaic indexer: tiles need {smem} bytes of shared memory (BT·H = {n}, D = {d}, "
+            f"BS = {cfg.block_s}, {cfg.max_concurrent_steps} steps); an H200 CTA has "
+            f"{_SMEM_LIMIT}: lower max_concurrent_steps or block_s"
+        )
+    if n > 256:
+        raise NotImplementedError(
+            f"mosaic indexer: block_t·H = {cfg.block_t}·{h} (padded: {n}) exceeds the wgmma "
+            "N tile (256); use block_t = 1 or implementation='triton'"
+        )
+
+
+def _kernel(q_ref, w_ref, k_ref, scale_ref, meta_ref, out_ref, scratch, *, cfg, heads, interpret):
+    q_smem, w_smem, meta_smem, out_smem, fill_smem, barriers = scratch
+    # Register layouts matter only to the compiler; the interpreter has no rule for
+    # layout_cast (jax 0.10.2), and it is the identity on values.
+    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+    bt, bs = cfg.block_t, cfg.block_s
+    n = bt * heads
+    blk = lax.axis_index("blocks")
+
+    # Everything the CTA needs besides keys, once: its query rows, weights and ranges.
+    rows = q_smem.shape[0]  # n compiled ([BT·H, D]); D interpreted ([D, BT·H], see _scores)
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(blk * rows, rows)], q_smem, barriers.at[0])
+    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(blk * n, n)], w_smem, barriers.at[1])
+    plgpu.copy_gmem_to_smem(meta_ref.at[blk], meta_smem, barriers.at[2])
+    for i in range(3):
+        plgpu.barrier_wait(barriers.at[i])
+    first = meta_smem[0]
+    n_visible = meta_smem[1]
+    starts = [meta_smem[2 + b] for b in range(bt)]
+    ends = [meta_smem[2 + bt + b] for b in range(bt)]
+
+    # [n] weights of the accumulator's columns (query b, head h at column b·H + h).
+    w_cols = cast(w_smem[...], plgpu.Layout.WGMMA.reduce(0))
+    w_tile = lax.broadcast_in_dim(w_cols, (bs, n), (1,))  # [BS, BT·H]
+
+    def step(indices, k_smem, scale_smem):
+        (j,) = indices
+        tile = first + j
+        slot = lax.rem(j, 2)
+
+        def mma(acc_ref):
+            q_kn = q_smem if interpret else plgpu.transpose_ref(q_smem, (1, 0))  # [D, BT·H]
+            plgpu.wgmma(acc_ref, k_smem, q_kn)
+            return acc_ref[...]
+
+        logits = pl.run_scoped(mma, plgpu.ACC((bs, n), jnp.float32))  # [BS, BT·H]
+        # relu as where(x < 0): NaN propagates, as in the reference.
+        weighted = jnp.where(logits < 0, 0.0, logits) * w_tile
+        scale = cast(scale_smem[...], plgpu.Layout.WGMMA.reduce(1))  # [BS]
+        ids = tile * bs + cast(lax.iota(jnp.int32, bs), plgpu.Layout.WGMMA.reduce(1))
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot is done
+        for b in range(bt):
+            scores = jnp.sum(weighted[:, b * heads : (b + 1) * heads], axis=1) * scale  # [BS]
+            visible = (ids >= starts[b]) & (ids < ends[b])
+            out_smem[slot, b] = jnp.where(visible, scores, _NEG_INF)
+        # Stores are ours, not the pipeline's (its out_specs copy with a predicate,
+        # which jax 0.10.2's interpreter rejects): two output buffers, so this tile's
+        # store overlaps the next tile's wgmma.
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            out_smem.at[slot], out_ref.at[pl.ds(blk * bt, bt), pl.ds(tile * bs, bs)]
+        )
+
+    pipeline = plgpu.emit_pipeline(
+        step,
+        grid=(n_visible,),
+        in_specs=[
+            plgpu.BlockSpec(
+                (bs, k_ref.shape[1]), lambda j: (first + j, 0), transforms=_transforms(k_ref)
+            ),
+            plgpu.BlockSpec((bs,), lambda j: (first + j,)),
+        ],
+        max_concurrent_steps=cfg.max_concurrent_steps,
+    )
+    pipeline(k_ref, scale_ref)
+
+    # Tiles no query of the block can see: -inf, straight from shared memory.
+    # Row by row in the scores' own layout: a whole-tile splat has no register layout
+    # for odd BT (a [3, 128] strided layout needs a multiple of 256 elements).
+    neg_inf_row = cast(jnp.full((bs,), _NEG_INF, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    for b in range(bt):
+        fill_smem[b] = neg_inf_row
+    plgpu.commit_smem()
+    n_tiles = out_ref.shape[1] // bs
+
+    @pl.loop(0, n_tiles - n_visible)
+    def _fill(i):
+        tile = jnp.where(i < first, i, i + n_visible)
+        plgpu.copy_smem_to_gmem(fill_smem, out_ref.at[pl.ds(blk * bt, bt), pl.ds(tile * bs, bs)])
+        # Bound the number of stores in flight; the source tile is never rewritten.
+        plgpu.wait_smem_to_gmem(8, wait_read_only=True)
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _transforms(ref):
+    """Tiling + swizzle of a wgmma operand in shared memory: rows of D elements."""
+    itemsize = jnp.dtype(ref.dtype).itemsize
+    swizzle = plgpu.find_swizzle(ref.shape[-1] * itemsize * 8)
+    return (
+        plgpu.TilingTransform((8, swizzle // itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+
+
+def padded_heads(heads: int, block_t: int) -> int:
+    """H rounded up so that H is a multiple of 8 and BT·H of 32.
+
+    A block's weights, BT·H f32, are one copy to shared memory, and Mosaic GPU copies a
+    multiple of 128 bytes. Padded heads have zero queries and weight 0: no score
+    changes. H = 64 (DeepSeek) is never padded.
+    """
+    h = -(-heads // 8) * 8
+    while (block_t * h) % 32:
+        h += 8
+    return h
+
+
+def _block_meta(start, end, t_pad, cfg):
+    """[T/BT, 32] int32: first visible tile, visible tile count, starts, ends per block."""
+    bt, bs = cfg.block_t, cfg.block_s
+    t = start.shape[0]
+    # Padded query rows see nothing: [0, 0).
+    start = jnp.pad(start, (0, t_pad - t)).reshape(-1, bt)
+    end = jnp.pad(end, (0, t_pad - t)).reshape(-1, bt)
+    seen = end > start
+    lo = jnp.min(jnp.where(seen, start, jnp.iinfo(jnp.int32).max), axis=1)
+    hi = jnp.max(jnp.where(seen, end, 0), axis=1)
+    first = jnp.where(hi > 0, lo // bs, 0)
+    last = jnp.where(hi > 0, (hi + bs - 1) // bs, 0)
+    cols = [first[:, None], (last - first)[:, None], start, end]
+    meta = jnp.concatenate(cols, axis=1).astype(jnp.int32)
+    return jnp.pad(meta, ((0, 0), (0, _META - meta.shape[1])))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret):
+    t, h, d = q.shape
+    s = k.shape[0]
+    bt, bs = cfg.block_t, cfg.block_s
+    hp = padded_heads(h, bt)
+    if hp != h:
+        q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+        weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
+        h = hp
+    n = bt * h
+    t_pad = -(-t // bt) * bt
+    s_pad = -(-s // bs) * bs
+    n_blocks = t_pad // bt
+    q2 = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0))).reshape(t_pad * h, d)
+    w2 = jnp.pad(weights.astype(jnp.float32), ((0, t_pad - t), (0, 0))).reshape(t_pad * h)
+    k2 = jnp.pad(k, ((0, s_pad - s), (0, 0)))
+    scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale.astype(jnp.float32)
+    scale = jnp.pad(scale, (0, s_pad - s), constant_values=1.0)
+    meta = _block_meta(start, end, t_pad, cfg)
+    q_smem = plgpu.SMEM((n, d), q.dtype, transforms=_transforms(q2))
+    if interpret:
+        # jax 0.10.2's interpreter cannot apply a transposed view to a wgmma operand, so
+        # there each block's queries arrive already transposed, [D, BT·H]; same product.
+        q2 = q2.reshape(n_blocks, n, d).transpose(0, 2, 1).reshape(n_blocks * d, n)
+        q_smem = plgpu.SMEM((d, n), q.dtype)
+
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg, heads=h, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((t_pad, s_pad), jnp.float32),
+        grid=(n_blocks,),
+        grid_names=("blocks",),
+        scratch_types=[
+            (
+                q_smem,
+                plgpu.SMEM((n,), jnp.float32),
+                plgpu.SMEM((_META,), jnp.int32),
+                plgpu.SMEM((2, bt, bs), jnp.float32),
+                plgpu.SMEM((bt, bs), jnp.float32),
+                plgpu.Barrier(num_barriers=3),
+            )
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret_params() if interpret else None,
+        kernel_name="jsparse_indexer_scores_mosaic",
+    )
+    out = kernel(q2, w2, k2, scale, meta)
+    if (t_pad, s_pad) != (t, s):
+        out = out[:t, :s]
+    return out
+
+
+def indexer_scores_mosaic(q, weights, k, k_scale, start, end, *, cfg=None):
+    """Dense [T, S] f32 scores with -inf where not visible (the public ``indexer_scores``)."""
+    cfg = cfg or default_config(q.shape[1])
+    check_supported(q.shape, q.dtype, k.dtype, cfg)
+    return _scores(q, weights, k, k_scale, start, end, cfg=cfg, interpret=backend.is_interpret())
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort", "interpret"))
+def _topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg, sort, interpret):
+    scores = _scores(q, weights, k, k_scale, start, end, cfg=cfg, interpret=interpret)
+    # Selection is the exact Triton selection of the ``base`` method, unchanged.
+    indices, values = methods._select_dense(scores, start, end, top_k, sort)
+    t = q.shape[0]
+    empty = jnp.full((t,), EMPTY_CODE, jnp.int32)
+    return methods._result(indices, values, start, end, end - start, empty, jnp.zeros((t,), bool))
+
+
+def topk_base_mosaic(q, weights, k, top_k, k_scale, start, end, seeds, sort=True, *, cfg=None):
+    """``base``: every visible score from the Mosaic GPU scorer, then exact selection."""
+    del seeds
+    cfg = cfg or default_config(q.shape[1])
+    check_supported(q.shape, q.dtype, k.dtype, cfg)
+    return _topk_base(
+        q, weights, k, top_k, k_scale, start, end,
+        cfg=cfg, sort=sort, interpret=backend.is_interpret(),
+    )  # fmt: skip

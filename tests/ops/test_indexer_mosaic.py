@@ -1,0 +1,223 @@
+"""The Mosaic GPU scorer: interpreted on the CPU, cross-lowered to CUDA, and on a GPU.
+
+Error bound used throughout. bf16 and e4m3 values have at most 8 significant bits, so
+every product q·k is exact in f32 and the kernel and the reference differ only in the
+order of their f32 additions (over D inside the wgmma, then over H after the relu).
+Summing n terms in f32 in any order is off by at most about n·u·Σ|terms| (u = 2⁻²⁴);
+relu and the weights do not enlarge that, so per score
+
+    |kernel - reference| ≤ (D + H) · u · k_scale · Σ_h |w_h| Σ_d |q_hd k_d|
+
+and the tests assert it with a factor 2 of slack (both sides round). On the GPU the
+tensor cores' own accumulation is looser for fp8 (see ``GPU_UNIT_ROUNDOFF``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse import backend
+from jsparse.ops.indexer import mosaic
+from jsparse.testing import topk_mismatches
+from tests.lowering import lower_for_h200
+
+FP8 = jnp.float8_e4m3fn
+DTYPES = {"bf16": jnp.bfloat16, "fp8": FP8}
+F32_UNIT_ROUNDOFF = 2.0**-24
+# Hopper's FP8 MMA keeps only about 14 bits while it accumulates (DeepSeek-V3 report,
+# §3.3.2); bf16 MMA accumulates in f32. Not yet checked on our H200.
+GPU_UNIT_ROUNDOFF = {"bf16": 2.0**-22, "fp8": 2.0**-13}
+
+
+@pytest.fixture
+def mosaic_interpret():
+    """Compiled on a GPU, interpreted (Mosaic GPU and Triton interpreters) elsewhere."""
+    if backend.has_nvidia_gpu():
+        yield
+    else:
+        with backend.interpret_mode(True):
+            yield
+
+
+def make_inputs(t, h, d, s, dtype, *, ranges, scale, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((t, h, d)).astype(np.float32)
+    k = rng.standard_normal((s, d)).astype(np.float32)
+    w = rng.standard_normal((t, h)).astype(np.float32)
+    if ranges == "all":
+        start, end = np.zeros(t, np.int32), np.full(t, s, np.int32)
+    elif ranges == "causal":  # chunked prefill: the last t of s positions
+        start, end = np.zeros(t, np.int32), np.arange(s - t + 1, s + 1, dtype=np.int32)
+    else:  # odd: arbitrary ranges, one empty, one a single key, one ending mid-tile
+        start = rng.integers(0, s, t).astype(np.int32)
+        end = np.minimum(s, start + rng.integers(0, s, t)).astype(np.int32)
+        start[0], end[0] = 3, 3
+        start[1 % t], end[1 % t] = s - 1, s
+    return dict(
+        q=jnp.asarray(q, dtype),
+        weights=jnp.asarray(w),
+        k=jnp.asarray(k, dtype),
+        k_scale=jnp.asarray(rng.uniform(0.25, 4.0, s), jnp.float32) if scale else None,
+        kv_start=jnp.asarray(start),
+        kv_end=jnp.asarray(end),
+    )
+
+
+def error_bound(x, unit_roundoff):
+    """[T, S] bound on the summation-order error of each score (module docstring)."""
+    q = np.abs(np.asarray(x["q"].astype(jnp.float32), np.float64))
+    k = np.abs(np.asarray(x["k"].astype(jnp.float32), np.float64))
+    w = np.abs(np.asarray(x["weights"], np.float64))
+    magnitude = np.einsum("th,thd,sd->ts", w, q, k)
+    if x["k_scale"] is not None:
+        magnitude = magnitude * np.asarray(x["k_scale"], np.float64)[None, :]
+    _, h, d = q.shape
+    return 2.0 * (d + h) * unit_roundoff * magnitude
+
+
+def assert_scores_close(got, want, bound):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))  # same visibility
+    fin = np.isfinite(want)
+    assert np.all(np.isfinite(got[fin]))
+    excess = np.abs(got[fin] - want[fin]) - bound[fin]
+    assert np.all(excess <= 0), f"worst excess over the bound: {excess.max():.3g}"
+
+
+# (name, T, H, D, S, ranges, k_scale): odd T (a padded query row) and S (a padded key
+# tile), a block whose queries see nothing, H = 12 (padded to 16), D = 64 and 128.
+CASES = [
+    ("odd", 5, 64, 64, 300, "odd", True),
+    ("causal", 6, 16, 128, 520, "causal", False),
+    ("all-h12", 4, 12, 64, 256, "all", True),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_scores_match_reference(case, dtype, mosaic_interpret):
+    _, t, h, d, s, ranges, scale = case
+    x = make_inputs(t, h, d, s, DTYPES[dtype], ranges=ranges, scale=scale)
+    got = jsparse.indexer_scores(**x, implementation="mosaic")
+    want = jsparse.indexer_scores(**x, implementation="reference")
+    unit = GPU_UNIT_ROUNDOFF[dtype] if backend.has_nvidia_gpu() else F32_UNIT_ROUNDOFF
+    assert_scores_close(got, want, error_bound(x, unit))
+
+
+def test_block_sizes_and_pipeline_depth(mosaic_interpret):
+    """Other tiles give the same scores: BT = 1 and 3, BS = 64, a single-buffered pipeline."""
+    x = make_inputs(7, 16, 64, 200, FP8, ranges="odd", scale=True, seed=4)
+    want = jsparse.indexer_scores(**x, implementation="reference")
+    bound = error_bound(x, F32_UNIT_ROUNDOFF)
+    args = (x["q"], x["weights"], x["k"], x["k_scale"], x["kv_start"], x["kv_end"])
+    for cfg in (
+        mosaic.MosaicScorerConfig(block_t=1, block_s=64, max_concurrent_steps=1),
+        mosaic.MosaicScorerConfig(block_t=3, block_s=128, max_concurrent_steps=2),
+    ):
+        assert_scores_close(mosaic.indexer_scores_mosaic(*args, cfg=cfg), want, bound)
+
+
+def test_topk_base_matches_reference_id_for_id(mosaic_interpret):
+    t, s, top_k = 6, 700, 50
+    x = make_inputs(t, 64, 64, s, FP8, ranges="causal", scale=True, seed=5)
+    got = jsparse.indexer_topk(**x, top_k=top_k, implementation="mosaic")
+    want = jsparse.indexer_topk(**x, top_k=top_k, implementation="reference")
+    # Scores agree to within the bound, so the ids may differ only where two scores are
+    # closer than it: compare tie-robustly against the reference scores.
+    oracle = np.asarray(jsparse.indexer_scores(**x, implementation="reference"), np.float64)
+    atol = float(np.max(error_bound(x, F32_UNIT_ROUNDOFF)))
+    problems = topk_mismatches(got.indices, got.scores, oracle, top_k, atol)
+    assert not problems, "\n".join(problems[:10])
+    # Gaussian data has no near-ties at this size: the answer is the reference's, id for id.
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+    np.testing.assert_array_equal(np.asarray(got.visible), np.asarray(want.visible))
+
+
+def test_not_the_default():
+    """``implementation=None`` never picks the unmeasured Mosaic kernel."""
+    names, _ = backend.resolve(None, ("triton", "mosaic", "reference"))
+    assert "mosaic" not in names
+    with backend.interpret_mode(True):
+        names, _ = backend.resolve(None, ("triton", "mosaic", "reference"))
+    assert names == ["triton", "reference"]
+
+
+@pytest.mark.parametrize(
+    ("q_dtype", "k_dtype", "h", "d", "match"),
+    [
+        (jnp.float32, jnp.float32, 64, 128, "bfloat16 or both float8"),
+        (jnp.bfloat16, FP8, 64, 128, "bfloat16 or both float8"),
+        (jnp.bfloat16, jnp.bfloat16, 64, 96, "multiple of 64"),
+        (FP8, FP8, 256, 128, "wgmma N tile"),
+        (jnp.bfloat16, jnp.bfloat16, 128, 512, "shared memory"),
+    ],
+)
+def test_unsupported_inputs_raise_not_implemented(q_dtype, k_dtype, h, d, match):
+    q = jnp.zeros((4, h, d), q_dtype)
+    k = jnp.zeros((128, d), k_dtype)
+    w = jnp.ones((4, h), jnp.float32)
+    cfg = mosaic.MosaicScorerConfig(block_t=2)
+    with backend.interpret_mode(True), pytest.raises(NotImplementedError, match=match):
+        mosaic.indexer_scores_mosaic(q, w, k, None, None, None, cfg=cfg)
+
+
+def test_falls_back_when_named_in_a_sequence():
+    x = make_inputs(3, 4, 16, 40, jnp.float32, ranges="all", scale=False)
+    with backend.interpret_mode(True):
+        got = jsparse.indexer_scores(**x, implementation=("mosaic", "reference"))
+    want = jsparse.indexer_scores(**x, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# (name, T, H, D, S, config or None for the default)
+LOWERING_CASES = [
+    ("decode", 1, 64, 128, 8192, None),
+    ("chunk", 64, 64, 128, 8192, None),
+    ("small-tiles", 7, 12, 64, 300, mosaic.MosaicScorerConfig(3, 64, 1)),
+    ("wide", 8, 128, 256, 4096, mosaic.MosaicScorerConfig(1, 128, 2)),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: c[0])
+def test_lowers_to_cuda(dtype, case):
+    """The whole Pallas → Mosaic GPU lowering (register layouts, wgmma operand checks, TMA
+    copy sizes) runs on the CPU; only the final MLIR → PTX compile needs the GPU."""
+    _, t, h, d, s, cfg = case
+    f32, i32 = jnp.float32, jnp.int32
+    structs = (
+        jax.ShapeDtypeStruct((t, h, d), DTYPES[dtype]),
+        jax.ShapeDtypeStruct((t, h), f32),
+        jax.ShapeDtypeStruct((s, d), DTYPES[dtype]),
+        jax.ShapeDtypeStruct((s,), f32),
+        jax.ShapeDtypeStruct((t,), i32),
+        jax.ShapeDtypeStruct((t,), i32),
+    )
+    lowered = lower_for_h200(functools.partial(mosaic.indexer_scores_mosaic, cfg=cfg), *structs)
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+def test_real_size_fp8_matches_reference():
+    t, h, d, s = 256, 64, 128, 16384
+    kq, kk, kw = jax.random.split(jax.random.PRNGKey(0), 3)
+    k = jax.random.normal(kk, (s, d))
+    scale = jnp.max(jnp.abs(k), axis=1) / 448.0
+    x = dict(
+        q=(jax.random.normal(kq, (t, h, d)) * 8.0).astype(FP8),
+        weights=jax.random.normal(kw, (t, h)) / np.sqrt(h * d),
+        k=(k / scale[:, None]).astype(FP8),
+        k_scale=scale,
+        kv_start=jnp.zeros((t,), jnp.int32),
+        kv_end=jnp.arange(s - t + 1, s + 1, dtype=jnp.int32),
+    )
+    got = jsparse.indexer_scores(**x, implementation="mosaic")
+    want = jsparse.indexer_scores(**x, implementation="reference")
+    assert_scores_close(got, want, error_bound(x, GPU_UNIT_ROUNDOFF["fp8"]))
