@@ -3,8 +3,8 @@
 #
 #     OUT=out bash bench/indexer_gpu.sh [step ...]
 #
-# Steps (default: all, in this order): tests, prefill, causal, decode, dosa, dosa-causal,
-# dosa-decode. Each step has a time limit (seconds, STEP_LIMIT, default 300) and writes
+# Steps (default: all, in this order): tests, prefill, mosaic, causal, decode, dosa,
+# dosa-causal, dosa-decode. Each step has a time limit (seconds, STEP_LIMIT, default 300) and writes
 # its log and JSON under $OUT; a step that fails or runs out of time does not stop the
 # others. Every bench row is checked against the reference or `base` before it is timed.
 set -uo pipefail
@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 status=0
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests prefill causal decode dosa dosa-causal dosa-decode)
+[ ${#steps[@]} -eq 0 ] && steps=(tests prefill mosaic causal decode dosa dosa-causal dosa-decode)
 
 run() {  # run NAME CMD...: log to $OUT/NAME.log
   local name=$1
@@ -29,6 +29,8 @@ for s in "${steps[@]}"; do
     tests) run tests "$PY" -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests ;;
     prefill) run prefill "$PY" bench/run.py --backend pallas-gpu --preset prefill-chunk \
       --method xla base full --json "$OUT/prefill.json" --quiet ;;
+    mosaic) run mosaic "$PY" bench/run.py --backend pallas-gpu --preset prefill-chunk \
+      --method base --implementation mosaic --json "$OUT/mosaic.json" --quiet ;;
     causal) run causal "$PY" bench/run.py --backend pallas-gpu --preset causal-prefill \
       --method xla base full --json "$OUT/causal.json" --quiet ;;
     decode) run decode "$PY" bench/run.py --backend pallas-gpu --preset decode \

@@ -338,26 +338,35 @@ def seed_threshold_code(
     return jax.lax.top_k(codes, top_k)[0][:, top_k - 1]
 
 
+def _mosaic(name):
+    # Imported when called, not when listed: a Mosaic import problem on some jax version
+    # must not break the other implementations.
+    def call(*args, **kwargs):
+        from jsparse.ops.indexer import mosaic
+
+        return getattr(mosaic, name)(*args, **kwargs)
+
+    return call
+
+
 def _score_implementations():
     # Pallas imports only when used. "mosaic" is opt-in (backend.OPT_IN_IMPLEMENTATIONS).
-    from jsparse.ops.indexer import mosaic as mosaic_impl
     from jsparse.ops.indexer import triton as triton_impl
 
     return {
         "triton": triton_impl.indexer_scores_triton,
-        "mosaic": mosaic_impl.indexer_scores_mosaic,
+        "mosaic": _mosaic("indexer_scores_mosaic"),
         "reference": jax.jit(reference.indexer_scores_reference),
     }
 
 
 def _topk_implementations(method):
-    from jsparse.ops.indexer import mosaic as mosaic_impl  # Pallas imports only when used
-    from jsparse.ops.indexer import triton as triton_impl
+    from jsparse.ops.indexer import triton as triton_impl  # Pallas imports only when used
 
     if method == "base":
         return {
             "triton": triton_impl.topk_base_triton,
-            "mosaic": mosaic_impl.topk_base_mosaic,
+            "mosaic": _mosaic("topk_base_mosaic"),
             "reference": _topk_base_reference,
         }
     return {"triton": triton_impl.topk_full_triton, "reference": _topk_full_reference}
