@@ -3,6 +3,8 @@
 Pipeline of :func:`certified_topk_triton` (MATH.md §1.8), every scoring step through the
 one scorer kernel of :mod:`jsparse.ops.indexer.triton` with one tile config per call:
 
+0. probe (policy "auto", T > 128, default seeds): steps 1-2 on 64 strided queries; unless
+   half of them would be screened, every query is answered by ``base`` instead.
 1. seeds: one seed list per scorer block of BT queries (as ``full``), scored by the
    scorer's key-list mode; τ_t = the K-th seed score visible to query t.
 2. plan (:mod:`jsparse.certified.planner`, XLA): rows, folded weights, guard, width.
