@@ -278,7 +278,8 @@ def novel_token_ids(novel: str, offset: int = 0, n_tokens: int | None = None) ->
     return ids[offset:end]
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -293,7 +294,7 @@ def _verify(path: Path, size: int, sha256: str) -> str | None:
     actual = path.stat().st_size
     if actual != size:
         return f"size {actual} bytes, expected {size}"
-    digest = _sha256(path)
+    digest = file_sha256(path)
     if digest != sha256:
         return f"sha256 {digest}, expected {sha256}"
     return None

@@ -23,7 +23,6 @@ ggml block formats (32 weights per block, along a row):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jsparse.assets import file_sha256
 from jsparse.models.llama import AttentionCore, Llama, LlamaConfig
 
 __all__ = ["FORMAT", "dequantize", "export_pack", "load_pack", "pack_token_ids"]
@@ -58,14 +58,6 @@ def dequantize(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.float32)
         w = d * q + m
     return w.reshape(shape)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def export_pack(
@@ -113,7 +105,7 @@ def export_pack(
     manifest = {
         "format": FORMAT,
         "config": config.to_dict(),
-        "source": {"file": Path(gguf_path).name, "sha256": _sha256(Path(gguf_path))},
+        "source": {"file": Path(gguf_path).name, "sha256": file_sha256(Path(gguf_path))},
         "tensors": index,
         "parts": [f.name for f in files],
     }
