@@ -134,8 +134,13 @@ def select_records(codes, ids, counts, top_k, *, id_ordered, sort=True):
 def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True):
     """Every visible score written, then exact selection."""
     (scores,) = scorer._launch(q, weights, k, k_scale, start, end, cfg=cfg)
+    return topk_from_scores(scores, start, end, top_k, sort=sort)
+
+
+def topk_from_scores(scores, start, end, top_k, *, sort=True):
+    """``base``'s second half: exact selection over dense [T, S] scores, and its report."""
     indices, values = _select_dense(scores, start, end, top_k, sort)
-    t = q.shape[0]
+    t = scores.shape[0]
     empty = jnp.full((t,), EMPTY_CODE, jnp.int32)
     return _result(indices, values, start, end, end - start, empty, jnp.zeros((t,), bool))
 

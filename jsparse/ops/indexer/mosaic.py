@@ -57,7 +57,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jsparse import backend
 from jsparse.ops.indexer import methods
-from jsparse.ops.topk.codes import EMPTY_CODE
 
 _NEG_INF = float("-inf")
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -330,10 +329,7 @@ def indexer_scores_mosaic(q, weights, k, k_scale, start, end, *, cfg=None):
 def _topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg, sort, interpret):
     scores = _scores(q, weights, k, k_scale, start, end, cfg=cfg, interpret=interpret)
     # Selection is the exact Triton selection of the ``base`` method, unchanged.
-    indices, values = methods._select_dense(scores, start, end, top_k, sort)
-    t = q.shape[0]
-    empty = jnp.full((t,), EMPTY_CODE, jnp.int32)
-    return methods._result(indices, values, start, end, end - start, empty, jnp.zeros((t,), bool))
+    return methods.topk_from_scores(scores, start, end, top_k, sort=sort)
 
 
 def topk_base_mosaic(q, weights, k, top_k, k_scale, start, end, seeds, sort=True, *, cfg=None):
