@@ -293,37 +293,35 @@ def _pipeline(
     screen_cfg, splits, sort,
 ):  # fmt: skip
     t = q.shape[0]
-    if policy == "auto" and seed_ids is None and t > 2 * PROBE_QUERIES:
-        # A useless bound (i.i.d.-like scores: τ from seeds admits a large share of keys)
-        # costs seeds + plan on top of scoring everything. Plan a strided sample of the
-        # queries first, and score everything with ``base`` unless most would be screened.
-        probe = np.linspace(0, t - 1, PROBE_QUERIES).astype(np.int32)
-        *_, probe_plan = _seeds_and_plan(
-            q[probe], weights[probe], k, k_scale, start[probe], end[probe], None,
-            None if r_arr is None else r_arr[probe], flags, top_k=top_k, widths=widths,
-            policy=policy, n_seeds=n_seeds, list_capacity=list_capacity, cfg=cfg,
-        )  # fmt: skip
-        worth = jnp.mean(probe_plan.prune.astype(jnp.float32)) >= 0.5
-    else:
-        worth = None
+    norms = planner.key_norms(k, k_scale)
 
     def certified(_):
         return _certified(
-            q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags,
+            q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags, norms,
             method=method, widths=widths, policy=policy, n_seeds=n_seeds,
             list_capacity=list_capacity, record_capacity=record_capacity, cfg=cfg,
             screen_cfg=screen_cfg, splits=splits, sort=sort,
         )  # fmt: skip
 
-    if worth is None:
+    if not (policy == "auto" and seed_ids is None and t > 2 * PROBE_QUERIES):
         return certified(None)
-    shapes = jax.eval_shape(certified, None)
+    # A useless bound (i.i.d.-like scores: τ from seeds admits a large share of keys)
+    # costs seeds + plan on top of scoring everything. Plan a strided sample of the
+    # queries first, and score everything with ``base`` unless most would be screened.
+    probe = np.linspace(0, t - 1, PROBE_QUERIES).astype(np.int32)
+    _, probe_plan = _seeds_and_plan(
+        q[probe], weights[probe], k, k_scale, start[probe], end[probe], None,
+        None if r_arr is None else r_arr[probe], flags, norms, top_k=top_k, widths=widths,
+        policy=policy, n_seeds=n_seeds, list_capacity=list_capacity, cfg=cfg,
+    )  # fmt: skip
+    worth = jnp.mean(probe_plan.prune.astype(jnp.float32)) >= 0.5
 
     def everything(_):
         base = methods.topk_base(q, weights, k, top_k, k_scale, start, end, cfg=cfg, sort=sort)
         visible = (end - start).astype(jnp.int32)
         none = jnp.zeros((t,), bool)
-        plan = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1].plan)
+        # The full plan has the probe plan's layout with T rows; nothing was planned.
+        plan = jax.tree.map(lambda x: jnp.zeros((t, *x.shape[1:]), x.dtype), probe_plan)
         plan = plan.replace(
             tau_code=jnp.full((t,), EMPTY_CODE, jnp.int32),
             reason=jnp.full((t,), planner.REASON_USELESS, jnp.int32),
@@ -331,7 +329,7 @@ def _pipeline(
         )
         result = base.replace(
             candidates=visible, survivors=visible, threshold=code_to_score(plan.tau_code),
-            fallback=~none,
+            fallback=jnp.ones((t,), bool),
         )  # fmt: skip
         return result, CertifiedInfo(plan, none, none, none, visible)
 
@@ -339,10 +337,12 @@ def _pipeline(
 
 
 def _seeds_and_plan(
-    q, weights, k, k_scale, start, end, seed_ids, r_arr, flags, *, top_k, widths, policy,
-    n_seeds, list_capacity, cfg,
+    q, weights, k, k_scale, start, end, seed_ids, r_arr, flags, norms, *, top_k, widths,
+    policy, n_seeds, list_capacity, cfg,
 ):  # fmt: skip
-    """Seeds per scorer block, τ per query (their K-th score) and the screening plan."""
+    """Seeds per scorer block, τ per query (their K-th score) and the screening plan.
+
+    ``norms``: :func:`planner.key_norms` of the keys (computed once per call)."""
     t, _, d = q.shape
     s = k.shape[0]
     bt = cfg.block_t
@@ -360,7 +360,7 @@ def _seeds_and_plan(
     )
     _, _, tau = select.select_candidates(seed_codes, seed_rec, seed_counts, top_k)
 
-    knorm, kmax, smax = planner.key_norms(k, k_scale)
+    knorm, kmax, smax = norms
     cols = planner.sample_seed_columns(seeds.shape[1], skip)
     numerics = planner.numerics_for("triton", q.dtype, k.dtype, d, cfg.fp8_dot)
     plan = planner.plan_from_threshold(
@@ -369,21 +369,22 @@ def _seeds_and_plan(
         list_capacity=list_capacity,
     )  # fmt: skip
 
-    return tau, knorm, plan
+    return tau, plan
 
 
 def _certified(
-    q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags, *,
+    q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags, norms, *,
     method, widths, policy, n_seeds, list_capacity, record_capacity, cfg,
     screen_cfg, splits, sort,
 ):  # fmt: skip
     t = q.shape[0]
     bt = cfg.block_t
     keep_all = jnp.full((t,), EMPTY_CODE, jnp.int32)
-    tau, knorm, plan = _seeds_and_plan(
-        q, weights, k, k_scale, start, end, seed_ids, r_arr, flags, top_k=top_k,
+    tau, plan = _seeds_and_plan(
+        q, weights, k, k_scale, start, end, seed_ids, r_arr, flags, norms, top_k=top_k,
         widths=widths, policy=policy, n_seeds=n_seeds, list_capacity=list_capacity, cfg=cfg,
     )  # fmt: skip
+    knorm = norms[0]
     lists, list_counts, n_surv, lists_ordered = screen(
         plan, start, end, k, k_scale, knorm, block_t=bt, cap=list_capacity, cfg=screen_cfg,
         splits=splits,
