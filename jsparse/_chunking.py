@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 INDEX_LIMIT = 2**31 - 1  # largest int32 offset
 ALIGN = 256  # chunk sizes stay multiples of every kernel's query block
@@ -25,15 +26,20 @@ def queries_per_chunk(num_queries: int, row: int) -> int:
 def over_query_chunks(fn, chunk: int, *per_query):
     """``fn(*per_query)``, run on consecutive chunks of the leading (query) axis.
 
-    ``None`` and Python ints pass through unchanged; every output leaf must have the
-    query axis first (it is concatenated along it).
+    Arguments without a leading axis (``None``, scalars, strings) pass through
+    unchanged; every output leaf must have the query axis first (it is concatenated
+    along it).
     """
-    num = next(a.shape[0] for a in per_query if a is not None and not isinstance(a, int))
+
+    def sliced(a):
+        return a is not None and np.ndim(a) > 0
+
+    num = next(np.shape(a)[0] for a in per_query if sliced(a))
     if chunk >= num:
         return fn(*per_query)
 
     def part(a, i):
-        return a if a is None or isinstance(a, int) else a[i : i + chunk]
+        return a[i : i + chunk] if sliced(a) else a
 
     outs = [fn(*(part(a, i) for a in per_query)) for i in range(0, num, chunk)]
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)

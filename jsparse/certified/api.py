@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _chunking, backend
@@ -114,9 +113,5 @@ def dosa_topk(
         )  # fmt: skip
 
     chunk = _chunking.queries_per_chunk(q.shape[0], _chunking.key_row(k.shape[0]))
-    r_arr = None if isinstance(r, (str, int)) else np.asarray(r)
-    if r_arr is None or r_arr.ndim == 0:
-        return _chunking.over_query_chunks(
-            lambda *a: call(*a, r), chunk, q, weights, start, end, seeds
-        )
-    return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds, r_arr)
+    # r: "auto" and one int pass through the chunks; per-query values are chunked.
+    return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds, r)
