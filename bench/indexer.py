@@ -65,10 +65,16 @@ def make_inputs(case: dict, seed: int):
     )
 
 
+def visible_pairs(inputs) -> float:
+    """Visible (query, key) pairs, summed in int64 (a 64K causal prefill has 2^31)."""
+    lengths = np.asarray(inputs["kv_end"], np.int64) - np.asarray(inputs["kv_start"], np.int64)
+    return float(lengths.sum())
+
+
 def counts(case, inputs):
     """Useful FLOPs (visible pairs × 2HD) and the fewest bytes any method must move."""
     h, d, top_k = case["h"], case["d"], case["top_k"]
-    pairs = float(jnp.sum(inputs["kv_end"] - inputs["kv_start"]))
+    pairs = visible_pairs(inputs)
     flops = pairs * 2 * h * d
     nbytes = inputs["q"].nbytes + inputs["k"].nbytes + inputs["weights"].nbytes
     nbytes += 0 if inputs["k_scale"] is None else inputs["k_scale"].nbytes

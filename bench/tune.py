@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from bench.indexer import make_inputs
+from bench.indexer import make_inputs, visible_pairs
 from jsparse import backend
 from jsparse.ops.indexer import methods
 from jsparse.ops.indexer import triton as scorer
@@ -56,7 +56,7 @@ def tune_dtype(args, dtype, floors, configs, rows):
                 ranges="causal" if args.causal else "all")  # fmt: skip
     x = make_inputs(case, seed=0)
     a = (x["q"], x["weights"], x["k"], x["k_scale"], x["kv_start"], x["kv_end"])
-    pairs = float(jnp.sum(x["kv_end"] - x["kv_start"]))
+    pairs = visible_pairs(x)
     flops = pairs * 2 * args.h * args.d
     rate = floors.matmul_flops_per_s[dtype]
     ref_rows = jnp.arange(0, args.t, max(1, args.t // 4))
