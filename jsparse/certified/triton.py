@@ -4,7 +4,8 @@ Pipeline of :func:`certified_topk_triton` (MATH.md §1.8), every scoring step th
 one scorer kernel of :mod:`jsparse.ops.indexer.triton` with one tile config per call:
 
 0. probe (policy "auto", T > 128, default seeds): steps 1-2 on 64 strided queries; unless
-   half of them would be screened, every query is answered by ``base`` instead.
+   a cost model (:func:`screening_pays`) says steps 1-5 beat ``base`` on them, every
+   query is answered by ``base`` instead.
 1. seeds: one seed list per scorer block of BT queries (as ``full``), scored by the
    scorer's key-list mode; τ_t = the K-th seed score visible to query t.
 2. plan (:mod:`jsparse.certified.planner`, XLA): rows, folded weights, guard, width.
@@ -27,7 +28,7 @@ reported per query.
 
 Screening tile (one program, queries of one width class W):
 
-    keys     [BS, D]          one key tile (bf16; fp8 keys widen exactly)
+    keys     [BS, D]          one key tile, BS = 64 (bf16; fp8 keys widen exactly)
     rows     [BQ·W, D]        W rows per query: hi, lo, retained heads, zeros
     logits   [BS, BQ·W]       one tensor-core dot, f32 accumulation
     bound    [BS, BQ]         Σ ω relu − relu(hi + lo) + e·‖k‖ + c_abs, times α
@@ -63,7 +64,9 @@ from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 class ScreenConfig:
     """Tiles of the screening kernel."""
 
-    block_s: int = 128  # keys per tile (M of the dot)
+    # 64 keys per tile: 39.8 ms against 42.1 ms at 128 for the whole 8192 × 128K pipeline
+    # on the H200 (its screening epilogue is lighter per program; WORKSPACE.md).
+    block_s: int = 64  # keys per tile (M of the dot)
     tile_rows: int = 128  # screening rows per program (N of the dot): BQ·W
     num_warps: int = 4
     num_stages: int = 2
@@ -214,6 +217,35 @@ def _screen_launch(tiles, plan, start, end, k, knorm, scale, lists, counts, surv
 
 PROBE_QUERIES = 64  # queries planned first to decide whether screening can pay (policy auto)
 
+# The probe's cost model, in units of ``base``'s time per visible (query, key) pair.
+# Measured on the H200 at H = 64, D = 128, K = 2048 (WORKSPACE.md, DoSA stage times and
+# the 2026-11-30 causal run): seeds + τ 5.5 ms, plan + record selection + glue ~11 ms,
+# screening 21 ms at W = 8, refinement 4 ms at 2.4% survival, for 8192 × 127K pairs
+# that ``base`` scores and selects in 68 ms.
+_SEED_UNITS = 1.5  # per seed key of a query: scored, then τ selected from them
+_QUERY_UNITS_PER_K = 10.0  # per query, times K: plan, selection of the records, glue
+_SCREEN_UNITS_PER_ROW = 0.04  # per visible pair and screening row (W = 8: 0.32)
+# Per visible pair, times the estimated survival. Refinement costs ~2.5 per survivor
+# (gathered keys, the block's union); the estimate from the seed sample ran 2-3.5× low
+# on clustered scores (0.70% estimated against 2.44% measured at 8192 × 128K).
+_REFINE_UNITS = 5.0
+_FULL_UNITS = 1.2  # per visible pair of a query left to ``full`` (records ≥ τ)
+PROBE_GAIN = 0.9  # screen only when the estimate is at most this share of ``base``
+
+
+def screening_pays(plan, start, end, n_seeds: int, top_k: int):
+    """Whether the certified pipeline is estimated to beat ``base`` on these queries.
+
+    Seeds and the plan are paid for every query before any key is screened: on short
+    visible ranges (the early queries of a causal prefill) that alone exceeds ``base``,
+    whatever the bound prunes.
+    """
+    visible = (end - start).astype(jnp.float32)
+    fixed = _SEED_UNITS * jnp.minimum(visible, n_seeds) + _QUERY_UNITS_PER_K * top_k
+    screened = visible * (_SCREEN_UNITS_PER_ROW * plan.width + _REFINE_UNITS * plan.est_survival)
+    per_query = fixed + jnp.where(plan.prune, screened, _FULL_UNITS * visible)
+    return jnp.sum(per_query) <= PROBE_GAIN * jnp.sum(visible)
+
 
 def _class_tiles(block_class, c, nsub):
     """Scorer blocks of width class c packed into tiles of nsub blocks: [n_tiles, nsub]."""
@@ -305,16 +337,18 @@ def _pipeline(
 
     if not (policy == "auto" and seed_ids is None and t > 2 * PROBE_QUERIES):
         return certified(None)
-    # A useless bound (i.i.d.-like scores: τ from seeds admits a large share of keys)
-    # costs seeds + plan on top of scoring everything. Plan a strided sample of the
-    # queries first, and score everything with ``base`` unless most would be screened.
+    # A useless bound (i.i.d.-like scores: τ from seeds admits a large share of keys),
+    # or visible ranges too short to repay seeds + plan, cost more than ``base``. Plan a
+    # strided sample of the queries first, and score everything with ``base`` unless the
+    # cost model says the certified pipeline is faster on the sample.
     probe = np.linspace(0, t - 1, PROBE_QUERIES).astype(np.int32)
     _, probe_plan = _seeds_and_plan(
         q[probe], weights[probe], k, k_scale, start[probe], end[probe], None,
         None if r_arr is None else r_arr[probe], flags, norms, top_k=top_k, widths=widths,
         policy=policy, n_seeds=n_seeds, list_capacity=list_capacity, cfg=cfg,
     )  # fmt: skip
-    worth = jnp.mean(probe_plan.prune.astype(jnp.float32)) >= 0.5
+    n_seeds_used = min(n_seeds or methods.default_seed_count(top_k, k.shape[0]), k.shape[0])
+    worth = screening_pays(probe_plan, start[probe], end[probe], n_seeds_used, top_k)
 
     def everything(_):
         base = methods.topk_base(q, weights, k, top_k, k_scale, start, end, cfg=cfg, sort=sort)
