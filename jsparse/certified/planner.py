@@ -514,35 +514,52 @@ def plan_from_threshold(
     p = jnp.where(n_valid[:, None] > 0, active / jnp.maximum(n_valid, 1)[:, None], 0.5)
     relu_x = jnp.where(x < 0, 0.0, x)
 
-    certs, costs, survs = [], [], []
-    for width in widths:
-        r_w = jnp.full((t,), min(width - AUX_ROWS, h), jnp.int32) if r is None else r
-        st = _Static(width=width, wmax=wmax, numerics=numerics)
-        c = _certificate(q32, w, qn_up, gram, p, jnp.minimum(r_w, width - AUX_ROWS), flags, st)
+    def sample_survival(c):
+        # The bound of the sampled seed keys, as the kernel forms it (in f32).
         ret = jnp.einsum("th,thn->tn", c["omega_by_head"], relu_x)
         agg = jnp.einsum("th,thn->tn", c["a_w"], x)
         u_est = (ret - jnp.where(agg < 0, 0.0, agg) + c["e_coef"][:, None] * s_norm) * s_scale
         keep = valid & (score_code(u_est) >= tau_code[:, None])
-        surv = jnp.sum(keep, axis=1) / jnp.maximum(n_valid, 1)
-        certs.append(c)
-        survs.append(surv)
-        costs.append(_screen_cost(width, h) + _refine_cost(surv))
+        return jnp.sum(keep, axis=1) / jnp.maximum(n_valid, 1)
 
-    cost = jnp.stack(costs, axis=0)  # [n_widths, T]
     if r is None:
+        # Per query, the width whose certificate is estimated cheapest: one certificate
+        # per width.
+        certs, costs, survs = [], [], []
+        for width in widths:
+            r_w = jnp.full((t,), min(width - AUX_ROWS, h), jnp.int32)
+            st = _Static(width=width, wmax=wmax, numerics=numerics)
+            c = _certificate(q32, w, qn_up, gram, p, r_w, flags, st)
+            surv = sample_survival(c)
+            certs.append(c)
+            survs.append(surv)
+            costs.append(_screen_cost(width, h) + _refine_cost(surv))
+        cost = jnp.stack(costs, axis=0)  # [n_widths, T]
         choice = jnp.argmin(cost, axis=0)
+        width_arr = jnp.asarray(widths, jnp.int32)[choice]
+
+        def pick(name):
+            stacked = jnp.stack([c[name] for c in certs], axis=0)
+            idx = choice.reshape((1, t) + (1,) * (stacked.ndim - 2))
+            return jnp.take_along_axis(stacked, idx, axis=0)[0]
+
+        surv = jnp.take_along_axis(jnp.stack(survs), choice[None], axis=0)[0]
+        best = jnp.take_along_axis(cost, choice[None], axis=0)[0]
     else:
         need = jnp.asarray([wd - AUX_ROWS for wd in widths], jnp.int32)
         choice = jnp.argmax(need[:, None] >= jnp.minimum(r, h)[None, :], axis=0)
-    width_arr = jnp.asarray(widths, jnp.int32)[choice]
+        width_arr = jnp.asarray(widths, jnp.int32)[choice]
+        # r is given: one certificate laid out for the widest width serves every query.
+        # Each query keeps its own r (its rows past r are zero) and is screened at its
+        # own width; the rounding allowances for Wmax rows cover fewer. Once instead of
+        # once per width: the plan moves [T, H, D] f32 tensors and is memory-bound.
+        st = _Static(width=wmax, wmax=wmax, numerics=numerics)
+        c = _certificate(q32, w, qn_up, gram, p, jnp.minimum(r, width_arr - AUX_ROWS), flags, st)
+        surv = sample_survival(c)
+        best = _screen_cost(width_arr, h) + _refine_cost(surv)
 
-    def pick(name):
-        stacked = jnp.stack([c[name] for c in certs], axis=0)
-        idx = choice.reshape((1, t) + (1,) * (stacked.ndim - 2))
-        return jnp.take_along_axis(stacked, idx, axis=0)[0]
-
-    surv = jnp.take_along_axis(jnp.stack(survs), choice[None], axis=0)[0]
-    best = jnp.take_along_axis(cost, choice[None], axis=0)[0]
+        def pick(name):
+            return c[name]
 
     finite_in = jnp.all(jnp.isfinite(q32), axis=(1, 2)) & jnp.all(jnp.isfinite(w), axis=1)
     tau_finite = (tau_code > score_code(jnp.float32(-jnp.inf))) & (

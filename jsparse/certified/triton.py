@@ -64,8 +64,9 @@ from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 class ScreenConfig:
     """Tiles of the screening kernel."""
 
-    # 64 keys per tile: 39.8 ms against 42.1 ms at 128 for the whole 8192 × 128K pipeline
-    # on the H200 (its screening epilogue is lighter per program; WORKSPACE.md).
+    # Whole 8192 × 128K pipeline on the H200 (WORKSPACE.md, runs 12 and 14): 64 keys per
+    # tile 39.7-39.8 ms against 42.1 ms at 128 (the per-tile epilogue is lighter per
+    # program).
     block_s: int = 64  # keys per tile (M of the dot)
     tile_rows: int = 128  # screening rows per program (N of the dot): BQ·W
     num_warps: int = 4
@@ -233,6 +234,14 @@ _FULL_UNITS = 1.2  # per visible pair of a query left to ``full`` (records ≥ �
 PROBE_GAIN = 0.9  # screen only when the estimate is at most this share of ``base``
 
 
+def probe_width(plan, start, end):
+    """The screening width most of the probe's visible keys would be screened at."""
+    visible = (end - start).astype(jnp.float32) * plan.prune
+    widths = jnp.asarray(plan.widths, jnp.int32)
+    votes = jnp.sum(jnp.where(plan.width[None, :] == widths[:, None], visible[None, :], 0), axis=1)
+    return widths[jnp.argmax(votes)]
+
+
 def screening_pays(plan, start, end, n_seeds: int, top_k: int):
     """Whether the certified pipeline is estimated to beat ``base`` on these queries.
 
@@ -327,16 +336,16 @@ def _pipeline(
     t = q.shape[0]
     norms = planner.key_norms(k, k_scale)
 
-    def certified(_):
+    def certified(r_given):
         return _certified(
-            q, weights, k, top_k, k_scale, start, end, seed_ids, r_arr, flags, norms,
+            q, weights, k, top_k, k_scale, start, end, seed_ids, r_given, flags, norms,
             method=method, widths=widths, policy=policy, n_seeds=n_seeds,
             list_capacity=list_capacity, record_capacity=record_capacity, cfg=cfg,
             screen_cfg=screen_cfg, splits=splits, sort=sort,
         )  # fmt: skip
 
     if not (policy == "auto" and seed_ids is None and t > 2 * PROBE_QUERIES):
-        return certified(None)
+        return certified(r_arr)
     # A useless bound (i.i.d.-like scores: τ from seeds admits a large share of keys),
     # or visible ranges too short to repay seeds + plan, cost more than ``base``. Plan a
     # strided sample of the queries first, and score everything with ``base`` unless the
@@ -349,6 +358,12 @@ def _pipeline(
     )  # fmt: skip
     n_seeds_used = min(n_seeds or methods.default_seed_count(top_k, k.shape[0]), k.shape[0])
     worth = screening_pays(probe_plan, start[probe], end[probe], n_seeds_used, top_k)
+    if r_arr is None:
+        # r="auto": every query gets the width the probe's screened queries chose most
+        # (weighted by visible keys), so the plan computes one certificate per query
+        # instead of one per width (the plan is memory-bound: 4.8 of dosa's 40 ms).
+        width = probe_width(probe_plan, start[probe], end[probe])
+        r_arr = jnp.full((t,), jnp.minimum(width - planner.AUX_ROWS, q.shape[1]), jnp.int32)
 
     def everything(_):
         base = methods.topk_base(q, weights, k, top_k, k_scale, start, end, cfg=cfg, sort=sort)
@@ -367,7 +382,7 @@ def _pipeline(
         )  # fmt: skip
         return result, CertifiedInfo(plan, none, none, none, visible)
 
-    return jax.lax.cond(worth, certified, everything, None)
+    return jax.lax.cond(worth, certified, everything, r_arr)
 
 
 def _seeds_and_plan(

@@ -174,3 +174,28 @@ def test_key_norms_round_up_and_flag_bad_keys():
     ok[[3, 5, 7]] = False
     assert np.all(norm[ok] >= exact[ok]) and np.all(np.isinf(norm[~ok]))
     assert float(kmax) >= exact[ok].max() and float(smax) == 1.0
+
+
+def test_one_certificate_laid_out_for_the_widest_width_serves_every_query():
+    # With r given, the plan computes one certificate at Wmax and screens each query at
+    # its own width: its rows, weights and allowances must be those of a certificate
+    # computed at that width alone, and its guard at least as large (the epilogue and
+    # rounding allowances for Wmax rows cover fewer) and of the same size.
+    cfg = Config(6, 20, 16, 96, 6, "bfloat16", "float8_e4m3fn", scaled=True)
+    inputs = make_inputs(cfg, 2)
+    r_mixed = np.asarray([2, 14, 6, 18, 1, 9], np.int32)
+    mixed = _plan(inputs, cfg.top_k, r=r_mixed)
+    assert sorted(set(np.asarray(mixed.width).tolist())) == [8, 16, 32]
+    for t, r in enumerate(r_mixed):
+        alone = _plan(inputs, cfg.top_k, r=int(r))
+        wt = int(mixed.width[t])
+        assert int(alone.width[t]) == wt
+        for name in ("rows", "row_weights", "heads"):
+            got = np.asarray(getattr(mixed, name)[t, :wt].astype(jnp.float32))
+            want = np.asarray(getattr(alone, name)[t, :wt].astype(jnp.float32))
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} of query {t}")
+        np.testing.assert_array_equal(np.asarray(mixed.rows[t, wt:], np.float32), 0.0)
+        for name in ("e_pos", "r", "est_survival"):
+            np.testing.assert_array_equal(getattr(mixed, name)[t], getattr(alone, name)[t])
+        g_mixed, g_alone = float(mixed.guard[t]), float(alone.guard[t])
+        assert g_alone <= g_mixed <= 1.5 * g_alone

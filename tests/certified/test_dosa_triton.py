@@ -222,7 +222,10 @@ def test_probe_skips_screening_where_it_cannot_pay(kernel_impl, workload, t, s, 
     )
     _assert_same(base, res)
     assert bool(np.mean(np.asarray(info.screened)) > 0.5) == screened
-    if not screened:
+    if screened:
+        # r="auto" behind a probe: one width for the call (one certificate per query).
+        assert len(np.unique(np.asarray(info.plan.width)[np.asarray(info.screened)])) == 1
+    else:
         assert np.asarray(res.fallback).all()
         assert (np.asarray(info.plan.reason) == planner.REASON_USELESS).all()
 
