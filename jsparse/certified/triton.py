@@ -66,11 +66,11 @@ class ScreenConfig:
 
     # Whole 8192 × 128K pipeline on the H200 (WORKSPACE.md, runs 12 and 14): 64 keys per
     # tile 39.7-39.8 ms against 42.1 ms at 128 (the per-tile epilogue is lighter per
-    # program).
+    # program); 3 stages 39.0 ms against 2 stages 39.7 ms in the same run.
     block_s: int = 64  # keys per tile (M of the dot)
     tile_rows: int = 128  # screening rows per program (N of the dot): BQ·W
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
     def __post_init__(self):
         for name in ("block_s", "tile_rows", "num_warps"):
