@@ -18,8 +18,10 @@ Sequences with fewer than K valid witnesses (the first step) use the default see
 (recent keys plus a strided sample) instead. A record buffer overflow falls back to
 scoring every key of that sequence; nothing is ever dropped.
 
-The key cache is dense, [B, S_max, D], with ``lengths[b]`` valid keys per sequence;
-ids in and out are positions within the sequence.
+The key cache is dense, [B, S_max, D], with ``lengths[b]`` valid keys per sequence, or
+paged: a pool [n_pages, P, D] and a page table [B, max_pages] (position i of sequence b
+lives in page ``page_table[b, i // P]`` at row i % P), read in place by the scorer. Ids in
+and out are positions within the sequence either way.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, backend
@@ -38,26 +41,41 @@ from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 from jsparse.ops.topk.reference import select_topk_reference
 
 
-def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k):
+def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table):
+    paged = page_table is not None
+    cache_layout = "[n_pages, P, D]" if paged else "[B, S_max, D]"
     _checks.check_rank("q", q, 3, "[B, H, D]")
     _checks.check_rank("weights", weights, 2, "[B, H]")
-    _checks.check_rank("k_cache", k_cache, 3, "[B, S_max, D]")
+    _checks.check_rank("k_cache", k_cache, 3, cache_layout)
     _checks.check_dtype("q", q, _checks.INPUT_FLOATS)
     _checks.check_dtype("k_cache", k_cache, _checks.INPUT_FLOATS)
     _checks.check_dtype("weights", weights, (jnp.float32,))
     b, h, d = q.shape
     if weights.shape != (b, h):
         raise ValueError(f"weights: shape {tuple(weights.shape)}; expected [B, H] = ({b}, {h})")
-    if k_cache.shape[0] != b or k_cache.shape[2] != d:
+    if (not paged and k_cache.shape[0] != b) or k_cache.shape[2] != d:
         raise ValueError(
-            f"k_cache: shape {tuple(k_cache.shape)}; expected [B, S_max, D] with B = {b}, D = {d}"
+            f"k_cache: shape {tuple(k_cache.shape)}; expected {cache_layout} with "
+            + ("" if paged else f"B = {b}, ")
+            + f"D = {d}"
         )
-    s_max = k_cache.shape[1]
+    if paged:
+        _checks.check_rank("page_table", page_table, 2, "[B, max_pages]")
+        _checks.check_dtype("page_table", page_table, (jnp.int32,))
+        if page_table.shape[0] != b:
+            raise ValueError(
+                f"page_table: shape {tuple(page_table.shape)}; expected [B, max_pages] with B = {b}"
+            )
+        n_pages, page_size = k_cache.shape[:2]
+        s_max = page_table.shape[1] * page_size
+    else:
+        s_max = k_cache.shape[1]
     if k_scale is not None:
         _checks.check_dtype("k_scale", k_scale, (jnp.float32,))
-        if k_scale.shape != (b, s_max):
+        want = k_cache.shape[:2]
+        if k_scale.shape != want:
             raise ValueError(
-                f"k_scale: shape {tuple(k_scale.shape)}; expected [B, S_max] = ({b}, {s_max})"
+                f"k_scale: shape {tuple(k_scale.shape)}; expected {cache_layout[:-4]}] = {want}"
             )
     _checks.check_rank("lengths", lengths, 1, "[B]")
     _checks.check_dtype("lengths", lengths, (jnp.int32,))
@@ -66,6 +84,22 @@ def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k):
     values = _checks.concrete(lengths)
     if values is not None and ((values < 0) | (values > s_max)).any():
         raise ValueError(f"lengths: every length must lie in [0, S_max = {s_max}], got {values}")
+    table = _checks.concrete(page_table) if paged else None
+    if table is not None:
+        if ((table < -1) | (table >= n_pages)).any():
+            raise ValueError(
+                f"page_table: entries must lie in [-1, n_pages = {n_pages}), got min "
+                f"{table.min()} max {table.max()}"
+            )
+        if values is not None:
+            used = np.arange(table.shape[1])[None, :] * page_size < values[:, None]
+            missing = np.argwhere(used & (table < 0))
+            if missing.size:
+                seq, page = missing[0]
+                raise ValueError(
+                    f"page_table: sequence {seq} has length {values[seq]} but no page at "
+                    f"slot {page} (-1); every page below its length must be allocated"
+                )
     if witnesses is not None:
         _checks.check_rank("witnesses", witnesses, 2, "[B, W]")
         _checks.check_dtype("witnesses", witnesses, (jnp.int32,))
@@ -78,13 +112,14 @@ def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k):
 def indexer_topk_decode(
     q: Float[Array, "B H D"],
     weights: Float[Array, "B H"],
-    k_cache: Float[Array, "B S D"],
+    k_cache: Float[Array, "B S D"] | Float[Array, "N P D"],
     top_k: int,
     *,
-    k_scale: Float[Array, "B S"] | None = None,
+    k_scale: Float[Array, "B S"] | Float[Array, "N P"] | None = None,
     lengths: Int[Array, " B"],
     witnesses: Int[Array, "B W"] | None = None,
     witness_capacity: int | None = None,
+    page_table: Int[Array, "B M"] | None = None,
     implementation: str | Sequence[str] | None = None,
 ) -> tuple[IndexerTopK, Int[Array, "B W"]]:
     """Exact Top-K of one decode step per sequence, thresholded by witnesses.
@@ -94,21 +129,25 @@ def indexer_topk_decode(
       weights: [B, H] float32 head weights.
       k_cache: [B, S_max, D] keys; sequence b has ``lengths[b]`` valid keys (the query
         sees keys 0 .. lengths[b]-1, the new token's key included if the caller wrote it).
+        With ``page_table``: a page pool [n_pages, P, D].
       top_k: K.
-      k_scale: optional [B, S_max] float32 > 0 per-key scales.
+      k_scale: optional float32 > 0 per-key scales, shaped like ``k_cache`` without D.
       lengths: [B] int32 valid keys per sequence.
       witnesses: optional [B, W] int32 key ids (-1 = empty): the witnesses this
         function returned at the previous step (or any distinct ids, e.g. a previous
         Top-K); ids ≥ lengths[b] are ignored. Distinct per row.
       witness_capacity: W of the returned buffer (default max(2·K, W of ``witnesses``)).
+      page_table: optional [B, max_pages] int32: position i of sequence b is row i % P of
+        page ``page_table[b, i // P]`` (-1: no page; every page below ``lengths[b]``
+        must be allocated). S_max = max_pages·P.
       implementation: see :mod:`jsparse.backend`.
 
     Returns:
       (IndexerTopK with ids relative to each sequence, the new witnesses [B, W]: this
       step's Top-K first, then the previous witnesses scoring best now, -1 padded).
     """
-    _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k)
-    b = k_cache.shape[0]
+    _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table)
+    b = q.shape[0]
     if witnesses is None:
         witnesses = jnp.full((b, 1), -1, jnp.int32)
     capacity = witness_capacity or max(2 * top_k, witnesses.shape[1])
@@ -118,20 +157,39 @@ def indexer_topk_decode(
         "indexer_topk_decode",
         {"triton": _decode_triton, "reference": _decode_reference},
         implementation,
-        q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity,
+        q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity, page_table,
     )  # fmt: skip
 
 
-def _flat(k_cache, k_scale, lengths, witnesses):
-    """Flattened cache [B·S_max, D] with per-sequence ranges, and witness ids made global."""
-    b, s_max, d = k_cache.shape
+def _flat(k_cache, k_scale, lengths, witnesses, s_max):
+    """Keys as rows [N, D] (the dense cache or the page pool), each sequence's range of
+    B·S_max virtual ids, and witness ids made global."""
+    b = lengths.shape[0]
+    d = k_cache.shape[2]
     offset = jnp.arange(b, dtype=jnp.int32) * s_max
     start = offset
     end = offset + lengths
     ok = (witnesses >= 0) & (witnesses < lengths[:, None])
     wit = jnp.where(ok, witnesses + offset[:, None], -1)
-    scale = None if k_scale is None else k_scale.reshape(b * s_max)
-    return k_cache.reshape(b * s_max, d), scale, start, end, wit, offset
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    scale = None if k_scale is None else k_scale.reshape(rows)
+    return k_cache.reshape(rows, d), scale, start, end, wit, offset
+
+
+def _s_max(k_cache, page_table):
+    return k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
+
+
+def _dense_view(k_cache, k_scale, page_table):
+    """The paged cache gathered into [B, S_max, D] (the reference's clarity over speed)."""
+    if page_table is None:
+        return k_cache, k_scale
+    b, m = page_table.shape
+    n, p, d = k_cache.shape
+    pages = jnp.clip(page_table, 0, n - 1)  # unallocated pages lie past every length
+    dense = k_cache[pages].reshape(b, m * p, d)
+    scale = None if k_scale is None else k_scale[pages].reshape(b, m * p)
+    return dense, scale
 
 
 def _seeds(wit, start, end, top_k, num_keys):
@@ -183,10 +241,15 @@ def _carry_witnesses(top_ids, seed_ids, seed_codes, capacity, offset):
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "capacity"))
-def _decode_reference(q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity):
+def _decode_reference(
+    q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity, page_table
+):
     from jsparse.ops.indexer.api import seed_threshold_code
 
-    k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses)
+    k_cache, k_scale = _dense_view(k_cache, k_scale, page_table)
+    k, scale, start, end, wit, offset = _flat(
+        k_cache, k_scale, lengths, witnesses, k_cache.shape[1]
+    )
     seeds = _seeds(wit, start, end, top_k, k.shape[0])
     seed_scores = scorer.score_keys_reference(q, weights, k, seeds, scale)
     tau = seed_threshold_code(seed_scores, seeds, top_k)
@@ -213,25 +276,33 @@ def _decode_reference(q, weights, k_cache, top_k, k_scale, lengths, witnesses, c
 
 @functools.partial(jax.jit, static_argnames=("top_k", "capacity", "witness_capacity"))
 def _decode_triton_jit(
-    q, weights, k_cache, top_k, k_scale, lengths, witnesses, *, capacity, witness_capacity
-):
+    q, weights, k_cache, top_k, k_scale, lengths, witnesses, page_table, *, capacity,
+    witness_capacity,
+):  # fmt: skip
     from jsparse.ops.indexer import methods
     from jsparse.ops.indexer import triton as scorer_triton
     from jsparse.ops.topk import triton as select
 
-    k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses)
+    s_max = _s_max(k_cache, page_table)
+    k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses, s_max)
     b = q.shape[0]
     cfg = scorer_triton.default_config(b, q.shape[1], k.dtype == jnp.float8_e4m3fn)
-    seeds = _seeds(wit, start, end, top_k, k.shape[0])
+    # Paged: ids are the B·S_max virtual slots; the scorer reads each key in its page.
+    paging = (
+        {}
+        if page_table is None
+        else dict(page_table=page_table.reshape(-1), page_size=k_cache.shape[1])
+    )
+    seeds = _seeds(wit, start, end, top_k, b * s_max)
     lists = methods.block_union_ids(seeds, cfg.block_t)
     keep_all = jnp.full((b,), EMPTY_CODE, jnp.int32)
     seed_cap = methods._round_up(lists.shape[1], 128)
     seed_codes, seed_ids, seed_counts, _ = scorer_triton.score_records_triton(
-        q, weights, k, scale, start, end, keep_all, seed_cap, key_ids=lists, cfg=cfg
+        q, weights, k, scale, start, end, keep_all, seed_cap, key_ids=lists, cfg=cfg, **paging
     )
     _, _, tau = select.select_candidates(seed_codes, seed_ids, seed_counts, top_k)
     codes, ids, counts, ordered = scorer_triton.score_records_triton(
-        q, weights, k, scale, start, end, tau, capacity, cfg=cfg
+        q, weights, k, scale, start, end, tau, capacity, cfg=cfg, **paging
     )
     overflow = counts > capacity
     indices, values = methods.select_records(
@@ -242,9 +313,9 @@ def _decode_triton_jit(
         # Overflowed sequences only (the others get empty ranges): every visible score
         # as a record (τ = EMPTY) in a buffer as long as the cache, then exact selection.
         fb_end = jnp.where(overflow, end, start)
-        full_cap = methods._round_up(k_cache.shape[1], 128)
+        full_cap = methods._round_up(s_max, 128)
         c2, i2, n2, ordered2 = scorer_triton.score_records_triton(
-            q, weights, k, scale, start, fb_end, keep_all, full_cap, cfg=cfg
+            q, weights, k, scale, start, fb_end, keep_all, full_cap, cfg=cfg, **paging
         )
         fb_idx, fb_val = methods.select_records(c2, i2, n2, top_k, id_ordered=ordered2)
         return (
@@ -266,12 +337,14 @@ def _decode_triton_jit(
     return _relative(result, offset), new_witnesses
 
 
-def _decode_triton(q, weights, k_cache, top_k, k_scale, lengths, witnesses, witness_capacity):
+def _decode_triton(
+    q, weights, k_cache, top_k, k_scale, lengths, witnesses, witness_capacity, page_table
+):
     from jsparse.ops.indexer import methods
 
     n_seeds = max(witnesses.shape[1], 2 * top_k)  # the width of the seed lists (_seeds)
-    cap = methods.default_record_capacity(top_k, k_cache.shape[1], n_seeds)
+    cap = methods.default_record_capacity(top_k, _s_max(k_cache, page_table), n_seeds)
     return _decode_triton_jit(
-        q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity=cap,
+        q, weights, k_cache, top_k, k_scale, lengths, witnesses, page_table, capacity=cap,
         witness_capacity=witness_capacity,
     )  # fmt: skip

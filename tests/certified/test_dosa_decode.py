@@ -82,3 +82,93 @@ def test_decode_validates_inputs():
         )
     with pytest.raises(ValueError, match="k_cache"):
         indexer_topk_decode(qs[0], ws[0], k_cache[:2], K, lengths=jnp.asarray(lengths0))
+
+
+P = 16  # page size of the paged tests (S_MAX = 10 pages)
+
+
+def _paged(k_cache, scale, lengths, seed=0):
+    """The dense cache scattered into a shuffled page pool with spare pages, and the
+    table; pages past each sequence's length are left unallocated (-1)."""
+    rng = np.random.default_rng(seed)
+    m = S_MAX // P
+    n_pages = B * m + 5
+    slots = rng.permutation(n_pages)[: B * m].reshape(B, m)
+    pool = rng.standard_normal((n_pages, P, D)).astype(np.float32)  # spare pages: noise
+    pool_scale = np.ones((n_pages, P), np.float32)
+    dense = np.asarray(k_cache.astype(jnp.float32)).reshape(B, m, P, D)
+    dense_scale = np.asarray(scale).reshape(B, m, P)
+    table = np.full((B, m), -1, np.int32)
+    for b in range(B):
+        for i in range(m):
+            pool[slots[b, i]] = dense[b, i]
+            pool_scale[slots[b, i]] = dense_scale[b, i]
+            if i * P < lengths[b]:
+                table[b, i] = slots[b, i]
+    return (
+        jnp.asarray(pool, k_cache.dtype),
+        jnp.asarray(pool_scale),
+        jnp.asarray(table),
+    )
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_paged_decode_equals_dense_decode(impl, request):
+    # The same keys in a shuffled page pool: every step's ids, scores, records and
+    # witnesses equal the dense cache's (the scorer reads each key in its page).
+    if impl == "triton":
+        request.getfixturevalue("interpret")
+    _check_paged_equals_dense(impl)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_decode_equals_dense_decode():
+    _check_paged_equals_dense("triton")  # compiled
+
+
+def _check_paged_equals_dense(impl):
+    k_cache, scale, qs, ws, lengths0 = _sequence(seed=1)
+    steps_lengths = [lengths0 + n for n in range(len(qs))]
+    pool, pool_scale, table = _paged(k_cache, scale, steps_lengths[-1])
+    dense_wit = paged_wit = jnp.full((B, 2 * K), -1, jnp.int32)
+    for q, w, lengths in zip(qs, ws, steps_lengths, strict=True):
+        lengths = jnp.asarray(lengths, jnp.int32)
+        dense, dense_wit = indexer_topk_decode(
+            q, w, k_cache, K, k_scale=scale, lengths=lengths, witnesses=dense_wit,
+            implementation=impl,
+        )  # fmt: skip
+        paged, paged_wit = indexer_topk_decode(
+            q, w, pool, K, k_scale=pool_scale, lengths=lengths, witnesses=paged_wit,
+            page_table=table, implementation=impl,
+        )  # fmt: skip
+        for name in ("indices", "scores", "candidates", "threshold", "fallback"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(paged, name)), np.asarray(getattr(dense, name)), err_msg=name
+            )
+        np.testing.assert_array_equal(np.asarray(paged_wit), np.asarray(dense_wit))
+        ids, _ = _base(q, w, k_cache, scale, lengths, impl)
+        np.testing.assert_array_equal(np.asarray(paged.indices), np.asarray(ids))
+
+
+def test_paged_decode_validates_the_page_table():
+    k_cache, scale, qs, ws, lengths0 = _sequence(steps=1)
+    pool, pool_scale, table = _paged(k_cache, scale, lengths0)
+    lengths = jnp.asarray(lengths0)
+    with pytest.raises(ValueError, match="page_table: sequence 1 has length 37"):
+        holed = table.at[1, 1].set(-1)  # position 16..31 of sequence 1 has no page
+        indexer_topk_decode(qs[0], ws[0], pool, K, lengths=lengths, page_table=holed)
+    with pytest.raises(ValueError, match=r"page_table: entries must lie in \[-1, n_pages"):
+        indexer_topk_decode(
+            qs[0], ws[0], pool, K, lengths=lengths, page_table=table.at[0, 0].set(pool.shape[0])
+        )
+    with pytest.raises(ValueError, match="page_table: shape"):
+        indexer_topk_decode(qs[0], ws[0], pool, K, lengths=lengths, page_table=table[:2])
+    with pytest.raises(ValueError, match="k_scale: shape"):
+        indexer_topk_decode(
+            qs[0], ws[0], pool, K, lengths=lengths, page_table=table, k_scale=pool_scale[:, :3]
+        )
+    with pytest.raises(ValueError, match="lengths"):
+        indexer_topk_decode(
+            qs[0], ws[0], pool, K, page_table=table,
+            lengths=jnp.asarray([1, 2, S_MAX + 1], jnp.int32),
+        )  # fmt: skip

@@ -58,3 +58,30 @@ def test_selection_kernels_lower_to_cuda():
     lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), buf, buf, rng)
     big = jax.ShapeDtypeStruct((t, 3 * 8192), i32)  # too long to hold in registers
     lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), big, big, rng)
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name
+)
+def test_paged_record_scorer_lowers_to_cuda(dtype):
+    # Decode over a paged cache: 8 sequences, 64 pages of 64 slots each, a pool of 600 pages.
+    b, pages, page = 8, 64, 64
+    i32 = jnp.int32
+    structs = (
+        jax.ShapeDtypeStruct((b, H, D), dtype),
+        jax.ShapeDtypeStruct((b, H), jnp.float32),
+        jax.ShapeDtypeStruct((600 * page, D), dtype),
+        jax.ShapeDtypeStruct((600 * page,), jnp.float32),
+        jax.ShapeDtypeStruct((b,), i32),
+        jax.ShapeDtypeStruct((b,), i32),
+        jax.ShapeDtypeStruct((b,), i32),
+        jax.ShapeDtypeStruct((b * pages,), i32),
+    )
+
+    def paged(q, w, k, s, start, end, tau, table):
+        return indexer_triton.score_records_triton(
+            q, w, k, s, start, end, tau, 4096, page_table=table, page_size=page
+        )
+
+    lowered = lower_for_h200(paged, *structs)
+    assert "triton" in lowered.as_text().lower() or "__gpu$xla.gpu.triton" in lowered.as_text()

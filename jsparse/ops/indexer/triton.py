@@ -112,7 +112,7 @@ class _Plan:
     """Static facts of one scorer launch."""
 
     t: int
-    s: int
+    s: int  # keys as the queries' ranges and the ids number them (virtual when paged)
     heads: int  # padded to a power of two
     dim: int  # padded to a power of two
     cfg: ScorerConfig
@@ -124,11 +124,13 @@ class _Plan:
     splits: int
     fill: bool  # dense output: write -inf where a query sees nothing
     interpret: bool
+    page_size: int = 0  # > 0: key id i lives at row pages[i // P]·P + i % P of k
 
 
 def _kernel(
-    q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref, n_ids_ref, *refs, p
-):
+    q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref, n_ids_ref, pages_ref,
+    *refs, p,
+):  # fmt: skip
     bt, bs = p.cfg.block_t, p.cfg.block_s
     i = pl.program_id(0)
     split = pl.program_id(1)
@@ -148,12 +150,19 @@ def _kernel(
         """ids [BS] (-1 or ≥ S: no key) -> (scores [BT, BS], visible [BT, BS])."""
         ok = (ids >= 0) & (ids < p.s)
         safe = jnp.where(ok, ids, 0)
+        if p.page_size:
+            # Paged cache: the page table maps the id's page to a physical page (-1: none).
+            page = plt.load(pages_ref.at[safe // p.page_size], mask=ok, other=-1)
+            ok = ok & (page >= 0)
+            row = jnp.where(ok, page * p.page_size + safe % p.page_size, 0)
+        else:
+            row = safe
         k_tile = plt.load(
-            k_ref.at[safe[:, None], dims[None, :]],
+            k_ref.at[row[:, None], dims[None, :]],
             mask=ok[:, None],
             other=jnp.zeros((), k_ref.dtype),
         )
-        scale = plt.load(scale_ref.at[safe], mask=ok, other=0.0)
+        scale = plt.load(scale_ref.at[row], mask=ok, other=0.0)
         scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
         return scores, visible
@@ -284,10 +293,13 @@ def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
 def _launch(
     q, weights, k, k_scale, start, end, *,
     tau_codes=None, key_ids=None, key_counts=None, records_cap=None, fill=False, cfg=None,
-    splits=None,
+    splits=None, page_table=None, page_size=0,
 ):  # fmt: skip
+    """One scorer launch. ``page_table`` [n_pages] int32 (-1: no page) with ``page_size``
+    P: key ids run over n_pages·P virtual slots, id i stored at row
+    page_table[i // P]·P + i % P of ``k`` (and of ``k_scale``)."""
     t, _, _ = q.shape
-    s = k.shape[0]
+    s = k.shape[0] if page_table is None else page_table.shape[0] * page_size
     cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
     q, weights, k = _pad_heads_dims(q, weights, k, cfg.block_t)
@@ -307,13 +319,14 @@ def _launch(
         else:
             n_ids = key_counts.astype(jnp.int32)
     splits = splits or _default_splits(n_tb, n_tiles)
-    scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale
+    scale = jnp.ones((k.shape[0],), jnp.float32) if k_scale is None else k_scale
+    pages = jnp.zeros((1,), jnp.int32) if page_table is None else page_table.astype(jnp.int32)
     tau = jnp.zeros((t,), jnp.int32) if tau_codes is None else tau_codes
     records = records_cap is not None
     p = _Plan(
         t=t, s=s, heads=hp, dim=dp, cfg=cfg, compute=cdt, key_list=key_ids is not None,
         list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill=fill,
-        interpret=backend.is_interpret(),
+        interpret=backend.is_interpret(), page_size=page_size if page_table is not None else 0,
     )  # fmt: skip
     if records:
         out_shape = (
@@ -329,7 +342,7 @@ def _launch(
     else:
         out_shape = (jax.ShapeDtypeStruct((t, s), jnp.float32),)
         initial = ()
-    n_in = 9
+    n_in = 10
     outs = pl.pallas_call(
         functools.partial(_kernel, p=p),
         grid=(n_tb, splits),
@@ -338,7 +351,7 @@ def _launch(
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=p.interpret,
         name="jsparse_indexer_records" if records else "jsparse_indexer_scores",
-    )(q, weights, k, scale, start, end, tau, ids, n_ids, *initial)
+    )(q, weights, k, scale, start, end, tau, ids, n_ids, pages, *initial)
     return outs
 
 
@@ -351,7 +364,7 @@ def indexer_scores_triton(q, weights, k, k_scale, start, end, *, cfg=None):
 
 def score_records_triton(
     q, weights, k, k_scale, start, end, tau_codes, capacity, *, key_ids=None, key_counts=None,
-    cfg=None,
+    cfg=None, page_table=None, page_size=0,
 ):  # fmt: skip
     """Records (code, key id) of every visible score with code ≥ ``tau_codes[t]``.
 
@@ -361,14 +374,16 @@ def score_records_triton(
     lists of the certified methods). Returns codes and ids [T, capacity], the true
     count per query, which may exceed ``capacity`` (overflow: records past the capacity
     are not stored), and whether each row's records are in ascending id order (one
-    program per query block: the key range or list is not split).
+    program per query block: the key range or list is not split). ``page_table`` and
+    ``page_size``: a paged key cache (see :func:`_launch`); ids are virtual slots.
     """
     fp8_keys = k.dtype == jnp.float8_e4m3fn
-    splits = _splits_for(q.shape[0], q.shape[1], k.shape[0], key_ids, cfg, fp8_keys)
+    s = k.shape[0] if page_table is None else page_table.shape[0] * page_size
+    splits = _splits_for(q.shape[0], q.shape[1], s, key_ids, cfg, fp8_keys)
     codes, ids, counts = _launch(
         q, weights, k, k_scale, start, end,
         tau_codes=tau_codes, key_ids=key_ids, key_counts=key_counts, records_cap=capacity,
-        cfg=cfg, splits=splits,
+        cfg=cfg, splits=splits, page_table=page_table, page_size=page_size,
     )  # fmt: skip
     t = q.shape[0]
     return codes.reshape(t, capacity), ids.reshape(t, capacity), counts, splits == 1
