@@ -227,6 +227,12 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
     offset = jnp.arange(b, dtype=jnp.int32) * s_max
     top_k = min(args.top_k, int(np.min(np.asarray(wl.lengths))))
     witnesses = jnp.full((b, 2 * top_k), -1, jnp.int32)
+    paged_witnesses = None
+    if args.page_size:
+        pool, pool_scale, table = workloads.page_cache(
+            wl.k_cache, wl.k_scale, args.page_size, spare_pages=b
+        )
+        paged_witnesses = witnesses
     rows = []
     for n in range(steps):
         q, w, lengths = wl.step(n)
@@ -241,10 +247,19 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
                 q, w, wl.k_cache, top_k, k_scale=wl.k_scale, lengths=lengths, witnesses=wit
             )
 
+        def paged_fn(q=q, w=w, lengths=lengths, wit=paged_witnesses):
+            return indexer_topk_decode(
+                q, w, pool, top_k, k_scale=pool_scale, lengths=lengths, witnesses=wit,
+                page_table=table,
+            )  # fmt: skip
+
         base = base_fn()
         res, new_witnesses = dosa_fn()
         base_ids = jnp.where(base.indices >= 0, base.indices - offset[:, None], -1)
         exact = bool(np.array_equal(np.asarray(res.indices), np.asarray(base_ids)))
+        if args.page_size:
+            paged, paged_witnesses_next = paged_fn()
+            exact &= bool(np.array_equal(np.asarray(paged.indices), np.asarray(base_ids)))
         if n > 0:  # step 0 has no witnesses yet (default seeds)
             tb, td = _time(base_fn, args.iters), _time(dosa_fn, args.iters)
             records = np.asarray(res.candidates, np.float64)
@@ -258,16 +273,23 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
                 "record_cut": float(vis.sum() / max(records.sum(), 1)),
                 "fallback_pct": 100 * float(np.mean(np.asarray(res.fallback))),
             }  # fmt: skip
+            if args.page_size:
+                tp = _time(paged_fn, args.iters)
+                row.update(page_size=args.page_size, paged_ms=tp["median_ms"])
+                row["paged_spread_ms"] = [tp["min_ms"], tp["max_ms"]]
             rows.append(row)
             print(json.dumps(row), flush=True)
             out.append(row)
         witnesses = new_witnesses
+        if args.page_size:
+            paged_witnesses = paged_witnesses_next
     if rows:
         r = rows[-1]
         print(
             f"| decode {name} B={batch} S={length} | base {r['base_ms']:.3f} ms | dosa "
             f"{r['dosa_ms']:.3f} ms | records/query {r['records_per_query']:.0f} | cut "
             f"{r['record_cut']:.1f}× | exact {all(x['exact'] for x in rows)} |"
+            + (f" paged (P={args.page_size}) {r['paged_ms']:.3f} ms |" if args.page_size else "")
         )
 
 
@@ -290,6 +312,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--decode-shapes", nargs="*", metavar="BxS", help="decode batch x context (default all)"
     )
+    parser.add_argument(
+        "--page-size", type=int, default=0,
+        help="decode: also run from a shuffled paged cache with pages of this many keys",
+    )  # fmt: skip
     parser.add_argument("--refine-block", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--diag-queries", type=int, default=8)

@@ -442,3 +442,36 @@ def make_decode(
         jnp.stack(scales),
         jnp.asarray(lengths, jnp.int32),
     )
+
+
+def page_cache(
+    k_cache: Float[Array, "B S D"],
+    k_scale: Float[Array, "B S"] | None,
+    page_size: int,
+    *,
+    spare_pages: int = 0,
+    seed: int = 0,
+) -> tuple[Float[Array, "N P D"], Float[Array, "N P"] | None, Int[Array, "B M"]]:
+    """A dense decode cache scattered into a shuffled page pool, as a serving engine's
+    allocator leaves it: (pool [N, P, D], scales [N, P] or None, page_table [B, ⌈S/P⌉]).
+
+    Page m of sequence b goes to a random slot of the pool; ``spare_pages`` extra slots
+    stay zero (no sequence points at them).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size: expected a positive int, got {page_size}")
+    b, s_max, d = k_cache.shape
+    m = -(-s_max // page_size)
+    pad = m * page_size - s_max  # the last page's tail: past every length
+    k_cache = jnp.pad(k_cache, ((0, 0), (0, pad), (0, 0)))
+    if k_scale is not None:
+        k_scale = jnp.pad(k_scale, ((0, 0), (0, pad)), constant_values=1.0)
+    n = b * m + spare_pages
+    slots = jnp.asarray(np.random.default_rng(seed).permutation(n)[: b * m], jnp.int32)
+    pool = jnp.zeros((n, page_size, d), k_cache.dtype)
+    pool = pool.at[slots].set(k_cache.reshape(b * m, page_size, d))
+    scales = None
+    if k_scale is not None:
+        scales = jnp.ones((n, page_size), jnp.float32)
+        scales = scales.at[slots].set(k_scale.reshape(b * m, page_size))
+    return pool, scales, slots.reshape(b, m)

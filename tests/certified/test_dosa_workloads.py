@@ -54,3 +54,17 @@ def test_make_decode_lengths_and_steps():
     q, w, lengths = wl.step(1)
     np.testing.assert_array_equal(np.asarray(lengths), np.asarray(wl.lengths) + 2)
     assert q.shape == (3, H, D) and w.shape == (3, H)
+
+
+def test_page_cache_holds_the_dense_cache_in_shuffled_pages():
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((3, 50, 8)), jnp.float32)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, (3, 50)), jnp.float32)
+    pool, pool_scale, table = workloads.page_cache(k, scale, 16, spare_pages=2)
+    assert pool.shape == (3 * 4 + 2, 16, 8) and table.shape == (3, 4)
+    assert len(set(np.asarray(table).ravel().tolist())) == 12  # distinct pages
+    dense = np.asarray(pool)[np.asarray(table)].reshape(3, 64, 8)[:, :50]
+    np.testing.assert_array_equal(dense, np.asarray(k))
+    dense_scale = np.asarray(pool_scale)[np.asarray(table)].reshape(3, 64)[:, :50]
+    np.testing.assert_array_equal(dense_scale, np.asarray(scale))
+    assert not np.array_equal(np.asarray(table).ravel(), np.arange(12))  # shuffled
