@@ -462,8 +462,10 @@ def _refine_cost(survival):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("top_k", "group", "widths", "numerics", "policy", "list_capacity"),
-)
+    static_argnames=(
+        "top_k", "group", "widths", "numerics", "policy", "list_capacity", "recent_keys",
+    ),
+)  # fmt: skip
 def plan_from_threshold(
     q: Float[Array, "T H D"],
     weights: Float[Array, "T H"],
@@ -485,12 +487,18 @@ def plan_from_threshold(
     numerics: Numerics,
     policy: str = "auto",
     list_capacity: int | None = None,
+    recent_keys: int = 0,
 ) -> Plan:
     """The plan, given τ (from the implementation's scorer) and a key sample per group.
 
     ``r`` None: per query, the width of ``widths`` with the lowest estimated cost
     (r = W − 2, at most H); else Int32[T] retained heads per query, each query using the
     smallest width of ``widths`` with W − 2 ≥ r.
+
+    ``recent_keys``: the most recent keys of each range that the sample leaves out (the
+    recent half of default seed lists, :func:`sample_seed_columns`). The survival
+    estimate counts them as kept: on causal text they score high, and leaving them out
+    made the estimate 2-3.5× low on the GPU benchmarks (WORKSPACE.md, 2026-11-30).
     """
     del top_k
     t, h, _ = q.shape
@@ -514,13 +522,17 @@ def plan_from_threshold(
     p = jnp.where(n_valid[:, None] > 0, active / jnp.maximum(n_valid, 1)[:, None], 0.5)
     relu_x = jnp.where(x < 0, 0.0, x)
 
+    visible = (end - start).astype(jnp.float32)
+    recent = jnp.minimum(jnp.float32(recent_keys), visible) / jnp.maximum(visible, 1.0)
+
     def sample_survival(c):
         # The bound of the sampled seed keys, as the kernel forms it (in f32).
         ret = jnp.einsum("th,thn->tn", c["omega_by_head"], relu_x)
         agg = jnp.einsum("th,thn->tn", c["a_w"], x)
         u_est = (ret - jnp.where(agg < 0, 0.0, agg) + c["e_coef"][:, None] * s_norm) * s_scale
         keep = valid & (score_code(u_est) >= tau_code[:, None])
-        return jnp.sum(keep, axis=1) / jnp.maximum(n_valid, 1)
+        sampled = jnp.sum(keep, axis=1) / jnp.maximum(n_valid, 1)
+        return recent + (1.0 - recent) * sampled
 
     if r is None:
         # Per query, the width whose certificate is estimated cheapest: one certificate
@@ -683,12 +695,13 @@ def make_plan(
     seed_scores = score_keys_reference(q, weights, k, seed_ids, k_scale)
     tau = seed_threshold_code(seed_scores, seed_ids, top_k)
     n = seed_ids.shape[1]
-    cols = sample_seed_columns(n, n // 2 if sample_skip is None else sample_skip)
+    skip = n // 2 if sample_skip is None else sample_skip
+    cols = sample_seed_columns(n, skip)
     knorm, kmax, smax = key_norms(k, k_scale)
     numerics = numerics_for("reference", q.dtype, k.dtype, d)
     plan = plan_from_threshold(
         q, weights, k, k_scale, start, end, tau, seed_ids[:, cols], r_arr, knorm, kmax, smax,
         variant_flags(variant), top_k=top_k, group=1, widths=widths, numerics=numerics,
-        policy=policy,
+        policy=policy, recent_keys=skip,
     )  # fmt: skip
     return plan.replace(variant=variant)

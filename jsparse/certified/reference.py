@@ -147,7 +147,7 @@ def _pipeline(
     plan = planner.plan_from_threshold(
         q, weights, k, k_scale, start, end, tau, seed_ids[:, cols], r_arr, knorm, kmax, smax,
         flags, top_k=top_k, group=1, widths=widths, numerics=numerics, policy=policy,
-        list_capacity=capacity,
+        list_capacity=capacity, recent_keys=skip,
     )  # fmt: skip
     ids = scorer.visible_key_ids(start, end, s)
     visible = ids >= 0

@@ -226,10 +226,11 @@ PROBE_QUERIES = 64  # queries planned first to decide whether screening can pay 
 _SEED_UNITS = 1.5  # per seed key of a query: scored, then τ selected from them
 _QUERY_UNITS_PER_K = 10.0  # per query, times K: plan, selection of the records, glue
 _SCREEN_UNITS_PER_ROW = 0.04  # per visible pair and screening row (W = 8: 0.32)
-# Per visible pair, times the estimated survival. Refinement costs ~2.5 per survivor
-# (gathered keys, the block's union); the estimate from the seed sample ran 2-3.5× low
-# on clustered scores (0.70% estimated against 2.44% measured at 8192 × 128K).
-_REFINE_UNITS = 5.0
+# Per visible pair, times the estimated survival: refinement measured ~2.5 per survivor
+# (gathered keys, the block's union), plus a margin: the estimate counts the seeds'
+# recent window as kept and samples the rest (planner.plan_from_threshold), which
+# brackets the measured 2.44% at 8192 × 128K between 0.7% (sample) and 3.4%.
+_REFINE_UNITS = 3.0
 _FULL_UNITS = 1.2  # per visible pair of a query left to ``full`` (records ≥ τ)
 PROBE_GAIN = 0.9  # screen only when the estimate is at most this share of ``base``
 
@@ -415,7 +416,7 @@ def _seeds_and_plan(
     plan = planner.plan_from_threshold(
         q, weights, k, k_scale, start, end, tau, seeds[:, cols], r_arr, knorm, kmax, smax,
         flags, top_k=top_k, group=bt, widths=widths, numerics=numerics, policy=policy,
-        list_capacity=list_capacity,
+        list_capacity=list_capacity, recent_keys=skip,
     )  # fmt: skip
 
     return tau, plan

@@ -199,3 +199,29 @@ def test_one_certificate_laid_out_for_the_widest_width_serves_every_query():
             np.testing.assert_array_equal(getattr(mixed, name)[t], getattr(alone, name)[t])
         g_mixed, g_alone = float(mixed.guard[t]), float(alone.guard[t])
         assert g_alone <= g_mixed <= 1.5 * g_alone
+
+
+def test_survival_estimate_counts_the_recent_window_as_kept():
+    # The sample leaves out the seeds' recent window (it would bias p_h); the estimate
+    # adds it back as kept: est = f + (1 − f)·sampled, f = recent / visible.
+    cfg = CONFIGS[0]
+    q, w, k, scale, start, end, _ = make_inputs(cfg, 4)
+    seeds = default_seed_ids(start, end, cfg.top_k, num_keys=k.shape[0])
+    plan = _plan((q, w, k, scale, start, end, None), cfg.top_k)
+    knorm, kmax, smax = planner.key_norms(k, scale)
+    cols = planner.sample_seed_columns(seeds.shape[1], seeds.shape[1] // 2)
+    num = planner.numerics_for("reference", q.dtype, k.dtype, q.shape[2])
+    r = jnp.full((q.shape[0],), 2, jnp.int32)
+
+    def est(recent):
+        return planner.plan_from_threshold(
+            q, w, k, scale, start, end, plan.tau_code, seeds[:, cols], r, knorm, kmax,
+            smax, planner.variant_flags("dosa"), top_k=cfg.top_k, group=1, widths=(8,),
+            numerics=num, policy="always", recent_keys=recent,
+        ).est_survival  # fmt: skip
+
+    sampled, with_recent = np.asarray(est(0)), np.asarray(est(24))
+    vis = np.asarray(end - start, np.float32)
+    f = np.minimum(24, vis) / np.maximum(vis, 1)
+    np.testing.assert_allclose(with_recent, f + (1 - f) * sampled, rtol=1e-6)
+    assert np.all(with_recent >= sampled)
