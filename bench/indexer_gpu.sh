@@ -4,7 +4,8 @@
 #     OUT=out bash bench/indexer_gpu.sh [step ...]
 #
 # Steps (default: all, in this order): tests, prefill, mosaic, causal, decode, dosa,
-# dosa-causal, dosa-decode. Each step has a time limit (seconds, STEP_LIMIT, default 300) and writes
+# dosa-causal, dosa-decode. Also by name: mosaic-decode, mosaic-causal (the opt-in Mosaic
+# scorer on the decode and causal presets). Each step has a time limit (seconds, STEP_LIMIT, default 300) and writes
 # its log and JSON under $OUT; a step that fails or runs out of time does not stop the
 # others. Every bench row is checked against the reference or `base` before it is timed.
 set -uo pipefail
@@ -31,6 +32,10 @@ for s in "${steps[@]}"; do
       --method xla base full --json "$OUT/prefill.json" --quiet ;;
     mosaic) run mosaic "$PY" bench/run.py --backend pallas-gpu --preset prefill-chunk \
       --method base --implementation mosaic --json "$OUT/mosaic.json" --quiet ;;
+    mosaic-decode) run mosaic-decode "$PY" bench/run.py --backend pallas-gpu --preset decode \
+      --method base --implementation mosaic --json "$OUT/mosaic_decode.json" --quiet ;;
+    mosaic-causal) run mosaic-causal "$PY" bench/run.py --backend pallas-gpu --preset causal-prefill \
+      --method base --implementation mosaic --json "$OUT/mosaic_causal.json" --quiet ;;
     causal) run causal "$PY" bench/run.py --backend pallas-gpu --preset causal-prefill \
       --method xla base full --json "$OUT/causal.json" --quiet ;;
     decode) run decode "$PY" bench/run.py --backend pallas-gpu --preset decode \
