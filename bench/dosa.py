@@ -293,6 +293,11 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
         )
 
 
+def _parse_shapes(specs):
+    """["8192x131072", ...] -> [(8192, 131072), ...]."""
+    return [tuple(int(x) for x in v.split("x")) for v in specs]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="bench.dosa", description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="write every row to this JSON file")
@@ -351,7 +356,7 @@ def main(argv=None) -> int:
         if not args.decode:
             shapes = SMOKE_PREFILL if args.smoke else PREFILL_SHAPES
             if args.shapes:
-                shapes = [tuple(int(x) for x in v.split("x")) for v in args.shapes]
+                shapes = _parse_shapes(args.shapes)
             for t, s in shapes:
                 if args.keys and s not in args.keys:
                     continue
@@ -363,7 +368,7 @@ def main(argv=None) -> int:
         if not args.prefill and not args.certificate:
             shapes = SMOKE_DECODE if args.smoke else DECODE_SHAPES
             if args.decode_shapes:
-                shapes = [tuple(int(x) for x in v.split("x")) for v in args.decode_shapes]
+                shapes = _parse_shapes(args.decode_shapes)
             kw = dict(heads=16, dim=32) if args.smoke else {}
             for batch, length in shapes:
                 run_decode("deepseek_like", batch, length, args, rows, **kw)

@@ -48,3 +48,8 @@ def over_query_chunks(fn, chunk: int, *per_query):
 def key_row(num_keys: int) -> int:
     """Widest per-query buffer row of the indexer kernels for ``num_keys`` keys."""
     return -(-num_keys // ALIGN) * ALIGN + ALIGN
+
+
+def queries_per_call(num_queries: int, num_keys: int) -> int:
+    """Queries per indexer call over ``num_keys`` keys (:func:`queries_per_chunk`)."""
+    return queries_per_chunk(num_queries, key_row(num_keys))

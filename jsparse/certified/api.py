@@ -112,6 +112,6 @@ def dosa_topk(
             policy=policy, sorted=sorted, return_info=return_info, **options,
         )  # fmt: skip
 
-    chunk = _chunking.queries_per_chunk(q.shape[0], _chunking.key_row(k.shape[0]))
+    chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
     # r: "auto" and one int pass through the chunks; per-query values are chunked.
     return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds, r)

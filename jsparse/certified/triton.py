@@ -357,7 +357,7 @@ def _pipeline(
         None if r_arr is None else r_arr[probe], flags, norms, top_k=top_k, widths=widths,
         policy=policy, n_seeds=n_seeds, list_capacity=list_capacity, cfg=cfg,
     )  # fmt: skip
-    n_seeds_used = min(n_seeds or methods.default_seed_count(top_k, k.shape[0]), k.shape[0])
+    n_seeds_used = _seeds_per_block(n_seeds, top_k, k.shape[0])
     worth = screening_pays(probe_plan, start[probe], end[probe], n_seeds_used, top_k)
     if r_arr is None:
         # r="auto": every query gets the width the probe's screened queries chose most
@@ -386,6 +386,11 @@ def _pipeline(
     return jax.lax.cond(worth, certified, everything, r_arr)
 
 
+def _seeds_per_block(n_seeds, top_k, num_keys):
+    """Length of the default seed lists: ``n_seeds`` or √(K·S/6) (``full``'s rule), ≤ S."""
+    return min(n_seeds or methods.default_seed_count(top_k, num_keys), num_keys)
+
+
 def _seeds_and_plan(
     q, weights, k, k_scale, start, end, seed_ids, r_arr, flags, norms, *, top_k, widths,
     policy, n_seeds, list_capacity, cfg,
@@ -397,7 +402,7 @@ def _seeds_and_plan(
     s = k.shape[0]
     bt = cfg.block_t
     if seed_ids is None:
-        n = min(n_seeds or methods.default_seed_count(top_k, s), s)
+        n = _seeds_per_block(n_seeds, top_k, s)
         seeds = methods.block_seed_ids(start, end, bt, n, s)
         skip = n // 2  # the recent half of the default seed lists
     else:

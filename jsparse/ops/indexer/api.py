@@ -148,7 +148,7 @@ def indexer_scores(
             q, weights, k, k_scale, start, end,
         )  # fmt: skip
 
-    chunk = _chunking.queries_per_chunk(q.shape[0], _chunking.key_row(k.shape[0]))
+    chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
     return _chunking.over_query_chunks(call, chunk, q, weights, start, end)
 
 
@@ -205,7 +205,7 @@ def indexer_topk(
             q, weights, k, top_k, k_scale, start, end, seeds, sorted,
         )  # fmt: skip
 
-    chunk = _chunking.queries_per_chunk(q.shape[0], _chunking.key_row(k.shape[0]))
+    chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
     return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds)
 
 

@@ -290,6 +290,11 @@ def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
     return int(max(1, min(n_key_tiles, -(-target // n_query_blocks))))
 
 
+def _num_keys(k, page_table, page_size):
+    """Key ids of a launch: rows of ``k``, or the page table's virtual slots."""
+    return k.shape[0] if page_table is None else page_table.shape[0] * page_size
+
+
 def _launch(
     q, weights, k, k_scale, start, end, *,
     tau_codes=None, key_ids=None, key_counts=None, records_cap=None, fill=False, cfg=None,
@@ -299,7 +304,7 @@ def _launch(
     P: key ids run over n_pages·P virtual slots, id i stored at row
     page_table[i // P]·P + i % P of ``k`` (and of ``k_scale``)."""
     t, _, _ = q.shape
-    s = k.shape[0] if page_table is None else page_table.shape[0] * page_size
+    s = _num_keys(k, page_table, page_size)
     cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
     q, weights, k = _pad_heads_dims(q, weights, k, cfg.block_t)
@@ -378,7 +383,7 @@ def score_records_triton(
     ``page_size``: a paged key cache (see :func:`_launch`); ids are virtual slots.
     """
     fp8_keys = k.dtype == jnp.float8_e4m3fn
-    s = k.shape[0] if page_table is None else page_table.shape[0] * page_size
+    s = _num_keys(k, page_table, page_size)
     splits = _splits_for(q.shape[0], q.shape[1], s, key_ids, cfg, fp8_keys)
     codes, ids, counts = _launch(
         q, weights, k, k_scale, start, end,
