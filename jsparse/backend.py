@@ -5,8 +5,9 @@ Every public op takes ``implementation=``:
 * ``None``: the op's preferred order for the current device. On an NVIDIA GPU that
   is its Pallas kernels (fastest first); elsewhere the jnp reference. A kernel that
   raises ``NotImplementedError`` for the given input hands over to the next name.
-  Opt-in kernels (``OPT_IN_IMPLEMENTATIONS``: ``"mosaic"``, not yet measured on a
-  GPU) are never chosen this way, only by name.
+  Opt-in kernels (``OPT_IN_IMPLEMENTATIONS``: ``"mosaic"``, whose FP8 scores round
+  differently from the Triton scorer's and which has ``base`` only) are never chosen
+  this way, only by name.
 * a name (``"reference"``, ``"triton"``, ``"mosaic"``): exactly that one; its
   errors propagate, nothing falls back silently.
 * a sequence of names: tried in order, falling back on ``NotImplementedError``.
@@ -42,8 +43,10 @@ __all__ = [
 Implementation = Literal["reference", "triton", "mosaic"]
 IMPLEMENTATIONS: tuple[str, ...] = ("reference", "triton", "mosaic")
 PALLAS_IMPLEMENTATIONS = frozenset({"triton", "mosaic"})
-# Kernels only an explicit ``implementation=`` selects: ``implementation=None`` skips them
-# until they are measured on a GPU (the Mosaic GPU scorer has not been yet).
+# Kernels only an explicit ``implementation=`` selects. The Mosaic GPU scorer is faster
+# with FP8 keys on an H200 (WORKSPACE.md, run 15), but ``full``, ``dense`` and ``dosa``
+# run on the Triton scorer only: choosing Mosaic for ``base`` alone would make methods
+# of ``implementation=None`` disagree at near-ties.
 OPT_IN_IMPLEMENTATIONS = frozenset({"mosaic"})
 
 _log = logging.getLogger("jsparse")
