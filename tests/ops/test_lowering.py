@@ -52,8 +52,11 @@ def test_selection_kernels_lower_to_cuda():
             rng,
             rng,
         )
-    rec = jax.ShapeDtypeStruct((t, n), i32)
-    lower_for_h200(lambda c, i, m: select.compact_records(c, i, m, K, cap, chunks=4), rec, rec, rng)
+    for width in (n, 30720):  # gathered and aligned block loads
+        rec = jax.ShapeDtypeStruct((t, width), i32)
+        lower_for_h200(
+            lambda c, i, m: select.compact_records(c, i, m, K, cap, chunks=4), rec, rec, rng
+        )
     buf = jax.ShapeDtypeStruct((t, cap), i32)
     lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), buf, buf, rng)
     big = jax.ShapeDtypeStruct((t, 3 * 8192), i32)  # too long to hold in registers

@@ -52,18 +52,21 @@ def test_select_candidates_unordered_records(distinct, n, counts, kernel_impl):
     np.testing.assert_array_equal(got_kth, want_kth)
 
 
+# width 8192: a multiple of the 1024-entry block, so streaming takes the aligned
+# block loads (with ranges that start and end mid-block); 9000: the gathered loads.
+@pytest.mark.parametrize("s", [9000, 8192])
 @pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values"])
-def test_compact_rows_keeps_the_exact_top_k(kind, chunks, kernel_impl):
+def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
     rng = np.random.default_rng(1)
-    t, s, top_k = 3, 9000, 40
+    t, top_k = 3, 40
     scores = rng.standard_normal((t, s)).astype(np.float32)
     if kind == "all-equal":
         scores[:] = 1.5  # every entry ties: the slow path must take the smallest ids
     elif kind == "few-values":
         scores = np.round(scores * 2) / 2
-    start = np.array([0, 100, 8990], np.int32)
-    end = np.array([9000, 7000, 9000], np.int32)
+    start = np.array([0, 100, s - 10], np.int32)
+    end = np.array([s, 7000, s], np.int32)
     cap = 512
     cc, ci, cn, slow = select.compact_rows(
         jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=chunks
@@ -79,17 +82,18 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, kernel_impl):
         assert np.asarray(slow)[:2].all()
 
 
+@pytest.mark.parametrize("width", [6000, 6144])
 @pytest.mark.parametrize("chunks", [1, 4])
-def test_compact_records_then_select(chunks, kernel_impl):
+def test_compact_records_then_select(chunks, width, kernel_impl):
     rng = np.random.default_rng(2)
-    codes, ids = _records(rng, 2, 6000, True)
-    counts = np.array([6000, 5000], np.int32)
+    codes, ids = _records(rng, 2, width, True)
+    counts = np.array([width, 5000], np.int32)
     cc, ci, cn, _ = select.compact_records(
         jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), 30, 512, chunks=chunks
     )
     sc, si, _ = select.select_candidates(cc, ci, cn, 30)
     got = select.order_topk(sc, si)
-    valid = np.arange(6000)[None, :] < counts[:, None]
+    valid = np.arange(width)[None, :] < counts[:, None]
     want = select_codes_reference(
         jnp.asarray(np.where(valid, codes, codes_lib.EMPTY_CODE)),
         jnp.asarray(np.where(valid, ids, -1)),
