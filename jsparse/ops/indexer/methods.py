@@ -25,16 +25,15 @@ def _round_up(x: int, m: int) -> int:
 
 
 def candidate_capacity(top_k: int, num_keys: int) -> int:
-    """Slots per row for compact_rows.
+    """Slots per row for compact_rows: 2·K plus room for the sample's granularity.
 
-    The sampled θ expects about 1.3·K + 8 spacings of the sample to pass; the buffer
-    takes at least 2·K, and at least 16 more spacings above that expectation when the
-    sample is coarse (long rows), since the count's spread grows with the spacing.
-    Rounding to a power of two would double select_candidates' register block, so the
-    minimum is exactly 2·K (4096 slots for K = 2048 up to 128K keys).
+    The sampled θ expects about 1.3·K + 8 spacings of the sample to pass, and the count
+    spreads more than that suggests: at 8192 × 128K i.i.d. scores the largest row count
+    was 4076 for K = 2048 (WORKSPACE.md run 22), so a 4096-slot buffer sent 5 rows down
+    the slow path (each ~40 passes over its row in one program: milliseconds of tail).
     """
     spacing = -(-num_keys // (select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK))
-    return _round_up(max(2 * top_k, (13 * top_k) // 10 + 24 * spacing), 256)
+    return _round_up(2 * top_k + 16 * spacing, 256)
 
 
 def default_seed_count(top_k: int, num_keys: int) -> int:
