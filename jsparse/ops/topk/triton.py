@@ -54,10 +54,9 @@ MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in regist
 
 @dataclasses.dataclass(frozen=True)
 class SelectConfig:
-    """Measured on an H200 (WORKSPACE.md runs 3 and 22): small blocks and 4 warps stream
-    best; 512 beat 1024 by 16% on 8192 × 64K once the loads were aligned."""
+    """Measured on an H200 (WORKSPACE.md run 3): small blocks and 4 warps stream best."""
 
-    block: int = 512  # entries per step of a streaming pass
+    block: int = 1024  # entries per step of a streaming pass
     num_warps: int = 4
     num_stages: int = 1
 
@@ -95,84 +94,60 @@ def _id_cut(count_ties, need):
     return jax.lax.cond(n_ties > need, bisect, lambda: need * 0 + _INT_MAX)
 
 
-def _row_source(refs, dense, row, blk):
-    """(entries, block, lo, hi) of a dense score row or a record row.
+def _row_source(refs, dense, row):
+    """(entries, start, length) of a dense score row or a record row.
 
-    The row's entries sit at positions [lo, hi) of its storage row. ``entries(pos)``
-    gathers (codes, ids, ok) at offsets ``pos`` from lo (any shape; EMPTY past the row),
-    for the θ sample. ``block(a)`` loads the ``blk`` entries at storage positions
-    a .. a+blk-1, a a multiple of blk, masked to [lo, hi): streaming passes walk aligned
-    blocks so each thread loads 16 contiguous bytes, which Triton can only emit when the
-    offset is provably aligned (the unaligned loads of a dynamic ``start`` cost ~20% of
-    compaction on an H200, WORKSPACE.md run 21). Rows whose storage length is not a
-    multiple of blk use a gathered load instead.
+    ``entries(pos)`` gives (codes, ids, ok) at row positions ``pos`` (any shape), with
+    EMPTY codes where ``pos`` is past the row.
     """
-    lanes = jnp.arange(blk, dtype=jnp.int32)
     if dense:
         scores_ref, start_ref, end_ref = refs
-        lo, hi = plt.load(start_ref.at[row]), plt.load(end_ref.at[row])
-        width = scores_ref.shape[1]
+        start = plt.load(start_ref.at[row])
+        length = plt.load(end_ref.at[row]) - start
 
-        def load(ref, pos, ok, other):
-            return plt.load(ref.at[row, jnp.where(ok, pos, 0)], mask=ok, other=other)
+        def entries(pos):
+            ok = pos < length
+            x = plt.load(scores_ref.at[row, start + jnp.where(ok, pos, 0)], mask=ok, other=0.0)
+            return jnp.where(ok, score_code(x), EMPTY_CODE), start + pos, ok
 
-        def to_entries(x, pos, ok):
-            return jnp.where(ok, score_code(x), EMPTY_CODE), pos, ok
+        return entries, length
 
-        refs_other = ((scores_ref, 0.0),)
-    else:
-        codes_ref, ids_ref, count_ref = refs
-        width = codes_ref.shape[1]
-        lo, hi = row * 0, jnp.minimum(plt.load(count_ref.at[row]), width)
-
-        def load(ref, pos, ok, other):
-            return plt.load(ref.at[row, jnp.where(ok, pos, 0)], mask=ok, other=other)
-
-        def to_entries(c, i, pos, ok):
-            return jnp.where(ok, c, EMPTY_CODE), i, ok
-
-        refs_other = ((codes_ref, EMPTY_CODE), (ids_ref, -1))
+    codes_ref, ids_ref, count_ref = refs
+    length = jnp.minimum(plt.load(count_ref.at[row]), codes_ref.shape[1])
 
     def entries(pos):
-        ok = pos < hi - lo
-        loaded = [load(ref, lo + pos, ok, other) for ref, other in refs_other]
-        return to_entries(*loaded, lo + pos, ok)
+        ok = pos < length
+        safe = jnp.where(ok, pos, 0)
+        c = plt.load(codes_ref.at[row, safe], mask=ok, other=EMPTY_CODE)
+        i = plt.load(ids_ref.at[row, safe], mask=ok, other=-1)
+        return jnp.where(ok, c, EMPTY_CODE), i, ok
 
-    aligned = width % blk == 0
-
-    def block(a):
-        pos = a + lanes
-        ok = (pos >= lo) & (pos < hi)
-        if aligned:
-            a = pl.multiple_of(a, blk)
-            loaded = [
-                plt.load(ref.at[row, pl.ds(a, blk)], mask=ok, other=other)
-                for ref, other in refs_other
-            ]
-        else:
-            loaded = [load(ref, pos, ok, other) for ref, other in refs_other]
-        return to_entries(*loaded, pos, ok)
-
-    return entries, block, lo, hi
+    return entries, length
 
 
-def _streaming(block, first, n_blocks, blk):
-    """count(pred) and compact(keep, out, base, cap) over the aligned blocks
-    first, first + blk, ... (n_blocks of them)."""
+def _streaming(entries, lo, hi, blk):
+    """count(pred) and compact(keep, out, base, cap) over row positions [lo, hi)."""
+    lanes = jnp.arange(blk, dtype=jnp.int32)
+    n_blocks = (hi - lo + blk - 1) // blk
+
+    def block(j):
+        pos = lo + j * blk + lanes
+        c, i, ok = entries(pos)
+        return c, i, ok & (pos < hi)
 
     def count(pred):
         def body(j, acc):
-            c, i, ok = block(first + j * blk)
+            c, i, ok = block(j)
             return acc + jnp.sum((ok & pred(c, i)).astype(jnp.int32))
 
-        return jax.lax.fori_loop(0, n_blocks, body, n_blocks * 0)
+        return jax.lax.fori_loop(0, n_blocks, body, lo * 0)
 
     def compact(keep_fn, out_codes, out_ids, base, cap, trash):
         """Stores entries keep_fn(code, id) selects, in row order, at out[base + n] for
         n < cap; returns how many it selected (which may exceed cap)."""
 
         def body(j, stored):
-            c, i, ok = block(first + j * blk)
+            c, i, ok = block(j)
             keep = keep_fn(c, i) & ok
             keep_i = keep.astype(jnp.int32)
             pos = stored + jnp.cumsum(keep_i) - 1
@@ -182,7 +157,7 @@ def _streaming(block, first, n_blocks, blk):
             plt.store(out_ids.at[dst], i, mask=store)
             return stored + jnp.sum(keep_i)
 
-        return jax.lax.fori_loop(0, n_blocks, body, n_blocks * 0)
+        return jax.lax.fori_loop(0, n_blocks, body, lo * 0)
 
     return count, compact
 
@@ -227,14 +202,12 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
     source = refs[:3]
     codes_ref, ids_ref, count_ref = refs[-3:] if chunks > 1 else refs[-4:-1]
     row, chunk = pl.program_id(0), pl.program_id(1)
+    entries, length = _row_source(source, dense, row)
     blk = cfg.block
-    entries, block, lo, hi = _row_source(source, dense, row, blk)
-    length = hi - lo
-    first = lo // blk * blk
-    total = (hi - first + blk - 1) // blk  # aligned blocks touching [lo, hi)
-    per_chunk = (total + chunks - 1) // chunks
-    own = jnp.clip(total - chunk * per_chunk, 0, per_chunk)
-    count, compact = _streaming(block, first + chunk * per_chunk * blk, own, blk)
+    size = ((length + chunks - 1) // chunks + blk - 1) // blk * blk
+    lo = jnp.minimum(chunk * size, length)
+    hi = jnp.minimum(lo + size, length)
+    count, compact = _streaming(entries, lo, hi, blk)
     theta = _sample_threshold(entries, length, top_k, cap)
     segment = row * chunks + chunk
     trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
@@ -263,9 +236,7 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     seg_codes_ref, seg_ids_ref, seg_count_ref = refs[3:6]
     codes_ref, ids_ref, count_ref, slow_ref = refs[-4:]
     row = pl.program_id(0)
-    blk = cfg.block
-    _, block, lo, hi = _row_source(source, dense, row, blk)
-    length = hi - lo
+    entries, length = _row_source(source, dense, row)
     c_pad = 1 << (chunks - 1).bit_length()
     lane = jnp.arange(c_pad, dtype=jnp.int32)
     seg_counts = plt.load(
@@ -275,6 +246,7 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     total = jnp.sum(seg_counts)
     fast_ok = (total >= jnp.minimum(top_k, length)) & (total <= cap)
     trash = count_ref.shape[0] * cap
+    blk = cfg.block
     lanes = jnp.arange(blk, dtype=jnp.int32)
 
     def merge():
@@ -299,8 +271,7 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
         return jax.lax.fori_loop(0, chunks, one_segment, row * 0)
 
     def exact():
-        first = lo // blk * blk
-        count, compact = _streaming(block, first, (hi - first + blk - 1) // blk, blk)
+        count, compact = _streaming(entries, length * 0, length, blk)
         return _exact_compact(
             count, lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash), top_k
         )
