@@ -13,9 +13,10 @@ Two kernels:
   runs of 8) gives a threshold θ whose expected count of entries ≥ θ is a little
   above K; one streaming pass compacts every entry with code ≥ θ, in row order, into
   ``cap`` slots. If the count lands outside [K, cap] (an unlucky sample, or massive
-  ties), the row takes the exact slow path: bisection over the whole row finds the
-  K-th code θ*, and one pass stores the entries above θ* plus the ties with the
-  smallest ids: exactly K. Either way the buffer holds every entry of the exact Top-K.
+  ties), a separate kernel runs the row's exact slow path: a radix-16 search over the
+  whole row (8 passes) finds the K-th code θ*, and one pass stores the entries above θ*
+  plus the ties with the smallest ids: exactly K. Either way the buffer holds every
+  entry of the exact Top-K.
 * :func:`select_candidates` (candidate buffer → Top-K set). Bisection over the bits of
   the code finds the K-th largest code θ; every entry above θ enters; ties at θ enter
   by ascending id (a bisection over ids finds the cut when ties straddle the
@@ -50,6 +51,7 @@ SAMPLE_BLOCKS = 512
 SAMPLE_BLOCK = 8
 SAMPLE_BITS = 16  # the sample threshold needs only a lower bound: 16 bits of the code suffice
 MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in registers
+RADIX = 16  # trial thresholds per streaming pass of the exact path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,60 +96,111 @@ def _id_cut(count_ties, need):
     return jax.lax.cond(n_ties > need, bisect, lambda: need * 0 + _INT_MAX)
 
 
-def _row_source(refs, dense, row):
-    """(entries, start, length) of a dense score row or a record row.
+def _largest_true(holds):
+    """Largest unsigned 32-bit u (as an int32 bit pattern) with holds(u), where holds is
+    true from u = 0 up to some value and false beyond it.
 
-    ``entries(pos)`` gives (codes, ids, ok) at row positions ``pos`` (any shape), with
-    EMPTY codes where ``pos`` is past the row.
+    Four bits per round: ``holds`` tests 16 trial values at once, so a search that reads
+    a whole row per test costs 8 passes instead of bisection's 32 (the exact path of a
+    row runs in one program, so its passes are its latency).
     """
+    digits = jnp.arange(RADIX, dtype=jnp.int32)
+
+    def step(r, prefix):
+        shift = 28 - 4 * r
+        ok = holds(prefix | jnp.left_shift(digits, shift))  # ok[0]: prefix itself holds
+        return prefix | jnp.left_shift(jnp.sum(ok.astype(jnp.int32)) - 1, shift)
+
+    return jax.lax.fori_loop(0, 8, step, jnp.int32(0))
+
+
+def _row_source(refs, dense, row, blk):
+    """(entries, block, lo, hi) of a dense score row or a record row.
+
+    The row's entries sit at positions [lo, hi) of its storage row. ``entries(pos)``
+    gathers (codes, ids, ok) at offsets ``pos`` from lo (any shape; EMPTY past the row),
+    for the θ sample. ``block(a)`` loads the ``blk`` entries at storage positions
+    a .. a+blk-1, a a multiple of blk, masked to [lo, hi): streaming passes walk aligned
+    blocks so each thread loads 16 contiguous bytes, which Triton can only emit when the
+    offset is provably aligned (the unaligned loads of a dynamic ``start`` cost ~20% of
+    compaction on an H200, WORKSPACE.md run 21). Rows whose storage length is not a
+    multiple of blk use a gathered load instead.
+    """
+    lanes = jnp.arange(blk, dtype=jnp.int32)
     if dense:
         scores_ref, start_ref, end_ref = refs
-        start = plt.load(start_ref.at[row])
-        length = plt.load(end_ref.at[row]) - start
+        lo, hi = plt.load(start_ref.at[row]), plt.load(end_ref.at[row])
+        width = scores_ref.shape[1]
 
-        def entries(pos):
-            ok = pos < length
-            x = plt.load(scores_ref.at[row, start + jnp.where(ok, pos, 0)], mask=ok, other=0.0)
-            return jnp.where(ok, score_code(x), EMPTY_CODE), start + pos, ok
+        def load(ref, pos, ok, other):
+            return plt.load(ref.at[row, jnp.where(ok, pos, 0)], mask=ok, other=other)
 
-        return entries, length
+        def to_entries(x, pos, ok):
+            return jnp.where(ok, score_code(x), EMPTY_CODE), pos, ok
 
-    codes_ref, ids_ref, count_ref = refs
-    length = jnp.minimum(plt.load(count_ref.at[row]), codes_ref.shape[1])
+        refs_other = ((scores_ref, 0.0),)
+    else:
+        codes_ref, ids_ref, count_ref = refs
+        width = codes_ref.shape[1]
+        lo, hi = row * 0, jnp.minimum(plt.load(count_ref.at[row]), width)
+
+        def load(ref, pos, ok, other):
+            return plt.load(ref.at[row, jnp.where(ok, pos, 0)], mask=ok, other=other)
+
+        def to_entries(c, i, pos, ok):
+            return jnp.where(ok, c, EMPTY_CODE), i, ok
+
+        refs_other = ((codes_ref, EMPTY_CODE), (ids_ref, -1))
 
     def entries(pos):
-        ok = pos < length
-        safe = jnp.where(ok, pos, 0)
-        c = plt.load(codes_ref.at[row, safe], mask=ok, other=EMPTY_CODE)
-        i = plt.load(ids_ref.at[row, safe], mask=ok, other=-1)
-        return jnp.where(ok, c, EMPTY_CODE), i, ok
+        ok = pos < hi - lo
+        loaded = [load(ref, lo + pos, ok, other) for ref, other in refs_other]
+        return to_entries(*loaded, lo + pos, ok)
 
-    return entries, length
+    aligned = width % blk == 0
+
+    def block(a):
+        pos = a + lanes
+        ok = (pos >= lo) & (pos < hi)
+        if aligned:
+            a = pl.multiple_of(a, blk)
+            loaded = [
+                plt.load(ref.at[row, pl.ds(a, blk)], mask=ok, other=other)
+                for ref, other in refs_other
+            ]
+        else:
+            loaded = [load(ref, pos, ok, other) for ref, other in refs_other]
+        return to_entries(*loaded, pos, ok)
+
+    return entries, block, lo, hi
 
 
-def _streaming(entries, lo, hi, blk):
-    """count(pred) and compact(keep, out, base, cap) over row positions [lo, hi)."""
-    lanes = jnp.arange(blk, dtype=jnp.int32)
-    n_blocks = (hi - lo + blk - 1) // blk
-
-    def block(j):
-        pos = lo + j * blk + lanes
-        c, i, ok = entries(pos)
-        return c, i, ok & (pos < hi)
+def _streaming(block, first, n_blocks, blk):
+    """count(pred), count_many(preds) and compact(keep, out, base, cap) over the aligned blocks
+    first, first + blk, ... (n_blocks of them)."""
 
     def count(pred):
         def body(j, acc):
-            c, i, ok = block(j)
+            c, i, ok = block(first + j * blk)
             return acc + jnp.sum((ok & pred(c, i)).astype(jnp.int32))
 
-        return jax.lax.fori_loop(0, n_blocks, body, lo * 0)
+        return jax.lax.fori_loop(0, n_blocks, body, n_blocks * 0)
+
+    def count_many(pred_many):
+        """Counts for R predicates in one pass: pred_many(c, i) gives [R, blk] bools."""
+
+        def body(j, acc):
+            c, i, ok = block(first + j * blk)
+            return acc + jnp.sum((ok[None, :] & pred_many(c, i)).astype(jnp.int32), axis=1)
+
+        return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((RADIX,), jnp.int32))
 
     def compact(keep_fn, out_codes, out_ids, base, cap, trash):
         """Stores entries keep_fn(code, id) selects, in row order, at out[base + n] for
         n < cap; returns how many it selected (which may exceed cap)."""
 
         def body(j, stored):
-            c, i, ok = block(j)
+            c, i, ok = block(first + j * blk)
             keep = keep_fn(c, i) & ok
             keep_i = keep.astype(jnp.int32)
             pos = stored + jnp.cumsum(keep_i) - 1
@@ -157,9 +210,9 @@ def _streaming(entries, lo, hi, blk):
             plt.store(out_ids.at[dst], i, mask=store)
             return stored + jnp.sum(keep_i)
 
-        return jax.lax.fori_loop(0, n_blocks, body, lo * 0)
+        return jax.lax.fori_loop(0, n_blocks, body, n_blocks * 0)
 
-    return count, compact
+    return count, count_many, compact
 
 
 def _sample_threshold(entries, length, top_k, cap):
@@ -185,29 +238,50 @@ def _sample_threshold(entries, length, top_k, cap):
     )
 
 
-def _exact_compact(count, compact, top_k):
-    """The slow path: exactly the K best entries (ties by smallest id), via bisection."""
-    kth = _bisect_code(lambda th: count(lambda c, i: c >= th), top_k)
+def _exact_compact(count, count_many, compact, top_k):
+    """The slow path: exactly the K best entries (ties by smallest id).
+
+    The K-th code θ* is the largest code with at least K entries ≥ it; the tie cut is the
+    need-th smallest id among entries equal to θ*. Both are radix-16 searches in the
+    unsigned order (x ^ INT_MIN), 8 passes over the row each; the id search runs only
+    when the ties straddle the boundary.
+    """
+    kth = _largest_true(
+        lambda u: count_many(lambda c, i: c[None, :] >= (u ^ _INT_MIN)[:, None]) >= top_k
+    )
+    kth = kth ^ _INT_MIN
     need = top_k - count(lambda c, i: c > kth)
-    cut = _id_cut(lambda pred: count(lambda c, i: (c == kth) & pred(i)), need)
+
+    def id_cut():
+        below = lambda u: count_many(  # noqa: E731  ties with id below each trial
+            lambda c, i: (c == kth)[None, :] & (i[None, :] < (u ^ _INT_MIN)[:, None])
+        )
+        return _largest_true(lambda u: below(u) < need) ^ _INT_MIN
+
+    n_ties = count(lambda c, i: c == kth)
+    cut = jax.lax.cond(n_ties > need, id_cut, lambda: need * 0 + _INT_MAX)
     return compact(lambda c, i: (c > kth) | ((c == kth) & (i <= cut)))
 
 
 def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
     """Program (row, chunk): compacts entries ≥ θ of its chunk of the row.
 
-    With one chunk it writes the final buffer and handles the slow path itself; with
-    several it writes segment (row, chunk) and the merge kernel finishes the row.
+    With one chunk it writes the final buffer and flags the row for the exact kernel when
+    the count missed [min(K, length), cap]; with several it writes segment (row, chunk)
+    and the merge kernel finishes the row. The exact path lives in its own kernel: in
+    this one its code would cost registers (occupancy) on every row for a rare branch.
     """
     source = refs[:3]
     codes_ref, ids_ref, count_ref = refs[-3:] if chunks > 1 else refs[-4:-1]
     row, chunk = pl.program_id(0), pl.program_id(1)
-    entries, length = _row_source(source, dense, row)
     blk = cfg.block
-    size = ((length + chunks - 1) // chunks + blk - 1) // blk * blk
-    lo = jnp.minimum(chunk * size, length)
-    hi = jnp.minimum(lo + size, length)
-    count, compact = _streaming(entries, lo, hi, blk)
+    entries, block, lo, hi = _row_source(source, dense, row, blk)
+    length = hi - lo
+    first = lo // blk * blk
+    total = (hi - first + blk - 1) // blk  # aligned blocks touching [lo, hi)
+    per_chunk = (total + chunks - 1) // chunks
+    own = jnp.clip(total - chunk * per_chunk, 0, per_chunk)
+    _, _, compact = _streaming(block, first + chunk * per_chunk * blk, own, blk)
     theta = _sample_threshold(entries, length, top_k, cap)
     segment = row * chunks + chunk
     trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
@@ -215,28 +289,20 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
     if chunks > 1:
         plt.store(count_ref.at[segment], stored)
         return
-    slow_ref = refs[-1]
     fast_ok = (stored >= jnp.minimum(top_k, length)) & (stored <= cap)
-    final = jax.lax.cond(
-        fast_ok,
-        lambda: stored,
-        lambda: _exact_compact(
-            count,
-            lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash),
-            top_k,
-        ),
-    )
-    plt.store(count_ref.at[row], jnp.minimum(final, cap))
-    plt.store(slow_ref.at[row], jnp.where(fast_ok, 0, 1).astype(jnp.int32))
+    plt.store(count_ref.at[row], jnp.minimum(stored, cap))
+    plt.store(refs[-1].at[row], jnp.where(fast_ok, 0, 1).astype(jnp.int32))
 
 
 def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
-    """Program (row): concatenates the row's segments, or runs the exact slow path."""
+    """Program (row): concatenates the row's segments, or flags it for the exact kernel."""
     source = refs[:3]
     seg_codes_ref, seg_ids_ref, seg_count_ref = refs[3:6]
     codes_ref, ids_ref, count_ref, slow_ref = refs[-4:]
     row = pl.program_id(0)
-    entries, length = _row_source(source, dense, row)
+    blk = cfg.block
+    _, _, lo, hi = _row_source(source, dense, row, blk)
+    length = hi - lo
     c_pad = 1 << (chunks - 1).bit_length()
     lane = jnp.arange(c_pad, dtype=jnp.int32)
     seg_counts = plt.load(
@@ -246,7 +312,6 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     total = jnp.sum(seg_counts)
     fast_ok = (total >= jnp.minimum(top_k, length)) & (total <= cap)
     trash = count_ref.shape[0] * cap
-    blk = cfg.block
     lanes = jnp.arange(blk, dtype=jnp.int32)
 
     def merge():
@@ -270,15 +335,32 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
 
         return jax.lax.fori_loop(0, chunks, one_segment, row * 0)
 
-    def exact():
-        count, compact = _streaming(entries, length * 0, length, blk)
-        return _exact_compact(
-            count, lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash), top_k
-        )
-
-    final = jax.lax.cond(fast_ok, merge, exact)
+    final = jax.lax.cond(fast_ok, merge, lambda: row * 0)
     plt.store(count_ref.at[row], jnp.minimum(final, cap))
     plt.store(slow_ref.at[row], jnp.where(fast_ok, 0, 1).astype(jnp.int32))
+
+
+def _exact_kernel(*refs, dense, top_k, cap, cfg):
+    """Program (row): the exact slow path for a row flagged by the compaction kernels;
+    other rows return at once and keep their buffers (aliased in and out)."""
+    source, slow_ref = refs[:3], refs[3]
+    codes_ref, ids_ref, count_ref = refs[-3:]
+    row = pl.program_id(0)
+    blk = cfg.block
+
+    @pl.when(plt.load(slow_ref.at[row]) != 0)
+    def _():
+        _, block, lo, hi = _row_source(source, dense, row, blk)
+        first = lo // blk * blk
+        count, count_many, compact = _streaming(block, first, (hi - first + blk - 1) // blk, blk)
+        trash = count_ref.shape[0] * cap
+        final = _exact_compact(
+            count,
+            count_many,
+            lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash),
+            top_k,
+        )
+        plt.store(count_ref.at[row], jnp.minimum(final, cap))
 
 
 def default_chunks(rows: int, length: int) -> int:
@@ -291,51 +373,52 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
     interpret = backend.is_interpret()
     i32 = jnp.int32
     empty = lambda n: (jnp.full((n,), EMPTY_CODE, i32), jnp.full((n,), -1, i32))  # noqa: E731
+    buffers = lambda n: (  # noqa: E731
+        jax.ShapeDtypeStruct((n * cap,), i32),
+        jax.ShapeDtypeStruct((n * cap,), i32),
+        jax.ShapeDtypeStruct((n,), i32),
+    )
     statics = dict(dense=dense, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
+    flag = jax.ShapeDtypeStruct((t,), i32)
     if chunks == 1:
         codes, ids, count, slow = pl.pallas_call(
             functools.partial(_chunk_kernel, **statics),
             grid=(t, 1),
-            out_shape=(
-                jax.ShapeDtypeStruct((t * cap,), i32),
-                jax.ShapeDtypeStruct((t * cap,), i32),
-                jax.ShapeDtypeStruct((t,), i32),
-                jax.ShapeDtypeStruct((t,), i32),
-            ),
+            out_shape=(*buffers(t), flag),
             input_output_aliases={3: 0, 4: 1},
             compiler_params=compiler,
             interpret=interpret,
             name="jsparse_topk_compact",
         )(*inputs, *empty(t * cap))
-        return codes.reshape(t, cap), ids.reshape(t, cap), count, slow
-    n_seg = t * chunks
-    seg_codes, seg_ids, seg_count = pl.pallas_call(
-        functools.partial(_chunk_kernel, **statics),
-        grid=(t, chunks),
-        out_shape=(
-            jax.ShapeDtypeStruct((n_seg * cap,), i32),
-            jax.ShapeDtypeStruct((n_seg * cap,), i32),
-            jax.ShapeDtypeStruct((n_seg,), i32),
-        ),
-        input_output_aliases={3: 0, 4: 1},
-        compiler_params=compiler,
-        interpret=interpret,
-        name="jsparse_topk_compact_chunks",
-    )(*inputs, *empty(n_seg * cap))
-    codes, ids, count, slow = pl.pallas_call(
-        functools.partial(_merge_kernel, **statics),
+    else:
+        n_seg = t * chunks
+        seg_codes, seg_ids, seg_count = pl.pallas_call(
+            functools.partial(_chunk_kernel, **statics),
+            grid=(t, chunks),
+            out_shape=buffers(n_seg),
+            input_output_aliases={3: 0, 4: 1},
+            compiler_params=compiler,
+            interpret=interpret,
+            name="jsparse_topk_compact_chunks",
+        )(*inputs, *empty(n_seg * cap))
+        codes, ids, count, slow = pl.pallas_call(
+            functools.partial(_merge_kernel, **statics),
+            grid=(t,),
+            out_shape=(*buffers(t), flag),
+            input_output_aliases={6: 0, 7: 1},
+            compiler_params=compiler,
+            interpret=interpret,
+            name="jsparse_topk_merge",
+        )(*inputs, seg_codes, seg_ids, seg_count, *empty(t * cap))
+    codes, ids, count = pl.pallas_call(
+        functools.partial(_exact_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
         grid=(t,),
-        out_shape=(
-            jax.ShapeDtypeStruct((t * cap,), i32),
-            jax.ShapeDtypeStruct((t * cap,), i32),
-            jax.ShapeDtypeStruct((t,), i32),
-            jax.ShapeDtypeStruct((t,), i32),
-        ),
-        input_output_aliases={6: 0, 7: 1},
+        out_shape=buffers(t),
+        input_output_aliases={4: 0, 5: 1, 6: 2},
         compiler_params=compiler,
         interpret=interpret,
-        name="jsparse_topk_merge",
-    )(*inputs, seg_codes, seg_ids, seg_count, *empty(t * cap))
+        name="jsparse_topk_exact",
+    )(*inputs, slow, codes, ids, count)
     return codes.reshape(t, cap), ids.reshape(t, cap), count, slow
 
 
