@@ -131,7 +131,7 @@ def tune_dtype(args, dtype, floors, configs, rows):
         "topk_full (all stages)": (
             jax.jit(lambda *a: methods.topk_full(*a[:3], k, *a[3:], cfg=cfg)), a),
     }  # fmt: skip
-    print(f"{dtype}: slow-path rows in compact_rows: {int(jnp.sum(slow))} of {args.t}")
+    print(f"{dtype}: rows off the fast path in compact_rows: {int(jnp.sum(slow > 0))} of {args.t}")
     for name, (fn, fa) in stages.items():
         t = common.time_fn(fn, [fa], budget_s=0.5)
         row = dict(stage=name, dtype=dtype, config=str(cfg), ms=1e3 * t.median_s)
