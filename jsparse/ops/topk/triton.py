@@ -372,13 +372,15 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
         theta = _sample_threshold(entries, length, top_k, cap, missed=plt.load(count_ref.at[row]))
         stored = into_row(lambda c, i: c >= theta)
         retry_ok = (stored >= jnp.minimum(top_k, length)) & (stored <= cap)
+        # Stored before the branch: compiled, a store of this flag after it read 0 on
+        # an H200 where interpret mode gave SEARCHED (run 25).
+        plt.store(slow_ref.at[row], jnp.where(retry_ok, RETRIED, SEARCHED))
         final = jax.lax.cond(
             retry_ok,
             lambda: stored,
             lambda: _exact_compact(count, count_many, into_row, top_k),
         )
         plt.store(count_ref.at[row], jnp.minimum(final, cap))
-        plt.store(slow_ref.at[row], jnp.where(retry_ok, RETRIED, SEARCHED))
 
 
 def default_chunks(rows: int, length: int) -> int:
