@@ -128,7 +128,9 @@ def _screen_kernel(
     )  # [BQ, W, D]
     rows2 = rows.reshape(bq * w, p.dim)
     omega = plt.load(omega_ref.at[q_safe[:, None], wi[None, :]], mask=q_ok[:, None], other=0.0)
-    aux_mask = jnp.where(wi < planner.AUX_ROWS, 1.0, 0.0).astype(jnp.float32)  # rows hi, lo
+    # A cast, not where(p, 1.0, 0.0): Pallas Triton lowers a select between two Python
+    # literals as an i1 select (see the path flags in jsparse/ops/topk/triton.py).
+    aux_mask = (wi < planner.AUX_ROWS).astype(jnp.float32)  # rows hi, lo
     sub = jnp.arange(nsub, dtype=jnp.int32)
     blk = plt.load(tile_ref.at[i, sub])  # [nsub] scorer blocks of this program
     blk_ok = blk >= 0
@@ -164,7 +166,7 @@ def _screen_kernel(
         bound = (bound + ecoef[None, :] * knorm[:, None] + cabs[None, :]) * scale[:, None]
         reject = (score_code(bound) < tau[None, :]) & (knorm[:, None] < jnp.inf)
         visible = ok[:, None] & (ids[:, None] >= start[None, :]) & (ids[:, None] < end[None, :])
-        keep = jnp.where(visible & ~reject, 1, 0).astype(jnp.int32).T  # [BQ, BS]
+        keep = (visible & ~reject).astype(jnp.int32).T  # [BQ, BS]
         n_q = n_q + jnp.sum(keep, axis=1)
         union = jnp.sum(keep.reshape(nsub, bt, bs), axis=1) > 0  # [nsub, BS]
         union_i = union.astype(jnp.int32)

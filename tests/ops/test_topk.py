@@ -130,6 +130,17 @@ def test_sample_threshold_is_robust_to_clustered_scores(kernel_impl):
 
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_missed_sample_is_retried_then_exact(chunks, kernel_impl):
+    _check_missed_sample(chunks)
+
+
+@pytest.mark.gpu
+def test_gpu_missed_sample_flags_compiled():
+    # The path flags come from scalar selects, which Pallas Triton once lowered wrongly
+    # for Python-int branches (2 stored as 0); interpret mode cannot see that.
+    _check_missed_sample(1)
+
+
+def _check_missed_sample(chunks):
     # Row 0: the sampled positions hold the highest scores, so θ from the sample admits
     # fewer than K entries; the retry at a rescaled rank must land in [K, cap] in one
     # pass. Row 1: all scores tie, no threshold can: the exact search runs.

@@ -52,8 +52,11 @@ SAMPLE_BLOCK = 8
 SAMPLE_BITS = 16  # the sample threshold needs only a lower bound: 16 bits of the code suffice
 MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in registers
 RADIX = 16  # trial thresholds per streaming pass of the exact path
-# compact_rows' per-row report of the path taken
-FAST, RETRIED, SEARCHED = 0, 1, 2
+# compact_rows' per-row report of the path taken. Typed on purpose: in a Pallas Triton
+# kernel, jnp.where(p, 1, 2) with two Python-int branches lowers to an i1 select of
+# `true`/`false` and stores 1 or 0 (run 25's anomaly, confirmed in the lowered IR);
+# np.int32 branches, or arithmetic on p.astype(int32), lower correctly.
+FAST, RETRIED, SEARCHED = np.int32(0), np.int32(1), np.int32(2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,8 +375,6 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
         theta = _sample_threshold(entries, length, top_k, cap, missed=plt.load(count_ref.at[row]))
         stored = into_row(lambda c, i: c >= theta)
         retry_ok = (stored >= jnp.minimum(top_k, length)) & (stored <= cap)
-        # Stored before the branch: compiled, a store of this flag after it read 0 on
-        # an H200 where interpret mode gave SEARCHED (run 25).
         plt.store(slow_ref.at[row], jnp.where(retry_ok, RETRIED, SEARCHED))
         final = jax.lax.cond(
             retry_ok,
