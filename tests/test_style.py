@@ -1,5 +1,6 @@
 """The linter and formatter are part of the test suite."""
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -22,3 +23,28 @@ def _ruff(*args: str) -> subprocess.CompletedProcess:
 def test_ruff(args):
     result = _ruff(*args)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _literal_number(node) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        node = node.operand
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float, bool)
+
+
+def test_no_select_between_two_python_literals_in_triton_kernels():
+    # Pallas Triton lowers jnp.where(p, 1, 2) with two Python-number branches to an i1
+    # select of true/false: 2 is stored as 0 (WORKSPACE.md, run 25). Interpret mode
+    # cannot see it, so the kernel modules must not contain the pattern at all.
+    found = []
+    for path in sorted(ROOT.glob("jsparse/**/triton.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "where"
+                and len(node.args) == 3
+                and _literal_number(node.args[1])
+                and _literal_number(node.args[2])
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"where(p, literal, literal) in Triton kernel modules: {found}"
