@@ -32,9 +32,10 @@ def _literal_number(node) -> bool:
 
 
 def test_no_select_between_two_python_literals_in_triton_kernels():
-    # Pallas Triton lowers jnp.where(p, 1, 2) with two Python-number branches to an i1
-    # select of true/false: 2 is stored as 0 (WORKSPACE.md, run 25). Interpret mode
-    # cannot see it, so the kernel modules must not contain the pattern at all.
+    # Pallas Triton lowers jnp.where(p, 1, 2) with a scalar p and two Python-number
+    # branches to an i1 select of true/false: 2 is stored as 0 (WORKSPACE.md, run 25).
+    # Interpret mode cannot see it. Vector predicates lower correctly, but the rule is
+    # kept simple: no select between two Python literals in a kernel module.
     found = []
     for path in sorted(ROOT.glob("jsparse/**/triton.py")):
         for node in ast.walk(ast.parse(path.read_text())):
