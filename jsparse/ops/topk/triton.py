@@ -126,9 +126,10 @@ def _row_source(refs, dense, row, blk):
     gathers (codes, ids, ok) at offsets ``pos`` from lo (any shape; EMPTY past the row),
     for the θ sample. ``block(a)`` loads the ``blk`` entries at storage positions
     a .. a+blk-1, a a multiple of blk, masked to [lo, hi): streaming passes walk aligned
-    blocks so each thread loads 16 contiguous bytes, which Triton can only emit when the
-    offset is provably aligned (the unaligned loads of a dynamic ``start`` cost ~20% of
-    compaction on an H200, WORKSPACE.md run 21). Rows whose storage length is not a
+    blocks so each thread can load 16 contiguous bytes, which Triton only emits when the
+    offset is provably aligned. (A lone streaming kernel gained 0.5-0.9 ms from this at
+    8192 × 64K, WORKSPACE.md run 21; whole compaction measured the same either way,
+    runs 23-25: its scattered stores dominate.) Rows whose storage length is not a
     multiple of blk use a gathered load instead.
     """
     lanes = jnp.arange(blk, dtype=jnp.int32)
