@@ -153,24 +153,12 @@ def run_prefill(wl, args, out):
 
     def call(method="dosa", **opts):
         if method in ("base", "full"):
-            return _jitted(
-                lambda q, w, k, ks, st, en: jsparse.indexer_topk(
-                    q, w, k, top_k, method=method, k_scale=ks, kv_start=st, kv_end=en
-                ),
-                *arrays,
-            )
+            fn, opts = jsparse.indexer_topk, dict(method=method)
+        else:
+            fn, opts = dosa_topk, dict(method=method, return_info=True, **opts)
         return _jitted(
-            lambda q, w, k, ks, st, en: dosa_topk(
-                q,
-                w,
-                k,
-                top_k,
-                method=method,
-                k_scale=ks,
-                kv_start=st,
-                kv_end=en,
-                return_info=True,
-                **opts,
+            lambda q, w, k, ks, st, en: fn(
+                q, w, k, top_k, k_scale=ks, kv_start=st, kv_end=en, **opts
             ),
             *arrays,
         )
@@ -270,19 +258,18 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
             ),
             q, w, flat, flat_scale, offset, offset + lengths,
         )  # fmt: skip
-        dosa_fn = _jitted(
-            lambda q, w, kc, ks, n, wit: indexer_topk_decode(
-                q, w, kc, top_k, k_scale=ks, lengths=n, witnesses=wit
-            ),
-            q, w, wl.k_cache, wl.k_scale, lengths, witnesses,
-        )  # fmt: skip
-        if args.page_size:
-            paged_fn = _jitted(
-                lambda q, w, kc, ks, n, wit, tab: indexer_topk_decode(
-                    q, w, kc, top_k, k_scale=ks, lengths=n, witnesses=wit, page_table=tab
+
+        def decode_fn(cache, scale, wit, tab=None, q=q, w=w, lengths=lengths):
+            return _jitted(
+                lambda q, w, kc, ks, lens, wit, tab: indexer_topk_decode(
+                    q, w, kc, top_k, k_scale=ks, lengths=lens, witnesses=wit, page_table=tab
                 ),
-                q, w, pool, pool_scale, lengths, paged_witnesses, table,
+                q, w, cache, scale, lengths, wit, tab,
             )  # fmt: skip
+
+        dosa_fn = decode_fn(wl.k_cache, wl.k_scale, witnesses)
+        if args.page_size:
+            paged_fn = decode_fn(pool, pool_scale, paged_witnesses, table)
 
         base = base_fn()
         res, new_witnesses = dosa_fn()

@@ -28,8 +28,9 @@ def candidate_capacity(top_k: int, num_keys: int) -> int:
     """Slots per row for compact_rows: 2·K plus room for the sample's granularity.
 
     Not a power of two on purpose: at 8192 × 128K i.i.d. scores the largest row count was
-    4076 for K = 2048 (WORKSPACE.md run 22), so a 4096-slot buffer sent 5 rows down the
-    slow path (~40 passes over the row in one program: milliseconds of tail).
+    4076 for K = 2048 (WORKSPACE.md run 22), so a 4096-slot buffer sent 5 rows off the
+    fast path (then ~40 passes over the row in one program; now usually one retry pass,
+    still a second pass over the row).
     """
     spacing = -(-num_keys // (select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK))
     return _round_up(2 * top_k + 16 * spacing, 256)

@@ -138,9 +138,6 @@ def _row_source(refs, dense, row, blk):
         lo, hi = plt.load(start_ref.at[row]), plt.load(end_ref.at[row])
         width = scores_ref.shape[1]
 
-        def load(ref, pos, ok, other):
-            return plt.load(ref.at[row, jnp.where(ok, pos, 0)], mask=ok, other=other)
-
         def to_entries(x, pos, ok):
             return jnp.where(ok, score_code(x), EMPTY_CODE), pos, ok
 
@@ -150,13 +147,13 @@ def _row_source(refs, dense, row, blk):
         width = codes_ref.shape[1]
         lo, hi = row * 0, jnp.minimum(plt.load(count_ref.at[row]), width)
 
-        def load(ref, pos, ok, other):
-            return plt.load(ref.at[row, jnp.where(ok, pos, 0)], mask=ok, other=other)
-
         def to_entries(c, i, pos, ok):
             return jnp.where(ok, c, EMPTY_CODE), i, ok
 
         refs_other = ((codes_ref, EMPTY_CODE), (ids_ref, -1))
+
+    def load(ref, pos, ok, other):  # gathered: any positions
+        return plt.load(ref.at[row, jnp.where(ok, pos, 0)], mask=ok, other=other)
 
     def entries(pos):
         ok = pos < hi - lo
@@ -181,6 +178,12 @@ def _row_source(refs, dense, row, blk):
     return entries, block, lo, hi
 
 
+def _aligned_blocks(lo, hi, blk):
+    """(first, n): the blk-aligned blocks first, first + blk, ... that touch [lo, hi)."""
+    first = lo // blk * blk
+    return first, (hi - first + blk - 1) // blk
+
+
 def _streaming(block, first, n_blocks, blk):
     """count(pred), count_many(preds) and compact(keep, out, base, cap) over the aligned blocks
     first, first + blk, ... (n_blocks of them)."""
@@ -193,7 +196,7 @@ def _streaming(block, first, n_blocks, blk):
         return jax.lax.fori_loop(0, n_blocks, body, n_blocks * 0)
 
     def count_many(pred_many):
-        """Counts for R predicates in one pass: pred_many(c, i) gives [R, blk] bools."""
+        """Counts for RADIX predicates in one pass: pred_many(c, i) gives [RADIX, blk]."""
 
         def body(j, acc):
             c, i, ok = block(first + j * blk)
@@ -289,8 +292,7 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
     blk = cfg.block
     entries, block, lo, hi = _row_source(source, dense, row, blk)
     length = hi - lo
-    first = lo // blk * blk
-    total = (hi - first + blk - 1) // blk  # aligned blocks touching [lo, hi)
+    first, total = _aligned_blocks(lo, hi, blk)
     per_chunk = (total + chunks - 1) // chunks
     own = jnp.clip(total - chunk * per_chunk, 0, per_chunk)
     _, _, compact = _streaming(block, first + chunk * per_chunk * blk, own, blk)
@@ -369,8 +371,7 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
     @pl.when(plt.load(slow_ref.at[row]) != 0)
     def _():
         entries, block, lo, hi = _row_source(source, dense, row, blk)
-        first = lo // blk * blk
-        count, count_many, compact = _streaming(block, first, (hi - first + blk - 1) // blk, blk)
+        count, count_many, compact = _streaming(block, *_aligned_blocks(lo, hi, blk), blk)
         trash = count_ref.shape[0] * cap
         into_row = lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash)  # noqa: E731
         length = hi - lo
