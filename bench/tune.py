@@ -108,9 +108,9 @@ def tune_dtype(args, dtype, floors, configs, rows):
             best_sel = (scfg, t.median_s)
     scfg = best_sel[0]
     compact = jax.jit(lambda s, a, b: select.compact_rows(s, a, b, k, cap, scfg))
-    cc, ci, cn, slow = compact(scores, start, end)
-    sel = jax.jit(lambda c, i, n: select.select_candidates(c, i, n, k))
-    sc, si, _ = sel(cc, ci, cn)
+    ci, cn, slow = compact(scores, start, end)
+    sel = jax.jit(lambda x, i, n: select.select_rows(x, i, n, k))
+    sc, si, _ = sel(scores, ci, cn)
     order = jax.jit(select.order_topk)
     oi, _ = order(sc, si)
     # check the selection on a few rows against a full sort
@@ -121,7 +121,7 @@ def tune_dtype(args, dtype, floors, configs, rows):
         assert np.array_equal(np.asarray(oi[r]), want_ids), f"selection wrong at row {r}"
     stages = {
         "compact_rows": (compact, (scores, start, end)),
-        "select_candidates": (sel, (cc, ci, cn)),
+        "select_rows": (sel, (scores, ci, cn)),
         "order_topk (XLA sort)": (order, (sc, si)),
         "lax.top_k on scores": (jax.jit(lambda s: jax.lax.top_k(s, k)), (scores,)),
         "topk_base (all stages)": (

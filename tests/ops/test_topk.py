@@ -19,18 +19,25 @@ def test_codes_order_and_round_trip():
     assert np.isnan(back[8])
 
 
-def _records(rng, t, n, distinct_codes):
-    codes = rng.integers(-50, 50, size=(t, n)) if distinct_codes else np.zeros((t, n))
+def _records(rng, t, n, kind):
+    if kind == "heavy-ties":
+        codes = rng.integers(-50, 50, size=(t, n))
+    elif kind == "full-range":  # every score from -inf to NaN: the search's int32 range
+        lo, hi = (int(c) for c in codes_lib.score_code(jnp.array([-jnp.inf, jnp.nan])))
+        codes = rng.integers(lo, hi + 1, size=(t, n))
+        codes[:, :4] = [lo, hi, lo, hi]
+    else:
+        codes = np.zeros((t, n))
     codes = np.asarray(codes, np.int32)
     ids = np.stack([rng.permutation(10 * n)[:n] for _ in range(t)]).astype(np.int32)
     return codes, ids
 
 
-@pytest.mark.parametrize("distinct", [True, False], ids=["heavy-ties", "all-tied"])
+@pytest.mark.parametrize("kind", ["heavy-ties", "all-tied", "full-range"])
 @pytest.mark.parametrize("n, counts", [(300, [300, 17, 0, 123]), (5000, [5000, 40, 4999, 2])])
-def test_select_candidates_unordered_records(distinct, n, counts, kernel_impl):
+def test_select_candidates_unordered_records(kind, n, counts, kernel_impl):
     rng = np.random.default_rng(n)
-    codes, ids = _records(rng, 4, n, distinct)
+    codes, ids = _records(rng, 4, n, kind)
     counts = np.asarray(counts, np.int32)
     top_k = 25
     got_c, got_i, kth = select.select_candidates(
@@ -56,22 +63,31 @@ def test_select_candidates_unordered_records(distinct, n, counts, kernel_impl):
 # block loads (with ranges that start and end mid-block); 9000: the gathered loads.
 @pytest.mark.parametrize("s", [9000, 8192])
 @pytest.mark.parametrize("chunks", [1, 3])
-@pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values"])
+@pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values", "specials"])
 def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
     rng = np.random.default_rng(1)
     t, top_k = 3, 40
+    start_end = [(0, s), (100, 7000), (s - 10, s)]
     scores = rng.standard_normal((t, s)).astype(np.float32)
     if kind == "all-equal":
         scores[:] = 1.5  # every entry ties: the slow path must take the smallest ids
     elif kind == "few-values":
         scores = np.round(scores * 2) / 2
-    start = np.array([0, 100, s - 10], np.int32)
-    end = np.array([s, 7000, s], np.int32)
+    elif kind == "specials":  # the compaction's float compare must keep what codes keep
+        scores = np.minimum(scores, 0.0)  # ~half the row ties at 0.0 ...
+        scores[:, 1::4] = -0.0  # ... or at -0.0, which is the same score
+        scores[:, ::3] = -np.inf
+        for r in range(t):
+            a, b = start_end[r]
+            pick = rng.choice(np.arange(a, b), min(20, b - a), replace=False)
+            scores[r, pick[:10]] = np.nan  # above +inf
+            scores[r, pick[10:]] = np.inf  # the boundary then falls among the zeros
+    start, end = (np.array(x, np.int32) for x in zip(*start_end, strict=True))
     cap = 512
-    cc, ci, cn, slow = select.compact_rows(
+    ci, cn, slow = select.compact_rows(
         jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=chunks
     )
-    sc, si, _ = select.select_candidates(cc, ci, cn, top_k)
+    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
     got = select.order_topk(sc, si, id_ordered=True)
     ids = np.arange(s)[None, :]
     vis = (ids >= start[:, None]) & (ids < end[:, None])
@@ -86,7 +102,7 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_compact_records_then_select(chunks, width, kernel_impl):
     rng = np.random.default_rng(2)
-    codes, ids = _records(rng, 2, width, True)
+    codes, ids = _records(rng, 2, width, "heavy-ties")
     counts = np.array([width, 5000], np.int32)
     cc, ci, cn, _ = select.compact_records(
         jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), 30, 512, chunks=chunks
@@ -117,11 +133,11 @@ def test_sample_threshold_is_robust_to_clustered_scores(kernel_impl):
         scores[r, lo : lo + 600] += 4.0  # the Top-K lives in these 600 keys
     start = np.zeros(t, np.int32)
     end = np.full(t, s, np.int32)
-    cc, ci, cn, slow = select.compact_rows(
+    ci, cn, slow = select.compact_rows(
         jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=1
     )
     assert int(np.asarray(slow).sum()) <= 1, np.asarray(slow)
-    sc, si, _ = select.select_candidates(cc, ci, cn, top_k)
+    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
     got = select.order_topk(sc, si, id_ordered=True)
     ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (t, s))
     want = select_topk_reference(jnp.asarray(scores), ids, top_k)
@@ -151,17 +167,16 @@ def _check_missed_sample(chunks):
     sampled = (k // select.SAMPLE_BLOCK) * (s - select.SAMPLE_BLOCK) // (
         select.SAMPLE_BLOCKS - 1
     ) + k % select.SAMPLE_BLOCK
-    # log-uniform over 10 octaves: θ keeps 16 bits of the code, so values must differ in
-    # their leading bits for the sample's rank to carry over to the row
+    # log-uniform over 10 octaves, far above the rest of the row
     scores[0, sampled] = 10.0 * 2.0 ** (10 * rng.random(sampled.size)).astype(np.float32)
     scores[1] = 2.0
     start = np.zeros(t, np.int32)
     end = np.full(t, s, np.int32)
-    cc, ci, cn, slow = select.compact_rows(
+    ci, cn, slow = select.compact_rows(
         jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=chunks
     )
     np.testing.assert_array_equal(np.asarray(slow), [select.RETRIED, select.SEARCHED])
-    sc, si, _ = select.select_candidates(cc, ci, cn, top_k)
+    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
     got = select.order_topk(sc, si, id_ordered=True)
     ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (t, s))
     want = select_topk_reference(jnp.asarray(scores), ids, top_k)

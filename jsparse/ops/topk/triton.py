@@ -7,20 +7,24 @@ so selection is built from what is fast: streaming compares, sums and forward
 
 Two kernels:
 
-* :func:`compact_rows` (a long row → a short candidate buffer). A row is either a
-  dense score row (ids are positions in ``[start, end)``) or a list of records
-  (code, id). A sample of the row (the whole row when short, else 512 evenly spaced
-  runs of 8) gives a threshold θ whose expected count of entries ≥ θ is a little
-  above K; one streaming pass compacts every entry with code ≥ θ, in row order, into
-  ``cap`` slots. If the count lands outside [K, cap] (an unlucky sample, or massive
-  ties), a separate kernel runs the row's exact slow path: a radix-16 search over the
-  whole row (8 passes) finds the K-th code θ*, and one pass stores the entries above θ*
-  plus the ties with the smallest ids: exactly K. Either way the buffer holds every
-  entry of the exact Top-K.
-* :func:`select_candidates` (candidate buffer → Top-K set). Bisection over the bits of
-  the code finds the K-th largest code θ; every entry above θ enters; ties at θ enter
-  by ascending id (a bisection over ids finds the cut when ties straddle the
-  boundary). Output keeps the input order.
+* :func:`compact_rows` / :func:`compact_records` (a long row → a short candidate
+  buffer). A row is either a dense score row (ids are positions in ``[start, end)``)
+  or a list of records (code, id). A sample of the row (the whole row when short, else
+  512 evenly spaced runs of 8) gives a threshold θ whose expected count of entries ≥ θ
+  is a little above K; one streaming pass compacts every entry ≥ θ, in row order, into
+  ``cap`` slots. A dense row stores only ids (the select gathers their scores back):
+  the second scattered store and the code of every entry cost more than the gather
+  (WORKSPACE.md run 26). If the count lands outside [K, cap] (an unlucky sample, or
+  massive ties), a separate kernel runs the row's slow path: one retry at a rescaled
+  rank, then a radix-16 search over the whole row (8 passes) for the K-th code θ*,
+  and one pass stores the entries above θ* plus the ties with the smallest ids:
+  exactly K. Either way the buffer holds every entry of the exact Top-K.
+* :func:`select_candidates` / :func:`select_rows` (candidate buffer → Top-K set). An
+  interpolation search over codes, safeguarded by bisection, finds the K-th largest
+  code θ in ~10 block-wide counts instead of bisection's 32 (select is bound by its
+  dependent reductions, run 26); every entry above θ enters; ties at θ enter by
+  ascending id (a bisection over ids finds the cut when ties straddle the boundary).
+  Output keeps the input order.
 
 The final order (score descending, id ascending) is an XLA sort of K entries per row
 (:func:`order_topk`): one stable key when the entries are already in id order, else
@@ -49,8 +53,8 @@ _INT_MAX = np.int32(np.iinfo(np.int32).max)
 # slow path (WORKSPACE.md, 2026-11-29).
 SAMPLE_BLOCKS = 512
 SAMPLE_BLOCK = 8
-SAMPLE_BITS = 16  # the sample threshold needs only a lower bound: 16 bits of the code suffice
 MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in registers
+SMALL_RESIDENT = 4096  # ... in a block of this many when they fit (run 26: −8% select)
 RADIX = 16  # trial thresholds per streaming pass of the exact path
 # compact_rows' per-row report of the path taken. Typed on purpose: in a Pallas Triton
 # kernel, jnp.where(p, 1, 2) with two Python-int branches lowers to an i1 select of
@@ -68,18 +72,46 @@ class SelectConfig:
     num_stages: int = 1
 
 
-def _bisect_code(count_ge, rank, bits=32):
-    """Largest code θ (to ``bits`` bits) with count_ge(θ) ≥ rank, rank ≥ 1.
+def _kth_code(codes, ok, rank):
+    """The rank-th largest of the codes where ``ok`` (1 ≤ rank ≤ their count), exactly.
 
-    Works in the unsigned order (code ^ INT_MIN), where setting bits only increases θ;
-    with fewer than 32 bits the result is rounded down: still a valid lower bound.
+    A search over code values for the largest θ with count(codes ≥ θ) ≥ rank, keeping
+    lo (count ≥ rank) and hi (count < rank). Each step guesses by linear interpolation
+    of the two counts, or bisects when the previous step did not halve [lo, hi), so it
+    never takes more than ~64 counts; on the score distributions tried (normal,
+    exponential, uniform, log-normal, Cauchy tails) it takes ~5-11. It stops early when
+    count(≥ lo) is exactly rank: θ is then the smallest code ≥ lo.
     """
+    f32 = jnp.float32
 
-    def step(b, prefix):
-        trial = prefix | jnp.left_shift(jnp.int32(1), 31 - b)
-        return jnp.where(count_ge(trial ^ _INT_MIN) >= rank, trial, prefix)
+    def count_ge(th):
+        return jnp.sum((ok & (codes >= th)).astype(jnp.int32))
 
-    return jax.lax.fori_loop(0, bits, step, rank * 0) ^ _INT_MIN
+    lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
+    hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
+    c_lo = jnp.sum(ok.astype(jnp.int32))
+
+    def searching(state):
+        lo, hi, c_lo, _, _ = state
+        return (lo + 1 < hi) & (c_lo != rank)
+
+    def step(state):
+        lo, hi, c_lo, c_hi, bisect = state
+        width = hi.astype(f32) - lo.astype(f32)  # in f32: hi - lo may not fit int32
+        frac = (c_lo - rank).astype(f32) / (c_lo - c_hi).astype(f32)
+        guess = jnp.clip(lo.astype(f32) + width * frac, -(2.0**31) + 256, 2.0**31 - 256)
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        trial = jnp.clip(jnp.where(bisect != 0, mid, guess.astype(jnp.int32)), lo + 1, hi - 1)
+        c_trial = count_ge(trial)
+        up = c_trial >= rank
+        lo, c_lo = jnp.where(up, trial, lo), jnp.where(up, c_trial, c_lo)
+        hi, c_hi = jnp.where(up, hi, trial), jnp.where(up, c_hi, c_trial)
+        halved = 2 * (hi.astype(f32) - lo.astype(f32)) <= width
+        return lo, hi, c_lo, c_hi, 1 - halved.astype(jnp.int32)
+
+    lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, (lo, hi, c_lo, c_lo * 0, c_lo * 0))
+    smallest_above = jnp.min(jnp.where(ok & (codes >= lo), codes, _INT_MAX))
+    return jnp.where(c_lo == rank, smallest_above, lo)
 
 
 def _id_cut(count_ties, need):
@@ -124,56 +156,60 @@ def _row_source(refs, dense, row, blk):
 
     The row's entries sit at positions [lo, hi) of its storage row. ``entries(pos)``
     gathers (codes, ids, ok) at offsets ``pos`` from lo (any shape; EMPTY past the row),
-    for the θ sample. ``block(a)`` loads the ``blk`` entries at storage positions
-    a .. a+blk-1, a a multiple of blk, masked to [lo, hi): streaming passes walk aligned
-    blocks so each thread can load 16 contiguous bytes, which Triton only emits when the
-    offset is provably aligned. (A lone streaming kernel gained 0.5-0.9 ms from this at
-    8192 × 64K, WORKSPACE.md run 21; whole compaction measured the same either way,
-    runs 23-25: its scattered stores dominate.) Rows whose storage length is not a
-    multiple of blk use a gathered load instead.
+    for the θ sample. ``block(a, masked, raw)`` loads the ``blk`` entries at storage
+    positions a .. a+blk-1, a a multiple of blk: (codes, ids, ok), or with ``raw`` (dense
+    rows) the scores themselves in place of codes. ``masked=False`` is for blocks inside
+    [lo, hi) (every block but a row's first and last): no mask, and ok is None.
+    Streaming passes walk aligned blocks so each thread can load 16 contiguous bytes,
+    which Triton only emits when the offset is provably aligned; rows whose storage
+    length is not a multiple of blk use a gathered load instead.
     """
     lanes = jnp.arange(blk, dtype=jnp.int32)
     if dense:
         scores_ref, start_ref, end_ref = refs
         lo, hi = plt.load(start_ref.at[row]), plt.load(end_ref.at[row])
         width = scores_ref.shape[1]
-
-        def to_entries(x, pos, ok):
-            return jnp.where(ok, score_code(x), EMPTY_CODE), pos, ok
-
         refs_other = ((scores_ref, 0.0),)
     else:
         codes_ref, ids_ref, count_ref = refs
         width = codes_ref.shape[1]
         lo, hi = row * 0, jnp.minimum(plt.load(count_ref.at[row]), width)
-
-        def to_entries(c, i, pos, ok):
-            return jnp.where(ok, c, EMPTY_CODE), i, ok
-
         refs_other = ((codes_ref, EMPTY_CODE), (ids_ref, -1))
 
+    def to_entries(loaded, pos, ok, raw):
+        if dense:
+            (x,) = loaded
+            c, i = (x if raw else score_code(x)), pos
+        else:
+            c, i = loaded
+        if ok is not None and not raw:
+            c = jnp.where(ok, c, EMPTY_CODE)
+        return c, i, ok
+
     def load(ref, pos, ok, other):  # gathered: any positions
+        if ok is None:
+            return plt.load(ref.at[row, pos])
         return plt.load(ref.at[row, jnp.where(ok, pos, 0)], mask=ok, other=other)
 
     def entries(pos):
         ok = pos < hi - lo
         loaded = [load(ref, lo + pos, ok, other) for ref, other in refs_other]
-        return to_entries(*loaded, lo + pos, ok)
+        return to_entries(loaded, lo + pos, ok, raw=False)
 
     aligned = width % blk == 0
 
-    def block(a):
+    def block(a, masked=True, raw=False):
         pos = a + lanes
-        ok = (pos >= lo) & (pos < hi)
+        ok = ((pos >= lo) & (pos < hi)) if masked else None
         if aligned:
-            a = pl.multiple_of(a, blk)
-            loaded = [
-                plt.load(ref.at[row, pl.ds(a, blk)], mask=ok, other=other)
-                for ref, other in refs_other
-            ]
+            span = pl.ds(pl.multiple_of(a, blk), blk)
+            if masked:
+                loaded = [plt.load(r.at[row, span], mask=ok, other=o) for r, o in refs_other]
+            else:
+                loaded = [plt.load(r.at[row, span]) for r, _ in refs_other]
         else:
             loaded = [load(ref, pos, ok, other) for ref, other in refs_other]
-        return to_entries(*loaded, pos, ok)
+        return to_entries(loaded, pos, ok, raw)
 
     return entries, block, lo, hi
 
@@ -204,22 +240,35 @@ def _streaming(block, first, n_blocks, blk):
 
         return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((RADIX,), jnp.int32))
 
-    def compact(keep_fn, out_codes, out_ids, base, cap, trash):
-        """Stores entries keep_fn(code, id) selects, in row order, at out[base + n] for
-        n < cap; returns how many it selected (which may exceed cap)."""
+    def compact(keep_fn, out_codes, out_ids, base, cap, trash, raw=False):
+        """Stores the ids (and codes, unless out_codes is None) of the entries that
+        keep_fn(value, id) selects, in row order, at out[base + n] for n < cap; returns
+        how many it selected (which may exceed cap). ``raw``: values are dense scores.
 
-        def body(j, stored):
-            c, i, ok = block(first + j * blk)
-            keep = keep_fn(c, i) & ok
+        Only the first and last block are masked: interior blocks load unmasked (run 26:
+        −0.25 ms of 1.85 at 8192 × 64K).
+        """
+
+        def body(a, stored, masked):
+            c, i, ok = block(a, masked=masked, raw=raw)
+            keep = keep_fn(c, i) if ok is None else keep_fn(c, i) & ok
             keep_i = keep.astype(jnp.int32)
             pos = stored + jnp.cumsum(keep_i) - 1
             store = keep & (pos < cap)
             dst = jnp.where(store, base + pos, trash)
-            plt.store(out_codes.at[dst], c, mask=store)
+            if out_codes is not None:
+                plt.store(out_codes.at[dst], c, mask=store)
             plt.store(out_ids.at[dst], i, mask=store)
             return stored + jnp.sum(keep_i)
 
-        return jax.lax.fori_loop(0, n_blocks, body, n_blocks * 0)
+        # n_blocks = 0 (an empty range or chunk) reads nothing: the first block is all
+        # masked off then and the other two parts do not run.
+        stored = body(first, n_blocks * 0, True)
+        stored = jax.lax.fori_loop(
+            1, n_blocks - 1, lambda j, s: body(first + j * blk, s, False), stored
+        )
+        last = lambda s: body(first + (n_blocks - 1) * blk, s, True)  # noqa: E731
+        return jax.lax.cond(n_blocks >= 2, last, lambda s: s, stored)
 
     return count, count_many, compact
 
@@ -238,16 +287,14 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
     whole = length <= n_sample
     k = jnp.arange(n_sample, dtype=jnp.int32)
     spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
-    sample, _, _ = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
+    sample, _, sampled = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
     spaced = (top_k * n_sample * 13 + 10 * length - 1) // (10 * jnp.maximum(length, 1)) + 8
     rank = jnp.where(whole, top_k, jnp.minimum(spaced, n_sample))
     if missed is not None:
         rank = jnp.clip(rank * (top_k + cap) // (2 * jnp.maximum(missed, 1)), 1, n_sample)
     return jax.lax.cond(
         length > cap,
-        lambda: _bisect_code(
-            lambda th: jnp.sum((sample >= th).astype(jnp.int32)), rank, SAMPLE_BITS
-        ),
+        lambda: _kth_code(sample, sampled, rank),
         lambda: length * 0 + EMPTY_CODE,  # the whole row fits: keep every entry
     )
 
@@ -277,17 +324,35 @@ def _exact_compact(count, count_many, compact, top_k):
     return compact(lambda c, i: (c > kth) | ((c == kth) & (i <= cut)))
 
 
+def _at_least(theta, dense):
+    """keep(value, id): value ≥ θ. On raw dense scores this compares floats (NaN kept:
+    its code ranks above every θ), which the codes' order makes the same test; it spares
+    the code conversion of every entry (run 26)."""
+    if dense:
+        theta_f = code_to_score(theta)
+        return lambda x, i: (x >= theta_f) | (x != x)
+    return lambda c, i: c >= theta
+
+
+def _split_refs(refs, n_in, dense):
+    """(inputs, codes_out or None, ids_out, count_out, rest): dense buffers hold no codes."""
+    inputs, outs = refs[:n_in], refs[n_in:]
+    if dense:
+        return inputs, None, outs[0], outs[1], outs[2:]
+    return inputs, outs[0], outs[1], outs[2], outs[3:]
+
+
 def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
     """Program (row, chunk): compacts entries ≥ θ of its chunk of the row.
 
     With one chunk it writes the final buffer and flags the row for the exact kernel when
     the count missed [min(K, length), cap]; with several it writes segment (row, chunk)
     and the merge kernel finishes the row. The retry and the exact search live in their
-    own kernel, so this one is the streaming loop alone (moving them out did not change
-    its speed, run 24; it keeps the rare paths in one place for both kernels).
+    own kernel, so this one is the streaming loop alone.
     """
-    source = refs[:3]
-    codes_ref, ids_ref, count_ref = refs[-3:] if chunks > 1 else refs[-4:-1]
+    n_in = 3
+    refs = refs[:n_in] + refs[n_in + (1 if dense else 2) :]  # drop the aliased buffer inputs
+    source, codes_ref, ids_ref, count_ref, rest = _split_refs(refs, n_in, dense)
     row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
     entries, block, lo, hi = _row_source(source, dense, row, blk)
@@ -299,20 +364,26 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
     theta = _sample_threshold(entries, length, top_k, cap)
     segment = row * chunks + chunk
     trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
-    stored = compact(lambda c, i: c >= theta, codes_ref, ids_ref, segment * cap, cap, trash)
+    keep = _at_least(theta, dense)
+    stored = compact(keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense)
     if chunks > 1:
         plt.store(count_ref.at[segment], stored)
         return
     fast_ok = (stored >= jnp.minimum(top_k, length)) & (stored <= cap)
     plt.store(count_ref.at[row], stored)  # unclipped: a missed count steers the retry
-    plt.store(refs[-1].at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
+    plt.store(rest[0].at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
 
 
 def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     """Program (row): concatenates the row's segments, or flags it for the exact kernel."""
+    n_seg_bufs = 2 if dense else 3
     source = refs[:3]
-    seg_codes_ref, seg_ids_ref, seg_count_ref = refs[3:6]
-    codes_ref, ids_ref, count_ref, slow_ref = refs[-4:]
+    segs = refs[3 : 3 + n_seg_bufs]
+    seg_codes_ref = None if dense else segs[0]
+    seg_ids_ref, seg_count_ref = segs[-2:]
+    tail = refs[3 + n_seg_bufs + (1 if dense else 2) :]  # past the aliased buffer inputs
+    codes_ref = None if dense else tail[0]
+    ids_ref, count_ref, slow_ref = tail[-3:]
     row = pl.program_id(0)
     blk = cfg.block
     _, _, lo, hi = _row_source(source, dense, row, blk)
@@ -337,10 +408,11 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
                 pos = j * blk + lanes
                 ok = pos < n
                 safe = src + jnp.where(ok, pos, 0)
-                vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
-                vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
                 dst = jnp.where(ok, row * cap + offset + pos, trash)
-                plt.store(codes_ref.at[dst], vc, mask=ok)
+                if codes_ref is not None:
+                    vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
+                    plt.store(codes_ref.at[dst], vc, mask=ok)
+                vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
                 plt.store(ids_ref.at[dst], vi, mask=ok)
                 return carry
 
@@ -363,8 +435,11 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
     the exact search costs ~19 passes in one program). If the retry misses too (massive
     ties), the exact radix search.
     """
+    n_bufs = 3 if dense else 4  # (codes,) ids, count, slow: aliased in and out
     source = refs[:3]
-    codes_ref, ids_ref, count_ref, slow_ref = refs[-4:]
+    outs = refs[-n_bufs:]
+    codes_ref = None if dense else outs[0]
+    ids_ref, count_ref, slow_ref = outs[-3:]
     row = pl.program_id(0)
     blk = cfg.block
 
@@ -373,10 +448,12 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
         entries, block, lo, hi = _row_source(source, dense, row, blk)
         count, count_many, compact = _streaming(block, *_aligned_blocks(lo, hi, blk), blk)
         trash = count_ref.shape[0] * cap
-        into_row = lambda keep: compact(keep, codes_ref, ids_ref, row * cap, cap, trash)  # noqa: E731
+        into_row = lambda keep, raw=False: compact(  # noqa: E731
+            keep, codes_ref, ids_ref, row * cap, cap, trash, raw=raw
+        )
         length = hi - lo
         theta = _sample_threshold(entries, length, top_k, cap, missed=plt.load(count_ref.at[row]))
-        stored = into_row(lambda c, i: c >= theta)
+        stored = into_row(_at_least(theta, dense), raw=dense)
         retry_ok = (stored >= jnp.minimum(top_k, length)) & (stored <= cap)
         plt.store(slow_ref.at[row], jnp.where(retry_ok, RETRIED, SEARCHED))
         final = jax.lax.cond(
@@ -396,64 +473,72 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
     i32 = jnp.int32
-    empty = lambda n: (jnp.full((n,), EMPTY_CODE, i32), jnp.full((n,), -1, i32))  # noqa: E731
-    buffers = lambda n: (  # noqa: E731
-        jax.ShapeDtypeStruct((n * cap,), i32),
-        jax.ShapeDtypeStruct((n * cap,), i32),
-        jax.ShapeDtypeStruct((n,), i32),
-    )
+
+    def empty(n):  # initial slot contents: (codes,) ids
+        ids = jnp.full((n,), -1, i32)
+        return (ids,) if dense else (jnp.full((n,), EMPTY_CODE, i32), ids)
+
+    def buffers(n):
+        slots = jax.ShapeDtypeStruct((n * cap,), i32)
+        return (slots,) * (1 if dense else 2) + (jax.ShapeDtypeStruct((n,), i32),)
+
+    n_slots = 1 if dense else 2
+    aliases = lambda first: {first + k: k for k in range(n_slots)}  # noqa: E731
     statics = dict(dense=dense, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
     flag = jax.ShapeDtypeStruct((t,), i32)
     if chunks == 1:
-        codes, ids, count, slow = pl.pallas_call(
+        *bufs, slow = pl.pallas_call(
             functools.partial(_chunk_kernel, **statics),
             grid=(t, 1),
             out_shape=(*buffers(t), flag),
-            input_output_aliases={3: 0, 4: 1},
+            input_output_aliases=aliases(3),
             compiler_params=compiler,
             interpret=interpret,
             name="jsparse_topk_compact",
         )(*inputs, *empty(t * cap))
     else:
         n_seg = t * chunks
-        seg_codes, seg_ids, seg_count = pl.pallas_call(
+        segments = pl.pallas_call(
             functools.partial(_chunk_kernel, **statics),
             grid=(t, chunks),
             out_shape=buffers(n_seg),
-            input_output_aliases={3: 0, 4: 1},
+            input_output_aliases=aliases(3),
             compiler_params=compiler,
             interpret=interpret,
             name="jsparse_topk_compact_chunks",
         )(*inputs, *empty(n_seg * cap))
-        codes, ids, count, slow = pl.pallas_call(
+        *bufs, slow = pl.pallas_call(
             functools.partial(_merge_kernel, **statics),
             grid=(t,),
             out_shape=(*buffers(t), flag),
-            input_output_aliases={6: 0, 7: 1},
+            input_output_aliases=aliases(3 + len(segments)),
             compiler_params=compiler,
             interpret=interpret,
             name="jsparse_topk_merge",
-        )(*inputs, seg_codes, seg_ids, seg_count, *empty(t * cap))
-    codes, ids, count, slow = pl.pallas_call(
+        )(*inputs, *segments, *empty(t * cap))
+    n_out = len(bufs) + 1
+    *bufs, slow = pl.pallas_call(
         functools.partial(_exact_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
         grid=(t,),
         out_shape=(*buffers(t), flag),
-        input_output_aliases={3: 0, 4: 1, 5: 2, 6: 3},
+        input_output_aliases={3 + k: k for k in range(n_out)},
         compiler_params=compiler,
         interpret=interpret,
         name="jsparse_topk_exact",
-    )(*inputs, codes, ids, count, slow)
-    return codes.reshape(t, cap), ids.reshape(t, cap), count, slow
+    )(*inputs, *bufs, slow)
+    *slots, count = bufs
+    return (*(x.reshape(t, cap) for x in slots), count, slow)
 
 
 def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None):
-    """Candidate buffers [T, cap] (codes, ids; id order) holding each row's exact Top-K.
+    """Candidate ids [T, cap] (id order) holding each row's exact Top-K; no codes: the
+    select gathers their scores back (:func:`select_rows`).
 
-    ``scores`` [T, S] is read only inside ``[start[t], end[t])``. Returns (codes, ids,
-    count [T], slow [T] int32: the path each row took, FAST (0) for the sampled θ,
-    RETRIED (1) for one retry at a rescaled rank, SEARCHED (2) for the exact radix
-    search). ``cap ≥ top_k``.
-    ``chunks`` programs share a row (default: :func:`default_chunks`), for few rows.
+    ``scores`` [T, S] is read only inside ``[start[t], end[t])``. Returns (ids, count
+    [T], slow [T] int32: the path each row took, FAST (0) for the sampled θ, RETRIED (1)
+    for one retry at a rescaled rank, SEARCHED (2) for the exact radix search).
+    ``cap ≥ top_k``. ``chunks`` programs share a row (default: :func:`default_chunks`),
+    for few rows.
     """
     t, s = scores.shape
     chunks = chunks or default_chunks(t, s)
@@ -461,53 +546,34 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
 
 
 def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=None):
-    """:func:`compact_rows` for record rows (codes, ids [T, C], valid counts [T])."""
+    """:func:`compact_rows` for record rows (codes, ids [T, C], valid counts [T]); returns
+    (codes, ids, count, slow)."""
     t, n = codes.shape
     chunks = chunks or default_chunks(t, n)
     return _compact_call((codes, ids, counts), t, top_k, cap, False, cfg, chunks)
 
 
-def _select_kernel(codes_ref, ids_ref, count_ref, _c0, _i0, out_codes_ref, out_ids_ref, kth_ref,
-                   *, top_k, cap, cfg):  # fmt: skip
+def _select_kernel(src_ref, ids_ref, count_ref, _c0, _i0, out_codes_ref, out_ids_ref, kth_ref,
+                   *, top_k, cap, gather, cfg):  # fmt: skip
+    """Program (row). ``src_ref``: the candidates' codes [T·cap], or with ``gather`` the
+    dense score rows [T, S] that the candidate ids index."""
     row = pl.program_id(0)
     n = jnp.minimum(plt.load(count_ref.at[row]), cap)
-    resident = cap <= MAX_RESIDENT
-    blk = 1 << (cap - 1).bit_length() if resident else cfg.block
-    lanes = jnp.arange(blk, dtype=jnp.int32)
-    n_blocks = (n + blk - 1) // blk
     trash = count_ref.shape[0] * top_k  # one past the last slot: never a live index
 
-    def load(j):
-        idx = j * blk + lanes
+    def load(j, blk):
+        idx = j * blk + jnp.arange(blk, dtype=jnp.int32)
         ok = idx < n
         src = row * cap + jnp.where(ok, idx, 0)
-        c = plt.load(codes_ref.at[src], mask=ok, other=EMPTY_CODE)
         i = plt.load(ids_ref.at[src], mask=ok, other=-1)
+        if gather:
+            x = plt.load(src_ref.at[row, jnp.where(ok, i, 0)], mask=ok, other=0.0)
+            c = score_code(x)
+        else:
+            c = plt.load(src_ref.at[src], mask=ok, other=EMPTY_CODE)
         return jnp.where(ok, c, EMPTY_CODE), i, ok
 
-    if resident:  # one load; every pass below runs on registers
-        held = load(0)
-
-    def count(pred):
-        if resident:
-            return jnp.sum((held[2] & pred(*held[:2])).astype(jnp.int32))
-
-        def body(j, acc):
-            c, i, ok = load(j)
-            return acc + jnp.sum((ok & pred(c, i)).astype(jnp.int32))
-
-        return jax.lax.fori_loop(0, n_blocks, body, n * 0)
-
-    def threshold():
-        kth = _bisect_code(lambda th: count(lambda c, i: c >= th), top_k)
-        need = top_k - count(lambda c, i: c > kth)
-        cut = _id_cut(lambda pred: count(lambda c, i: (c == kth) & pred(i)), need)
-        return kth, cut
-
-    # (Branch results derive from a traced value: Triton's scf.if cannot yield constants.)
-    kth, cut = jax.lax.cond(n >= top_k, threshold, lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX))
-
-    def write(c, i, ok, stored):
+    def write(c, i, ok, kth, cut, stored):
         keep = ok & ((c > kth) | ((c == kth) & (i <= cut)))
         keep_i = keep.astype(jnp.int32)
         pos = stored + jnp.cumsum(keep_i) - 1
@@ -517,22 +583,65 @@ def _select_kernel(codes_ref, ids_ref, count_ref, _c0, _i0, out_codes_ref, out_i
         plt.store(out_ids_ref.at[dst], i, mask=store)
         return stored + jnp.sum(keep_i)
 
-    if resident:
-        write(*held, n * 0)
+    def tie_cut(count, kth):
+        need = top_k - count(lambda c, i: c > kth)
+        return _id_cut(lambda pred: count(lambda c, i: (c == kth) & pred(i)), need)
+
+    # (Branch results derive from a traced value: Triton's scf.if cannot yield constants.)
+    no_cut = lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX)  # noqa: E731  fewer than K: all
+
+    def resident(blk):  # one load; every pass runs on registers
+        c, i, ok = load(0, blk)
+
+        def count(pred):
+            return jnp.sum((ok & pred(c, i)).astype(jnp.int32))
+
+        def threshold():
+            kth = _kth_code(c, ok, top_k)
+            return kth, tie_cut(count, kth)
+
+        kth, cut = jax.lax.cond(n >= top_k, threshold, no_cut)
+        write(c, i, ok, kth, cut, n * 0)
+        return kth
+
+    def streamed(blk):  # buffers too long for registers: passes over blocks
+        n_blocks = (n + blk - 1) // blk
+
+        def count(pred):
+            def body(j, acc):
+                c, i, ok = load(j, blk)
+                return acc + jnp.sum((ok & pred(c, i)).astype(jnp.int32))
+
+            return jax.lax.fori_loop(0, n_blocks, body, n * 0)
+
+        def threshold():
+            def step(b, prefix):  # bisection over the bits, in the unsigned order
+                trial = prefix | jnp.left_shift(jnp.int32(1), 31 - b)
+                ok = count(lambda c, i: c >= (trial ^ _INT_MIN)) >= top_k
+                return jnp.where(ok, trial, prefix)
+
+            kth = jax.lax.fori_loop(0, 32, step, n * 0) ^ _INT_MIN
+            return kth, tie_cut(count, kth)
+
+        kth, cut = jax.lax.cond(n >= top_k, threshold, no_cut)
+        jax.lax.fori_loop(0, n_blocks, lambda j, s: write(*load(j, blk), kth, cut, s), n * 0)
+        return kth
+
+    full = 1 << (cap - 1).bit_length()
+    if cap > MAX_RESIDENT:
+        kth = streamed(cfg.block)
+    elif full > SMALL_RESIDENT:  # most rows hold far fewer than cap: a half-size block
+        kth = jax.lax.cond(
+            n <= SMALL_RESIDENT, lambda: resident(SMALL_RESIDENT), lambda: resident(full)
+        )
     else:
-        jax.lax.fori_loop(0, n_blocks, lambda j, s: write(*load(j), s), n * 0)
+        kth = resident(full)
     plt.store(kth_ref.at[row], kth)
 
 
-def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig()):
-    """Exact Top-K set of each row's candidates, in input order.
-
-    codes, ids: [T, cap]; counts: [T] (values beyond cap are clipped: callers handle
-    overflow before this). Returns (codes [T, K], ids [T, K] with EMPTY/-1 padding,
-    kth [T]: the K-th largest code, EMPTY_CODE when a row has fewer than K candidates).
-    """
-    t, cap = codes.shape
-    kernel = functools.partial(_select_kernel, top_k=top_k, cap=cap, cfg=cfg)
+def _select_call(src, ids, counts, top_k, gather, cfg):
+    t, cap = ids.shape
+    kernel = functools.partial(_select_kernel, top_k=top_k, cap=cap, gather=gather, cfg=cfg)
     init = (
         jnp.full((t * top_k,), EMPTY_CODE, jnp.int32),
         jnp.full((t * top_k,), -1, jnp.int32),
@@ -548,9 +657,25 @@ def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig()):
         input_output_aliases={3: 0, 4: 1},
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=backend.is_interpret(),
-        name="jsparse_topk_select",
-    )(codes.reshape(-1), ids.reshape(-1), counts, *init)
+        name="jsparse_topk_select_rows" if gather else "jsparse_topk_select",
+    )(src, ids.reshape(-1), counts, *init)
     return out_codes.reshape(t, top_k), out_ids.reshape(t, top_k), kth
+
+
+def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig()):
+    """Exact Top-K set of each row's candidates, in input order.
+
+    codes, ids: [T, cap]; counts: [T] (values beyond cap are clipped: callers handle
+    overflow before this). Returns (codes [T, K], ids [T, K] with EMPTY/-1 padding,
+    kth [T]: the K-th largest code, EMPTY_CODE when a row has fewer than K candidates).
+    """
+    return _select_call(codes.reshape(-1), ids, counts, top_k, False, cfg)
+
+
+def select_rows(scores, ids, counts, top_k, cfg=SelectConfig()):
+    """:func:`select_candidates` for the candidate ids of dense score rows [T, S] (from
+    :func:`compact_rows`): each candidate's score is gathered from its row by id."""
+    return _select_call(scores, ids, counts, top_k, True, cfg)
 
 
 def order_topk(codes, ids, *, id_ordered=False):
