@@ -182,3 +182,53 @@ def _check_missed_sample(chunks):
     want = select_topk_reference(jnp.asarray(scores), ids, top_k)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_retry_overshoot_takes_the_threshold_ladder(chunks, kernel_impl):
+    _check_ladder(chunks)
+
+
+@pytest.mark.gpu
+def test_gpu_threshold_ladder_compiled():
+    _check_ladder(1)
+
+
+def _check_ladder(chunks):
+    # A row whose count is not linear in the sample rank: the sampled θ admits a few
+    # entries too few, the rescaled retry lands in a cluster of unsampled scores and
+    # admits far too many. The ladder between the two θ must find one in [K, cap] in a
+    # single counting pass instead of the exact search.
+    s, top_k, cap = 9000, 100, 512
+    rng = np.random.default_rng(5)
+    n = select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK
+    k = np.arange(n)
+    sampled = (k // select.SAMPLE_BLOCK) * (s - select.SAMPLE_BLOCK) // (
+        select.SAMPLE_BLOCKS - 1
+    ) + k % select.SAMPLE_BLOCK
+    rank = (top_k * n * 13 + 10 * s - 1) // (10 * s) + 8  # the kernel's first sample rank
+    row = np.zeros(s, np.float32)
+    row[sampled] = 1.0 + rng.random(n).astype(np.float32)  # one binade: codes linear
+    values = np.sort(row[sampled])[::-1]
+    free = np.setdiff1d(np.arange(s), sampled)
+    row[free[:20]] = 2.5  # above every sampled value
+    first_count = int((row >= values[rank - 1]).sum())
+    retry_rank = rank * (top_k + cap) // (2 * first_count)
+    lo, hi = values[retry_rank - 1], values[rank - 1]
+    row[free[20:620]] = lo + (hi - lo) * rng.random(600).astype(np.float32) * 0.999
+    # the construction: the first θ misses low, the retry misses high
+    assert first_count < top_k and int((row >= lo).sum()) > cap
+    scores = np.stack([row, row[::-1]])
+    t = 2
+    start = np.zeros(t, np.int32)
+    end = np.full(t, s, np.int32)
+    ci, cn, slow = select.compact_rows(
+        jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=chunks
+    )
+    assert np.asarray(slow)[0] == select.RETRIED, np.asarray(slow)
+    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
+    got = select.order_topk(sc, si, id_ordered=True)
+    ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (t, s))
+    want = select_topk_reference(jnp.asarray(scores), ids, top_k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])

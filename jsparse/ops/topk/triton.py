@@ -16,15 +16,15 @@ Two kernels:
   the second scattered store and the code of every entry cost more than the gather
   (WORKSPACE.md run 26). If the count lands outside [K, cap] (an unlucky sample, or
   massive ties), a separate kernel runs the row's slow path: one retry at a rescaled
-  rank, then a radix-16 search over the whole row (8 passes) for the K-th code θ*,
-  and one pass stores the entries above θ* plus the ties with the smallest ids:
-  exactly K. Either way the buffer holds every entry of the exact Top-K.
+  rank; if that overshoots the other way, one pass counting a ladder of 16 thresholds
+  between the two; failing both, a radix-16 search over the whole row (8 passes) for
+  the K-th code θ*, and one pass stores the entries above θ* plus the ties with the
+  smallest ids: exactly K. Either way the buffer holds every entry of the exact Top-K.
 * :func:`select_candidates` / :func:`select_rows` (candidate buffer → Top-K set). An
   interpolation search over codes, safeguarded by bisection, finds the K-th largest
-  code θ in ~10 block-wide counts instead of bisection's 32 (select is bound by its
-  dependent reductions, run 26); every entry above θ enters; ties at θ enter by
-  ascending id (a bisection over ids finds the cut when ties straddle the boundary).
-  Output keeps the input order.
+  code θ in ~10 block-wide counts instead of bisection's 32; every entry above θ
+  enters; ties at θ enter by ascending id (a bisection over ids finds the cut when
+  ties straddle the boundary). Output keeps the input order.
 
 The final order (score descending, id ascending) is an XLA sort of K entries per row
 (:func:`order_topk`): one stable key when the entries are already in id order, else
@@ -53,8 +53,7 @@ _INT_MAX = np.int32(np.iinfo(np.int32).max)
 # slow path (WORKSPACE.md, 2026-11-29).
 SAMPLE_BLOCKS = 512
 SAMPLE_BLOCK = 8
-MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in registers
-SMALL_RESIDENT = 4096  # ... in a block of this many when they fit (run 26: −8% select)
+SMALL_RESIDENT = 4096  # candidate rows up to this many entries are held in registers
 RADIX = 16  # trial thresholds per streaming pass of the exact path
 # compact_rows' per-row report of the path taken. Typed on purpose: in a Pallas Triton
 # kernel, jnp.where(p, 1, 2) with two Python-int branches lowers to an i1 select of
@@ -72,24 +71,18 @@ class SelectConfig:
     num_stages: int = 1
 
 
-def _kth_code(codes, ok, rank):
-    """The rank-th largest of the codes where ``ok`` (1 ≤ rank ≤ their count), exactly.
+def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
+    """The largest code θ with count_ge(θ) ≥ rank, exactly, given count_ge(lo) = c_lo ≥
+    rank and count_ge(hi) = 0 (lo < hi); ``smallest_ge(θ)`` is the smallest code ≥ θ.
 
-    A search over code values for the largest θ with count(codes ≥ θ) ≥ rank, keeping
-    lo (count ≥ rank) and hi (count < rank). Each step guesses by linear interpolation
-    of the two counts, or bisects when the previous step did not halve [lo, hi), so it
-    never takes more than ~64 counts; on the score distributions tried (normal,
-    exponential, uniform, log-normal, Cauchy tails) it takes ~5-11. It stops early when
-    count(≥ lo) is exactly rank: θ is then the smallest code ≥ lo.
+    A search over code values keeping lo (count ≥ rank) and hi (count < rank). Each
+    step guesses by linear interpolation of the two counts, or bisects when the
+    previous step did not halve [lo, hi), so it never takes more than ~64 counts; on
+    the score distributions tried (normal, exponential, uniform, log-normal, Cauchy
+    tails) it takes ~5-11 against bisection's 32. It stops early when count(≥ lo) is
+    exactly rank: θ is then the smallest code ≥ lo.
     """
     f32 = jnp.float32
-
-    def count_ge(th):
-        return jnp.sum((ok & (codes >= th)).astype(jnp.int32))
-
-    lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
-    hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
-    c_lo = jnp.sum(ok.astype(jnp.int32))
 
     def searching(state):
         lo, hi, c_lo, _, _ = state
@@ -110,8 +103,22 @@ def _kth_code(codes, ok, rank):
         return lo, hi, c_lo, c_hi, 1 - halved.astype(jnp.int32)
 
     lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, (lo, hi, c_lo, c_lo * 0, c_lo * 0))
-    smallest_above = jnp.min(jnp.where(ok & (codes >= lo), codes, _INT_MAX))
-    return jnp.where(c_lo == rank, smallest_above, lo)
+    return jnp.where(c_lo == rank, smallest_ge(lo), lo)
+
+
+def _kth_code(codes, ok, rank):
+    """The rank-th largest of the codes where ``ok`` (1 ≤ rank ≤ their count), held in
+    registers: :func:`_search_kth` between the smallest and the largest code."""
+
+    def count_ge(th):
+        return jnp.sum((ok & (codes >= th)).astype(jnp.int32))
+
+    def smallest_ge(th):
+        return jnp.min(jnp.where(ok & (codes >= th), codes, _INT_MAX))
+
+    lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
+    hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
+    return _search_kth(count_ge, smallest_ge, lo, hi, jnp.sum(ok.astype(jnp.int32)), rank)
 
 
 def _id_cut(count_ties, need):
@@ -426,14 +433,25 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     plt.store(slow_ref.at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
 
 
+def _ladder(lo, hi):
+    """RADIX codes evenly spaced strictly inside (lo, hi), ascending (lo < hi)."""
+    f32 = jnp.float32
+    steps = (jnp.arange(RADIX, dtype=jnp.int32) + 1).astype(f32) / (RADIX + 1)
+    at = lo.astype(f32) + (hi.astype(f32) - lo.astype(f32)) * steps  # f32: no int overflow
+    return jnp.clip(jnp.clip(at, -(2.0**31) + 256, 2.0**31 - 256).astype(jnp.int32), lo, hi)
+
+
 def _exact_kernel(*refs, dense, top_k, cap, cfg):
     """Program (row): the slow path of a row flagged by the compaction kernels; other rows
     return at once and keep their buffers (aliased in and out).
 
     First one retry: θ from the same sample at a rank rescaled by the count the first θ
     gave, one compaction pass (run 24: 3 of 8192 i.i.d. rows at 128K miss [K, cap], and
-    the exact search costs ~19 passes in one program). If the retry misses too (massive
-    ties), the exact radix search.
+    the exact search costs ~19 passes in one program). When the two counts bracket the
+    window (one below K, one above cap: the rank-to-count relation was not linear, as on
+    rows with clusters of high scores, run 27), one pass counts 16 thresholds evenly
+    spaced between the two θ and compaction takes the highest that lands in [K, cap].
+    Otherwise (massive ties), the exact radix search.
     """
     n_bufs = 3 if dense else 4  # (codes,) ids, count, slow: aliased in and out
     source = refs[:3]
@@ -448,19 +466,41 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
         entries, block, lo, hi = _row_source(source, dense, row, blk)
         count, count_many, compact = _streaming(block, *_aligned_blocks(lo, hi, blk), blk)
         trash = count_ref.shape[0] * cap
-        into_row = lambda keep, raw=False: compact(  # noqa: E731
-            keep, codes_ref, ids_ref, row * cap, cap, trash, raw=raw
-        )
         length = hi - lo
-        theta = _sample_threshold(entries, length, top_k, cap, missed=plt.load(count_ref.at[row]))
-        stored = into_row(_at_least(theta, dense), raw=dense)
-        retry_ok = (stored >= jnp.minimum(top_k, length)) & (stored <= cap)
-        plt.store(slow_ref.at[row], jnp.where(retry_ok, RETRIED, SEARCHED))
-        final = jax.lax.cond(
-            retry_ok,
-            lambda: stored,
-            lambda: _exact_compact(count, count_many, into_row, top_k),
+
+        def into_row(theta):  # compacts the entries ≥ θ; returns their count
+            keep = _at_least(theta, dense)
+            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, raw=dense)
+
+        def fits(n):
+            return (n >= jnp.minimum(top_k, length)) & (n <= cap)
+
+        missed = plt.load(count_ref.at[row])
+        theta = _sample_threshold(entries, length, top_k, cap, missed=missed)
+        stored = into_row(theta)
+
+        def search():
+            return _exact_compact(count, count_many, into_row_exact, top_k), stored * 0 + SEARCHED
+
+        def into_row_exact(keep):
+            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash)
+
+        def ladder():
+            first = _sample_threshold(entries, length, top_k, cap)  # the θ that missed first
+            trial = _ladder(jnp.minimum(theta, first), jnp.maximum(theta, first))
+            counts = count_many(lambda c, i: c[None, :] >= trial[:, None])
+            good = fits(counts)
+            best = jnp.max(jnp.where(good, trial, _INT_MIN))  # the fewest candidates
+            found = jnp.sum(good.astype(jnp.int32)) > 0
+            return jax.lax.cond(found, lambda: (into_row(best), stored * 0 + RETRIED), search)
+
+        bracketed = (stored > cap) != (missed > cap)
+        final, path = jax.lax.cond(
+            fits(stored),
+            lambda: (stored, stored * 0 + RETRIED),
+            lambda: jax.lax.cond(bracketed, ladder, search),
         )
+        plt.store(slow_ref.at[row], path)
         plt.store(count_ref.at[row], jnp.minimum(final, cap))
 
 
@@ -556,24 +596,33 @@ def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=N
 def _select_kernel(src_ref, ids_ref, count_ref, _c0, _i0, out_codes_ref, out_ids_ref, kth_ref,
                    *, top_k, cap, gather, cfg):  # fmt: skip
     """Program (row). ``src_ref``: the candidates' codes [T·cap], or with ``gather`` the
-    dense score rows [T, S] that the candidate ids index."""
+    dense score rows [T, S] that the candidate ids index.
+
+    Rows of up to SMALL_RESIDENT candidates (all sampled rows at K = 2048) keep only
+    their codes in registers; ids are loaded again where needed (an L2 hit). Longer rows
+    stream their buffer in blocks. No larger register block is compiled in: the
+    kernel's register count bounds how many rows an SM works on at once, and this
+    kernel is a chain of dependent phases per row (run 27: a resident 8192-lane branch
+    left it at the same speed after its reductions were cut from 34 to 12).
+    """
     row = pl.program_id(0)
     n = jnp.minimum(plt.load(count_ref.at[row]), cap)
     trash = count_ref.shape[0] * top_k  # one past the last slot: never a live index
 
-    def load(j, blk):
-        idx = j * blk + jnp.arange(blk, dtype=jnp.int32)
+    def load_ids(idx, ok):
+        return plt.load(ids_ref.at[row * cap + jnp.where(ok, idx, 0)], mask=ok, other=-1)
+
+    def load(idx):
         ok = idx < n
-        src = row * cap + jnp.where(ok, idx, 0)
-        i = plt.load(ids_ref.at[src], mask=ok, other=-1)
         if gather:
-            x = plt.load(src_ref.at[row, jnp.where(ok, i, 0)], mask=ok, other=0.0)
+            x = plt.load(src_ref.at[row, jnp.where(ok, load_ids(idx, ok), 0)], mask=ok, other=0.0)
             c = score_code(x)
         else:
-            c = plt.load(src_ref.at[src], mask=ok, other=EMPTY_CODE)
-        return jnp.where(ok, c, EMPTY_CODE), i, ok
+            c = plt.load(src_ref.at[row * cap + jnp.where(ok, idx, 0)], mask=ok, other=EMPTY_CODE)
+        return jnp.where(ok, c, EMPTY_CODE), ok
 
-    def write(c, i, ok, kth, cut, stored):
+    def write(idx, c, ok, kth, cut, stored):
+        i = load_ids(idx, ok)
         keep = ok & ((c > kth) | ((c == kth) & (i <= cut)))
         keep_i = keep.astype(jnp.int32)
         pos = stored + jnp.cumsum(keep_i) - 1
@@ -583,59 +632,73 @@ def _select_kernel(src_ref, ids_ref, count_ref, _c0, _i0, out_codes_ref, out_ids
         plt.store(out_ids_ref.at[dst], i, mask=store)
         return stored + jnp.sum(keep_i)
 
-    def tie_cut(count, kth):
+    def tie_cut(count, kth):  # count(pred) counts the row's entries with pred(code, id)
         need = top_k - count(lambda c, i: c > kth)
         return _id_cut(lambda pred: count(lambda c, i: (c == kth) & pred(i)), need)
 
     # (Branch results derive from a traced value: Triton's scf.if cannot yield constants.)
     no_cut = lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX)  # noqa: E731  fewer than K: all
 
-    def resident(blk):  # one load; every pass runs on registers
-        c, i, ok = load(0, blk)
+    def resident(blk):
+        idx = jnp.arange(blk, dtype=jnp.int32)
+        c, ok = load(idx)
 
-        def count(pred):
-            return jnp.sum((ok & pred(c, i)).astype(jnp.int32))
+        def count(pred):  # ids only for the tie cut, which runs when ties straddle K
+            return jnp.sum((ok & pred(c, load_ids(idx, ok))).astype(jnp.int32))
 
         def threshold():
             kth = _kth_code(c, ok, top_k)
             return kth, tie_cut(count, kth)
 
         kth, cut = jax.lax.cond(n >= top_k, threshold, no_cut)
-        write(c, i, ok, kth, cut, n * 0)
+        write(idx, c, ok, kth, cut, n * 0)
         return kth
 
-    def streamed(blk):  # buffers too long for registers: passes over blocks
+    def streamed(blk):
+        lanes = jnp.arange(blk, dtype=jnp.int32)
         n_blocks = (n + blk - 1) // blk
 
-        def count(pred):
+        def reduce(fn, combine, init):
             def body(j, acc):
-                c, i, ok = load(j, blk)
-                return acc + jnp.sum((ok & pred(c, i)).astype(jnp.int32))
+                c, ok = load(j * blk + lanes)
+                return combine(acc, fn(c, ok, j * blk + lanes))
 
-            return jax.lax.fori_loop(0, n_blocks, body, n * 0)
+            return jax.lax.fori_loop(0, n_blocks, body, init)
+
+        def count(pred):
+            add = lambda a, b: a + b  # noqa: E731
+            fn = lambda c, ok, idx: jnp.sum((ok & pred(c, load_ids(idx, ok))).astype(jnp.int32))  # noqa: E731
+            return reduce(fn, add, n * 0)
+
+        def smallest_ge(th):
+            fn = lambda c, ok, _: jnp.min(jnp.where(ok & (c >= th), c, _INT_MAX))  # noqa: E731
+            return reduce(fn, jnp.minimum, n * 0 + _INT_MAX)
 
         def threshold():
-            def step(b, prefix):  # bisection over the bits, in the unsigned order
-                trial = prefix | jnp.left_shift(jnp.int32(1), 31 - b)
-                ok = count(lambda c, i: c >= (trial ^ _INT_MIN)) >= top_k
-                return jnp.where(ok, trial, prefix)
-
-            kth = jax.lax.fori_loop(0, 32, step, n * 0) ^ _INT_MIN
+            largest = reduce(
+                lambda c, ok, _: jnp.max(jnp.where(ok, c, _INT_MIN)), jnp.maximum, n * 0 + _INT_MIN
+            )
+            count_ge = lambda th: count(lambda c, i: c >= th)  # noqa: E731
+            kth = _search_kth(count_ge, smallest_ge, smallest_ge(_INT_MIN), largest + 1, n, top_k)
             return kth, tie_cut(count, kth)
 
         kth, cut = jax.lax.cond(n >= top_k, threshold, no_cut)
-        jax.lax.fori_loop(0, n_blocks, lambda j, s: write(*load(j, blk), kth, cut, s), n * 0)
+
+        def write_block(j, stored):
+            idx = j * blk + lanes
+            c, ok = load(idx)
+            return write(idx, c, ok, kth, cut, stored)
+
+        jax.lax.fori_loop(0, n_blocks, write_block, n * 0)
         return kth
 
     full = 1 << (cap - 1).bit_length()
-    if cap > MAX_RESIDENT:
-        kth = streamed(cfg.block)
-    elif full > SMALL_RESIDENT:  # most rows hold far fewer than cap: a half-size block
-        kth = jax.lax.cond(
-            n <= SMALL_RESIDENT, lambda: resident(SMALL_RESIDENT), lambda: resident(full)
-        )
-    else:
+    if full <= SMALL_RESIDENT:
         kth = resident(full)
+    else:  # sampled rows fit the small block; the rest stream
+        kth = jax.lax.cond(
+            n <= SMALL_RESIDENT, lambda: resident(SMALL_RESIDENT), lambda: streamed(cfg.block)
+        )
     plt.store(kth_ref.at[row], kth)
 
 
