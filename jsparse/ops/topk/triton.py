@@ -53,7 +53,8 @@ _INT_MAX = np.int32(np.iinfo(np.int32).max)
 # slow path (WORKSPACE.md, 2026-11-29).
 SAMPLE_BLOCKS = 512
 SAMPLE_BLOCK = 8
-SMALL_RESIDENT = 4096  # candidate rows up to this many entries are held in registers
+MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in registers
+SMALL_RESIDENT = 4096  # ... in a block of this many when they fit (run 26: −8% select)
 RADIX = 16  # trial thresholds per streaming pass of the exact path
 # compact_rows' per-row report of the path taken. Typed on purpose: in a Pallas Triton
 # kernel, jnp.where(p, 1, 2) with two Python-int branches lowers to an i1 select of
@@ -596,33 +597,24 @@ def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=N
 def _select_kernel(src_ref, ids_ref, count_ref, _c0, _i0, out_codes_ref, out_ids_ref, kth_ref,
                    *, top_k, cap, gather, cfg):  # fmt: skip
     """Program (row). ``src_ref``: the candidates' codes [T·cap], or with ``gather`` the
-    dense score rows [T, S] that the candidate ids index.
-
-    Rows of up to SMALL_RESIDENT candidates (all sampled rows at K = 2048) keep only
-    their codes in registers; ids are loaded again where needed (an L2 hit). Longer rows
-    stream their buffer in blocks. No larger register block is compiled in: the
-    kernel's register count bounds how many rows an SM works on at once, and this
-    kernel is a chain of dependent phases per row (run 27: a resident 8192-lane branch
-    left it at the same speed after its reductions were cut from 34 to 12).
-    """
+    dense score rows [T, S] that the candidate ids index."""
     row = pl.program_id(0)
     n = jnp.minimum(plt.load(count_ref.at[row]), cap)
     trash = count_ref.shape[0] * top_k  # one past the last slot: never a live index
 
-    def load_ids(idx, ok):
-        return plt.load(ids_ref.at[row * cap + jnp.where(ok, idx, 0)], mask=ok, other=-1)
-
-    def load(idx):
+    def load(j, blk):
+        idx = j * blk + jnp.arange(blk, dtype=jnp.int32)
         ok = idx < n
+        src = row * cap + jnp.where(ok, idx, 0)
+        i = plt.load(ids_ref.at[src], mask=ok, other=-1)
         if gather:
-            x = plt.load(src_ref.at[row, jnp.where(ok, load_ids(idx, ok), 0)], mask=ok, other=0.0)
+            x = plt.load(src_ref.at[row, jnp.where(ok, i, 0)], mask=ok, other=0.0)
             c = score_code(x)
         else:
-            c = plt.load(src_ref.at[row * cap + jnp.where(ok, idx, 0)], mask=ok, other=EMPTY_CODE)
-        return jnp.where(ok, c, EMPTY_CODE), ok
+            c = plt.load(src_ref.at[src], mask=ok, other=EMPTY_CODE)
+        return jnp.where(ok, c, EMPTY_CODE), i, ok
 
-    def write(idx, c, ok, kth, cut, stored):
-        i = load_ids(idx, ok)
+    def write(c, i, ok, kth, cut, stored):
         keep = ok & ((c > kth) | ((c == kth) & (i <= cut)))
         keep_i = keep.astype(jnp.int32)
         pos = stored + jnp.cumsum(keep_i) - 1
@@ -632,73 +624,59 @@ def _select_kernel(src_ref, ids_ref, count_ref, _c0, _i0, out_codes_ref, out_ids
         plt.store(out_ids_ref.at[dst], i, mask=store)
         return stored + jnp.sum(keep_i)
 
-    def tie_cut(count, kth):  # count(pred) counts the row's entries with pred(code, id)
+    def tie_cut(count, kth):
         need = top_k - count(lambda c, i: c > kth)
         return _id_cut(lambda pred: count(lambda c, i: (c == kth) & pred(i)), need)
 
     # (Branch results derive from a traced value: Triton's scf.if cannot yield constants.)
     no_cut = lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX)  # noqa: E731  fewer than K: all
 
-    def resident(blk):
-        idx = jnp.arange(blk, dtype=jnp.int32)
-        c, ok = load(idx)
+    def resident(blk):  # one load; every pass runs on registers
+        c, i, ok = load(0, blk)
 
-        def count(pred):  # ids only for the tie cut, which runs when ties straddle K
-            return jnp.sum((ok & pred(c, load_ids(idx, ok))).astype(jnp.int32))
+        def count(pred):
+            return jnp.sum((ok & pred(c, i)).astype(jnp.int32))
 
         def threshold():
             kth = _kth_code(c, ok, top_k)
             return kth, tie_cut(count, kth)
 
         kth, cut = jax.lax.cond(n >= top_k, threshold, no_cut)
-        write(idx, c, ok, kth, cut, n * 0)
+        write(c, i, ok, kth, cut, n * 0)
         return kth
 
-    def streamed(blk):
-        lanes = jnp.arange(blk, dtype=jnp.int32)
+    def streamed(blk):  # buffers too long for registers: passes over blocks
         n_blocks = (n + blk - 1) // blk
 
-        def reduce(fn, combine, init):
-            def body(j, acc):
-                c, ok = load(j * blk + lanes)
-                return combine(acc, fn(c, ok, j * blk + lanes))
-
-            return jax.lax.fori_loop(0, n_blocks, body, init)
-
         def count(pred):
-            add = lambda a, b: a + b  # noqa: E731
-            fn = lambda c, ok, idx: jnp.sum((ok & pred(c, load_ids(idx, ok))).astype(jnp.int32))  # noqa: E731
-            return reduce(fn, add, n * 0)
+            def body(j, acc):
+                c, i, ok = load(j, blk)
+                return acc + jnp.sum((ok & pred(c, i)).astype(jnp.int32))
 
-        def smallest_ge(th):
-            fn = lambda c, ok, _: jnp.min(jnp.where(ok & (c >= th), c, _INT_MAX))  # noqa: E731
-            return reduce(fn, jnp.minimum, n * 0 + _INT_MAX)
+            return jax.lax.fori_loop(0, n_blocks, body, n * 0)
 
         def threshold():
-            largest = reduce(
-                lambda c, ok, _: jnp.max(jnp.where(ok, c, _INT_MIN)), jnp.maximum, n * 0 + _INT_MIN
-            )
-            count_ge = lambda th: count(lambda c, i: c >= th)  # noqa: E731
-            kth = _search_kth(count_ge, smallest_ge, smallest_ge(_INT_MIN), largest + 1, n, top_k)
+            def step(b, prefix):  # bisection over the bits, in the unsigned order
+                trial = prefix | jnp.left_shift(jnp.int32(1), 31 - b)
+                ok = count(lambda c, i: c >= (trial ^ _INT_MIN)) >= top_k
+                return jnp.where(ok, trial, prefix)
+
+            kth = jax.lax.fori_loop(0, 32, step, n * 0) ^ _INT_MIN
             return kth, tie_cut(count, kth)
 
         kth, cut = jax.lax.cond(n >= top_k, threshold, no_cut)
-
-        def write_block(j, stored):
-            idx = j * blk + lanes
-            c, ok = load(idx)
-            return write(idx, c, ok, kth, cut, stored)
-
-        jax.lax.fori_loop(0, n_blocks, write_block, n * 0)
+        jax.lax.fori_loop(0, n_blocks, lambda j, s: write(*load(j, blk), kth, cut, s), n * 0)
         return kth
 
     full = 1 << (cap - 1).bit_length()
-    if full <= SMALL_RESIDENT:
-        kth = resident(full)
-    else:  # sampled rows fit the small block; the rest stream
+    if cap > MAX_RESIDENT:
+        kth = streamed(cfg.block)
+    elif full > SMALL_RESIDENT:  # most rows hold far fewer than cap: a half-size block
         kth = jax.lax.cond(
-            n <= SMALL_RESIDENT, lambda: resident(SMALL_RESIDENT), lambda: streamed(cfg.block)
+            n <= SMALL_RESIDENT, lambda: resident(SMALL_RESIDENT), lambda: resident(full)
         )
+    else:
+        kth = resident(full)
     plt.store(kth_ref.at[row], kth)
 
 
