@@ -232,3 +232,27 @@ def _check_ladder(chunks):
     want = select_topk_reference(jnp.asarray(scores), ids, top_k)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize(
+    "s, top_k, cap",
+    [(30000, 4100, 8704), (200000, 41000, 83968)],
+    ids=["streamed-select", "large-k-ranks-in-f32"],
+)
+def test_long_candidate_rows(s, top_k, cap, kernel_impl):
+    # cap > 8192: the select streams its buffer (ids gathered back to scores) instead of
+    # holding it in registers; K > 40K: the sample's rank arithmetic would overflow int32.
+    rng = np.random.default_rng(11)
+    scores = rng.standard_normal((1, s)).astype(np.float32)
+    scores[0, ::7] = np.round(scores[0, ::7])  # ties near the boundary too
+    start, end = np.zeros(1, np.int32), np.full(1, s, np.int32)
+    ci, cn, slow = select.compact_rows(
+        jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=1
+    )
+    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
+    got = select.order_topk(sc, si, id_ordered=True)
+    ids = jnp.arange(s, dtype=jnp.int32)[None, :]
+    want = select_topk_reference(jnp.asarray(scores), ids, top_k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert int(np.asarray(slow)[0]) == select.FAST  # the sample's θ fit: no slow path

@@ -78,12 +78,16 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
 
     A search over code values keeping lo (count ≥ rank) and hi (count < rank). Each
     step guesses by linear interpolation of the two counts, or bisects when the
-    previous step did not halve [lo, hi), so it never takes more than ~64 counts; on
-    the score distributions tried (normal, exponential, uniform, log-normal, Cauchy
-    tails) it takes ~5-11 against bisection's 32. It stops early when count(≥ lo) is
-    exactly rank: θ is then the smallest code ≥ lo.
+    previous step did not halve [lo, hi) or the interval spans more than 2^30 codes
+    (there hi - lo may not fit int32, and bisection is as good a guess), so it never
+    takes more than ~64 counts; on the score distributions tried (normal, exponential,
+    uniform, log-normal, Cauchy tails) it takes ~5-20 against bisection's 32. It stops
+    early when count(≥ lo) is exactly rank: θ is then the smallest code ≥ lo.
     """
     f32 = jnp.float32
+
+    def half_span(lo, hi):  # ⌊hi/2⌋ - ⌊lo/2⌋: within 1 of (hi - lo)/2, never overflows
+        return (hi >> 1) - (lo >> 1)
 
     def searching(state):
         lo, hi, c_lo, _, _ = state
@@ -91,17 +95,20 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
 
     def step(state):
         lo, hi, c_lo, c_hi, bisect = state
-        width = hi.astype(f32) - lo.astype(f32)  # in f32: hi - lo may not fit int32
+        half = half_span(lo, hi)
         frac = (c_lo - rank).astype(f32) / (c_lo - c_hi).astype(f32)
-        guess = jnp.clip(lo.astype(f32) + width * frac, -(2.0**31) + 256, 2.0**31 - 256)
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
-        trial = jnp.clip(jnp.where(bisect != 0, mid, guess.astype(jnp.int32)), lo + 1, hi - 1)
+        # hi - lo is exact (no wrap) unless the span is huge, where bisection is used;
+        # the offset is in integers, so it stays exact where f32 codes would not be.
+        offset = jnp.clip((hi - lo).astype(f32) * frac, 1.0, 2.0**30).astype(jnp.int32)
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # ⌊(lo + hi) / 2⌋ without overflow
+        interpolate = (bisect == 0) & (half < 2**29)
+        trial = jnp.clip(jnp.where(interpolate, lo + offset, mid), lo + 1, hi - 1)
         c_trial = count_ge(trial)
         up = c_trial >= rank
-        lo, c_lo = jnp.where(up, trial, lo), jnp.where(up, c_trial, c_lo)
-        hi, c_hi = jnp.where(up, hi, trial), jnp.where(up, c_hi, c_trial)
-        halved = 2 * (hi.astype(f32) - lo.astype(f32)) <= width
-        return lo, hi, c_lo, c_hi, 1 - halved.astype(jnp.int32)
+        new_lo, c_lo = jnp.where(up, trial, lo), jnp.where(up, c_trial, c_lo)
+        new_hi, c_hi = jnp.where(up, hi, trial), jnp.where(up, c_hi, c_trial)
+        halved = 2 * half_span(new_lo, new_hi) <= half
+        return new_lo, new_hi, c_lo, c_hi, 1 - halved.astype(jnp.int32)
 
     lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, (lo, hi, c_lo, c_lo * 0, c_lo * 0))
     return jnp.where(c_lo == rank, smallest_ge(lo), lo)
@@ -296,10 +303,21 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
     k = jnp.arange(n_sample, dtype=jnp.int32)
     spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
     sample, _, sampled = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
-    spaced = (top_k * n_sample * 13 + 10 * length - 1) // (10 * jnp.maximum(length, 1)) + 8
+    f32 = jnp.float32
+    if top_k * n_sample * 13 < 2**30:  # ⌈1.3·K·n / L⌉ + 8, exact in int32
+        spaced = (top_k * n_sample * 13 + 10 * length - 1) // (10 * jnp.maximum(length, 1)) + 8
+    else:  # K in the tens of thousands: the same in f32, which cannot overflow
+        spaced = jnp.ceil(1.3 * top_k * n_sample / jnp.maximum(length, 1).astype(f32))
+        spaced = jnp.minimum(spaced, n_sample).astype(jnp.int32) + 8
     rank = jnp.where(whole, top_k, jnp.minimum(spaced, n_sample))
     if missed is not None:
-        rank = jnp.clip(rank * (top_k + cap) // (2 * jnp.maximum(missed, 1)), 1, n_sample)
+        missed = jnp.maximum(missed, 1)
+        if n_sample * (top_k + cap) < 2**31:
+            rescaled = rank * (top_k + cap) // (2 * missed)
+        else:
+            rescaled = rank.astype(f32) * ((top_k + cap) / 2) / missed.astype(f32)
+            rescaled = jnp.minimum(rescaled, n_sample).astype(jnp.int32)
+        rank = jnp.clip(rescaled, 1, n_sample)
     return jax.lax.cond(
         length > cap,
         lambda: _kth_code(sample, sampled, rank),
@@ -493,7 +511,10 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
             good = fits(counts)
             best = jnp.max(jnp.where(good, trial, _INT_MIN))  # the fewest candidates
             found = jnp.sum(good.astype(jnp.int32)) > 0
-            return jax.lax.cond(found, lambda: (into_row(best), stored * 0 + RETRIED), search)
+            # On codes, as counted: a ladder code need not be a score's code (it can fall
+            # among subnormals, which a float compare may flush to zero).
+            ladder_row = lambda: (into_row_exact(lambda c, i: c >= best), stored * 0 + RETRIED)  # noqa: E731
+            return jax.lax.cond(found, ladder_row, search)
 
         bracketed = (stored > cap) != (missed > cap)
         final, path = jax.lax.cond(
@@ -578,7 +599,8 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
     ``scores`` [T, S] is read only inside ``[start[t], end[t])``. Returns (ids, count
     [T], slow [T] int32: the path each row took, FAST (0) for the sampled θ, RETRIED (1)
     for one retry at a rescaled rank, SEARCHED (2) for the exact radix search).
-    ``cap ≥ top_k``. ``chunks`` programs share a row (default: :func:`default_chunks`),
+    ``cap ≥ top_k``. A row that a ladder of thresholds rescued also reports RETRIED.
+    ``chunks`` programs share a row (default: :func:`default_chunks`),
     for few rows.
     """
     t, s = scores.shape
