@@ -118,6 +118,30 @@ def test_compact_records_then_select(chunks, width, kernel_impl):
     np.testing.assert_array_equal(got[0], want[0])
 
 
+def _select_whole_rows(scores, top_k, cap, chunks):
+    """compact_rows + select_rows over whole rows, checked against the reference; returns
+    the per-row path flags."""
+    t, s = scores.shape
+    start, end = np.zeros(t, np.int32), np.full(t, s, np.int32)
+    ci, cn, slow = select.compact_rows(
+        jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=chunks
+    )
+    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
+    got = select.order_topk(sc, si, id_ordered=True)
+    ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (t, s))
+    want = select_topk_reference(jnp.asarray(scores), ids, top_k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    return np.asarray(slow)
+
+
+def _sampled_positions(s):
+    """The positions the θ sample reads in a row of s > 4096 entries."""
+    k = np.arange(select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK)
+    run = (k // select.SAMPLE_BLOCK) * (s - select.SAMPLE_BLOCK) // (select.SAMPLE_BLOCKS - 1)
+    return run + k % select.SAMPLE_BLOCK
+
+
 def test_sample_threshold_is_robust_to_clustered_scores(kernel_impl):
     # Structured rows put their high scores in clusters (recency, topics). The θ sample
     # must see every cluster: with 32 runs of 128 (one run per ~1000 keys) a cluster
@@ -131,67 +155,23 @@ def test_sample_threshold_is_robust_to_clustered_scores(kernel_impl):
     for r in range(t):
         lo = rng.integers(0, s - 600)
         scores[r, lo : lo + 600] += 4.0  # the Top-K lives in these 600 keys
-    start = np.zeros(t, np.int32)
-    end = np.full(t, s, np.int32)
-    ci, cn, slow = select.compact_rows(
-        jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=1
-    )
-    assert int(np.asarray(slow).sum()) <= 1, np.asarray(slow)
-    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
-    got = select.order_topk(sc, si, id_ordered=True)
-    ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (t, s))
-    want = select_topk_reference(jnp.asarray(scores), ids, top_k)
-    np.testing.assert_array_equal(got[0], want[0])
-
-
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_missed_sample_is_retried_then_exact(chunks, kernel_impl):
-    _check_missed_sample(chunks)
-
-
-@pytest.mark.gpu
-def test_gpu_missed_sample_flags_compiled():
-    # The path flags come from scalar selects, which Pallas Triton once lowered wrongly
-    # for Python-int branches (2 stored as 0); interpret mode cannot see that.
-    _check_missed_sample(1)
+    slow = _select_whole_rows(scores, top_k, cap, chunks=1)
+    assert int(slow.sum()) <= 1, slow
 
 
 def _check_missed_sample(chunks):
     # Row 0: the sampled positions hold the highest scores, so θ from the sample admits
     # fewer than K entries; the retry at a rescaled rank must land in [K, cap] in one
     # pass. Row 1: all scores tie, no threshold can: the exact search runs.
-    t, s, top_k, cap = 2, 9000, 100, 512
+    s, top_k, cap = 9000, 100, 512
     rng = np.random.default_rng(3)
-    scores = rng.standard_normal((t, s)).astype(np.float32)
-    k = np.arange(select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK)
-    sampled = (k // select.SAMPLE_BLOCK) * (s - select.SAMPLE_BLOCK) // (
-        select.SAMPLE_BLOCKS - 1
-    ) + k % select.SAMPLE_BLOCK
+    scores = rng.standard_normal((2, s)).astype(np.float32)
+    sampled = _sampled_positions(s)
     # log-uniform over 10 octaves, far above the rest of the row
     scores[0, sampled] = 10.0 * 2.0 ** (10 * rng.random(sampled.size)).astype(np.float32)
     scores[1] = 2.0
-    start = np.zeros(t, np.int32)
-    end = np.full(t, s, np.int32)
-    ci, cn, slow = select.compact_rows(
-        jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=chunks
-    )
-    np.testing.assert_array_equal(np.asarray(slow), [select.RETRIED, select.SEARCHED])
-    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
-    got = select.order_topk(sc, si, id_ordered=True)
-    ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (t, s))
-    want = select_topk_reference(jnp.asarray(scores), ids, top_k)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-
-
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_retry_overshoot_takes_the_threshold_ladder(chunks, kernel_impl):
-    _check_ladder(chunks)
-
-
-@pytest.mark.gpu
-def test_gpu_threshold_ladder_compiled():
-    _check_ladder(1)
+    slow = _select_whole_rows(scores, top_k, cap, chunks)
+    np.testing.assert_array_equal(slow, [select.RETRIED, select.SEARCHED])
 
 
 def _check_ladder(chunks):
@@ -201,11 +181,8 @@ def _check_ladder(chunks):
     # single counting pass instead of the exact search.
     s, top_k, cap = 9000, 100, 512
     rng = np.random.default_rng(5)
-    n = select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK
-    k = np.arange(n)
-    sampled = (k // select.SAMPLE_BLOCK) * (s - select.SAMPLE_BLOCK) // (
-        select.SAMPLE_BLOCKS - 1
-    ) + k % select.SAMPLE_BLOCK
+    sampled = _sampled_positions(s)
+    n = sampled.size
     rank = (top_k * n * 13 + 10 * s - 1) // (10 * s) + 8  # the kernel's first sample rank
     row = np.zeros(s, np.float32)
     row[sampled] = 1.0 + rng.random(n).astype(np.float32)  # one binade: codes linear
@@ -218,20 +195,25 @@ def _check_ladder(chunks):
     row[free[20:620]] = lo + (hi - lo) * rng.random(600).astype(np.float32) * 0.999
     # the construction: the first θ misses low, the retry misses high
     assert first_count < top_k and int((row >= lo).sum()) > cap
-    scores = np.stack([row, row[::-1]])
-    t = 2
-    start = np.zeros(t, np.int32)
-    end = np.full(t, s, np.int32)
-    ci, cn, slow = select.compact_rows(
-        jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=chunks
-    )
-    assert np.asarray(slow)[0] == select.RETRIED, np.asarray(slow)
-    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
-    got = select.order_topk(sc, si, id_ordered=True)
-    ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (t, s))
-    want = select_topk_reference(jnp.asarray(scores), ids, top_k)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
+    slow = _select_whole_rows(np.stack([row, row[::-1]]), top_k, cap, chunks)
+    assert slow[0] == select.RETRIED, slow
+
+
+_SLOW_PATHS = [_check_missed_sample, _check_ladder]
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("check", _SLOW_PATHS, ids=["retry-then-search", "ladder"])
+def test_slow_paths(check, chunks, kernel_impl):
+    check(chunks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", _SLOW_PATHS, ids=["retry-then-search", "ladder"])
+def test_gpu_slow_path_flags_compiled(check):
+    # The path flags come from scalar selects, which Pallas Triton once lowered wrongly
+    # for Python-int branches (2 stored as 0); interpret mode cannot see that.
+    check(1)
 
 
 @pytest.mark.parametrize(
@@ -245,14 +227,5 @@ def test_long_candidate_rows(s, top_k, cap, kernel_impl):
     rng = np.random.default_rng(11)
     scores = rng.standard_normal((1, s)).astype(np.float32)
     scores[0, ::7] = np.round(scores[0, ::7])  # ties near the boundary too
-    start, end = np.zeros(1, np.int32), np.full(1, s, np.int32)
-    ci, cn, slow = select.compact_rows(
-        jnp.asarray(scores), jnp.asarray(start), jnp.asarray(end), top_k, cap, chunks=1
-    )
-    sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
-    got = select.order_topk(sc, si, id_ordered=True)
-    ids = jnp.arange(s, dtype=jnp.int32)[None, :]
-    want = select_topk_reference(jnp.asarray(scores), ids, top_k)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-    assert int(np.asarray(slow)[0]) == select.FAST  # the sample's θ fit: no slow path
+    slow = _select_whole_rows(scores, top_k, cap, chunks=1)
+    assert slow[0] == select.FAST  # the sample's θ fit: no slow path
