@@ -255,13 +255,14 @@ def _streaming(block, first, n_blocks, blk):
 
         return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((RADIX,), jnp.int32))
 
-    def compact(keep_fn, out_codes, out_ids, base, cap, trash, raw=False):
+    def compact(keep_fn, out_codes, out_ids, base, cap, trash, raw=False, peel=True):
         """Stores the ids (and codes, unless out_codes is None) of the entries that
         keep_fn(value, id) selects, in row order, at out[base + n] for n < cap; returns
         how many it selected (which may exceed cap). ``raw``: values are dense scores.
 
-        Only the first and last block are masked: interior blocks load unmasked (run 26:
-        −0.25 ms of 1.85 at 8192 × 64K).
+        With ``peel``, only the first and last block are masked: interior blocks load
+        unmasked (run 26: −0.25 ms of 1.85 at 8192 × 64K), for three copies of the loop
+        body; the rare-path kernel does without (its code was 2.4× the size otherwise).
         """
 
         def body(a, stored, masked):
@@ -276,6 +277,10 @@ def _streaming(block, first, n_blocks, blk):
             plt.store(out_ids.at[dst], i, mask=store)
             return stored + jnp.sum(keep_i)
 
+        if not peel:
+            return jax.lax.fori_loop(
+                0, n_blocks, lambda j, s: body(first + j * blk, s, True), n_blocks * 0
+            )
         # n_blocks = 0 (an empty range or chunk) reads nothing: the first block is all
         # masked off then and the other two parts do not run.
         stored = body(first, n_blocks * 0, True)
@@ -294,9 +299,9 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
     The sample is the whole row when short (θ is then exactly the K-th code), else 512
     evenly spaced runs of 8 (the last ending at the row's end), ranked so that the
     expected count of entries ≥ θ over the row is about 1.3·K plus a few spacings.
-    ``missed``: the row count that this rank gave, outside [K, cap]; the rank is then
-    rescaled so the expected count lands mid-way between K and cap (counts grow about
-    linearly with the sample rank).
+    ``missed``: the row count that this rank gave, outside [K, cap]; then returns (θ,
+    θ at the rank rescaled so the expected count lands mid-way between K and cap)
+    from the one sample (counts grow about linearly with the sample rank).
     """
     n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
     whole = length <= n_sample
@@ -309,24 +314,26 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
     else:  # K in the tens of thousands: the same in f32, which cannot overflow
         spaced = jnp.ceil(1.3 * top_k * n_sample / jnp.maximum(length, 1).astype(f32))
         spaced = jnp.minimum(spaced, n_sample).astype(jnp.int32) + 8
-    rank = jnp.where(whole, top_k, jnp.minimum(spaced, n_sample))
+    ranks = [jnp.where(whole, top_k, jnp.minimum(spaced, n_sample))]
     if missed is not None:
         missed = jnp.maximum(missed, 1)
         if n_sample * (top_k + cap) < 2**31:
-            rescaled = rank * (top_k + cap) // (2 * missed)
+            rescaled = ranks[0] * (top_k + cap) // (2 * missed)
         else:
-            rescaled = rank.astype(f32) * ((top_k + cap) / 2) / missed.astype(f32)
+            rescaled = ranks[0].astype(f32) * ((top_k + cap) / 2) / missed.astype(f32)
             rescaled = jnp.minimum(rescaled, n_sample).astype(jnp.int32)
-        rank = jnp.clip(rescaled, 1, n_sample)
-    return jax.lax.cond(
+        ranks.append(jnp.clip(rescaled, 1, n_sample))
+    thetas = jax.lax.cond(
         length > cap,
-        lambda: _kth_code(sample, sampled, rank),
-        lambda: length * 0 + EMPTY_CODE,  # the whole row fits: keep every entry
+        lambda: tuple(_kth_code(sample, sampled, r) for r in ranks),
+        lambda: tuple(length * 0 + EMPTY_CODE for _ in ranks),  # the row fits: keep all
     )
+    return thetas if missed is not None else thetas[0]
 
 
-def _exact_compact(count, count_many, compact, top_k):
-    """The slow path: exactly the K best entries (ties by smallest id).
+def _exact_cut(count, count_many, top_k):
+    """(θ*, cut): the exact K best entries are those with code > θ*, and those equal to
+    θ* with id ≤ cut (ties by smallest id).
 
     The K-th code θ* is the largest code with at least K entries ≥ it; the tie cut is the
     need-th smallest id among entries equal to θ*. Both are radix-16 searches in the
@@ -347,7 +354,7 @@ def _exact_compact(count, count_many, compact, top_k):
 
     n_ties = count(lambda c, i: c == kth)
     cut = jax.lax.cond(n_ties > need, id_cut, lambda: need * 0 + _INT_MAX)
-    return compact(lambda c, i: (c > kth) | ((c == kth) & (i <= cut)))
+    return kth, cut
 
 
 def _at_least(theta, dense):
@@ -489,39 +496,38 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
 
         def into_row(theta):  # compacts the entries ≥ θ; returns their count
             keep = _at_least(theta, dense)
-            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, raw=dense)
+            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, raw=dense, peel=False)
 
         def fits(n):
             return (n >= jnp.minimum(top_k, length)) & (n <= cap)
 
         missed = plt.load(count_ref.at[row])
-        theta = _sample_threshold(entries, length, top_k, cap, missed=missed)
+        first, theta = _sample_threshold(entries, length, top_k, cap, missed=missed)
         stored = into_row(theta)
 
         def search():
-            return _exact_compact(count, count_many, into_row_exact, top_k), stored * 0 + SEARCHED
-
-        def into_row_exact(keep):
-            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash)
+            kth, cut = _exact_cut(count, count_many, top_k)
+            return kth, cut, stored * 0 + SEARCHED
 
         def ladder():
-            first = _sample_threshold(entries, length, top_k, cap)  # the θ that missed first
             trial = _ladder(jnp.minimum(theta, first), jnp.maximum(theta, first))
             counts = count_many(lambda c, i: c[None, :] >= trial[:, None])
             good = fits(counts)
             best = jnp.max(jnp.where(good, trial, _INT_MIN))  # the fewest candidates
             found = jnp.sum(good.astype(jnp.int32)) > 0
-            # On codes, as counted: a ladder code need not be a score's code (it can fall
-            # among subnormals, which a float compare may flush to zero).
-            ladder_row = lambda: (into_row_exact(lambda c, i: c >= best), stored * 0 + RETRIED)  # noqa: E731
-            return jax.lax.cond(found, ladder_row, search)
+            ladder_cut = lambda: (best, best * 0 + _INT_MAX, best * 0 + RETRIED)  # noqa: E731
+            return jax.lax.cond(found, ladder_cut, search)
 
-        bracketed = (stored > cap) != (missed > cap)
-        final, path = jax.lax.cond(
-            fits(stored),
-            lambda: (stored, stored * 0 + RETRIED),
-            lambda: jax.lax.cond(bracketed, ladder, search),
-        )
+        def recompact():
+            # Ladder or search: one compaction on codes, as they counted (a ladder code
+            # need not be a score's code: it can fall among subnormals, which a float
+            # compare may flush to zero). One call site keeps the kernel's code small.
+            bracketed = (stored > cap) != (missed > cap)
+            kth, cut, path = jax.lax.cond(bracketed, ladder, search)
+            keep = lambda c, i: (c > kth) | ((c == kth) & (i <= cut))  # noqa: E731
+            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, peel=False), path
+
+        final, path = jax.lax.cond(fits(stored), lambda: (stored, stored * 0 + RETRIED), recompact)
         plt.store(slow_ref.at[row], path)
         plt.store(count_ref.at[row], jnp.minimum(final, cap))
 
