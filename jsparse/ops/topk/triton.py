@@ -2,8 +2,10 @@
 
 Triton on this backend has no sort, no histogram and unreliable vector int atomics,
 so selection is built from what is fast: streaming compares, sums and forward
-``cumsum`` (for order-preserving compaction). Every comparison is on int32 score codes
-(:mod:`jsparse.ops.topk.codes`), so equality is exact and ties are explicit.
+``cumsum`` (for order-preserving compaction). Comparisons are on int32 score codes
+(:mod:`jsparse.ops.topk.codes`), so equality is exact and ties are explicit; the one
+exception is the dense compaction's test against a sampled θ, which compares the
+scores as floats where that is the same test (:func:`_at_least`).
 
 Two kernels:
 
@@ -22,7 +24,8 @@ Two kernels:
   smallest ids: exactly K. Either way the buffer holds every entry of the exact Top-K.
 * :func:`select_candidates` / :func:`select_rows` (candidate buffer → Top-K set). An
   interpolation search over codes, safeguarded by bisection, finds the K-th largest
-  code θ in ~10 block-wide counts instead of bisection's 32; every entry above θ
+  code θ in ~10 block-wide counts instead of bisection's 32 (the select was no faster
+  for it, WORKSPACE.md run 27: its time is elsewhere); every entry above θ
   enters; ties at θ enter by ascending id (a bisection over ids finds the cut when
   ties straddle the boundary). Output keeps the input order.
 
