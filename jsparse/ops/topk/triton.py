@@ -370,12 +370,19 @@ def _at_least(theta, dense):
     return lambda c, i: c >= theta
 
 
-def _split_refs(refs, n_in, dense):
-    """(inputs, codes_out or None, ids_out, count_out, rest): dense buffers hold no codes."""
-    inputs, outs = refs[:n_in], refs[n_in:]
-    if dense:
-        return inputs, None, outs[0], outs[1], outs[2:]
-    return inputs, outs[0], outs[1], outs[2], outs[3:]
+def _buffer_refs(refs, dense, n_flags):
+    """(codes or None, ids, count, flags): the candidate buffer refs that end ``refs``
+    (slots, then a count per row or segment, then ``n_flags`` per-row flag refs). Dense
+    buffers hold no codes."""
+    n_slots = 1 if dense else 2
+    bufs = refs[len(refs) - (n_slots + 1 + n_flags) :]
+    codes = None if dense else bufs[0]
+    return codes, bufs[n_slots - 1], bufs[n_slots], bufs[n_slots + 1 :]
+
+
+def _fits(n, top_k, length, cap):
+    """A count of candidates holds the row's Top-K and fits the buffer: in [min(K, L), cap]."""
+    return (n >= jnp.minimum(top_k, length)) & (n <= cap)
 
 
 def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
@@ -386,9 +393,8 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
     and the merge kernel finishes the row. The retry and the exact search live in their
     own kernel, so this one is the streaming loop alone.
     """
-    n_in = 3
-    refs = refs[:n_in] + refs[n_in + (1 if dense else 2) :]  # drop the aliased buffer inputs
-    source, codes_ref, ids_ref, count_ref, rest = _split_refs(refs, n_in, dense)
+    source = refs[:3]
+    codes_ref, ids_ref, count_ref, flags = _buffer_refs(refs, dense, 1 if chunks == 1 else 0)
     row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
     entries, block, lo, hi = _row_source(source, dense, row, blk)
@@ -405,21 +411,19 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg):
     if chunks > 1:
         plt.store(count_ref.at[segment], stored)
         return
-    fast_ok = (stored >= jnp.minimum(top_k, length)) & (stored <= cap)
+    fast_ok = _fits(stored, top_k, length, cap)
     plt.store(count_ref.at[row], stored)  # unclipped: a missed count steers the retry
-    plt.store(rest[0].at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
+    plt.store(flags[0].at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
 
 
 def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     """Program (row): concatenates the row's segments, or flags it for the exact kernel."""
-    n_seg_bufs = 2 if dense else 3
     source = refs[:3]
-    segs = refs[3 : 3 + n_seg_bufs]
-    seg_codes_ref = None if dense else segs[0]
-    seg_ids_ref, seg_count_ref = segs[-2:]
-    tail = refs[3 + n_seg_bufs + (1 if dense else 2) :]  # past the aliased buffer inputs
-    codes_ref = None if dense else tail[0]
-    ids_ref, count_ref, slow_ref = tail[-3:]
+    n_segment_refs = (1 if dense else 2) + 1  # (codes,) ids, counts: after the source
+    seg_codes_ref, seg_ids_ref, seg_count_ref, _ = _buffer_refs(
+        refs[: 3 + n_segment_refs], dense, 0
+    )
+    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, dense, 1)
     row = pl.program_id(0)
     blk = cfg.block
     _, _, lo, hi = _row_source(source, dense, row, blk)
@@ -431,7 +435,7 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
         mask=lane < chunks, other=0,
     )  # fmt: skip
     total = jnp.sum(seg_counts)
-    fast_ok = (total >= jnp.minimum(top_k, length)) & (total <= cap)
+    fast_ok = _fits(total, top_k, length, cap)
     trash = count_ref.shape[0] * cap
     lanes = jnp.arange(blk, dtype=jnp.int32)
 
@@ -482,11 +486,8 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
     spaced between the two θ and compaction takes the highest that lands in [K, cap].
     Otherwise (massive ties), the exact radix search.
     """
-    n_bufs = 3 if dense else 4  # (codes,) ids, count, slow: aliased in and out
     source = refs[:3]
-    outs = refs[-n_bufs:]
-    codes_ref = None if dense else outs[0]
-    ids_ref, count_ref, slow_ref = outs[-3:]
+    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, dense, 1)  # aliased in/out
     row = pl.program_id(0)
     blk = cfg.block
 
@@ -501,9 +502,6 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
             keep = _at_least(theta, dense)
             return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, raw=dense, peel=False)
 
-        def fits(n):
-            return (n >= jnp.minimum(top_k, length)) & (n <= cap)
-
         missed = plt.load(count_ref.at[row])
         first, theta = _sample_threshold(entries, length, top_k, cap, missed=missed)
         stored = into_row(theta)
@@ -515,7 +513,7 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
         def ladder():
             trial = _ladder(jnp.minimum(theta, first), jnp.maximum(theta, first))
             counts = count_many(lambda c, i: c[None, :] >= trial[:, None])
-            good = fits(counts)
+            good = _fits(counts, top_k, length, cap)
             best = jnp.max(jnp.where(good, trial, _INT_MIN))  # the fewest candidates
             found = jnp.sum(good.astype(jnp.int32)) > 0
             ladder_cut = lambda: (best, best * 0 + _INT_MAX, best * 0 + RETRIED)  # noqa: E731
@@ -530,7 +528,9 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
             keep = lambda c, i: (c > kth) | ((c == kth) & (i <= cut))  # noqa: E731
             return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, peel=False), path
 
-        final, path = jax.lax.cond(fits(stored), lambda: (stored, stored * 0 + RETRIED), recompact)
+        final, path = jax.lax.cond(
+            _fits(stored, top_k, length, cap), lambda: (stored, stored * 0 + RETRIED), recompact
+        )
         plt.store(slow_ref.at[row], path)
         plt.store(count_ref.at[row], jnp.minimum(final, cap))
 
