@@ -43,6 +43,10 @@ def test_select_candidates_unordered_records(kind, n, counts, kernel_impl):
     got_c, got_i, kth = select.select_candidates(
         jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), top_k
     )
+    # every slot is written (no init pass): a short row's tail is EMPTY / -1
+    live = np.asarray(got_c) != codes_lib.EMPTY_CODE
+    np.testing.assert_array_equal(live.sum(axis=1), np.minimum(counts, top_k))
+    np.testing.assert_array_equal(np.asarray(got_i)[~live], -1)
     got = select.order_topk(got_c, got_i)
     valid = np.arange(n)[None, :] < counts[:, None]
     want = select_codes_reference(
@@ -229,3 +233,29 @@ def test_long_candidate_rows(s, top_k, cap, kernel_impl):
     scores[0, ::7] = np.round(scores[0, ::7])  # ties near the boundary too
     slow = _select_whole_rows(scores, top_k, cap, chunks=1)
     assert slow[0] == select.FAST  # the sample's θ fit: no slow path
+
+
+@pytest.mark.parametrize("k", [1, 37, 300])
+@pytest.mark.parametrize("id_ordered", [False, True])
+def test_rank_order_matches_sort(k, id_ordered, kernel_impl):
+    """The one-kernel order (few rows) against XLA's sort: heavy ties, NaN / ±inf codes,
+    and empty slots (at the tail of an id-ordered row, anywhere otherwise)."""
+    rng = np.random.default_rng(k)
+    t = 3
+    lo, hi = (int(c) for c in codes_lib.score_code(jnp.array([-jnp.inf, jnp.nan])))
+    codes = rng.integers(-4, 4, size=(t, k)).astype(np.int32)
+    codes[0, : min(k, 3)] = [hi, lo, hi][: min(k, 3)]
+    n_valid = [k, max(k - 5, 0), k // 2]
+    if id_ordered:
+        ids = np.stack([np.sort(rng.permutation(10 * k)[:k]) for _ in range(t)])
+        for r, n in enumerate(n_valid):
+            codes[r, n:] = codes_lib.EMPTY_CODE
+    else:
+        ids = np.stack([rng.permutation(10 * k)[:k] for _ in range(t)])
+        for r, n in enumerate(n_valid):
+            codes[r, rng.permutation(k)[n:]] = codes_lib.EMPTY_CODE
+    ids = np.where(codes == codes_lib.EMPTY_CODE, -1, ids).astype(np.int32)
+    got = select.rank_order(jnp.asarray(codes), jnp.asarray(ids), id_ordered=id_ordered)
+    want = select.sort_order(jnp.asarray(codes), jnp.asarray(ids), id_ordered=id_ordered)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
