@@ -799,12 +799,17 @@ def _rank_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k, bi
     plt.store(out_scores_ref.at[row, at], code_to_score(ci))
 
 
-def rank_order(codes, ids, *, id_ordered=False, bi=32, bj=128):
+def rank_order(codes, ids, *, id_ordered=False, tile=16384):
     """:func:`order_topk` in one kernel for few rows (T·K² ≤ ``RANK_ORDER_PAIRS``): each
     entry's position is its rank, counted against the whole row. XLA's sort of a
     [1-64, 2048] set costs ~21 µs on an H200 whatever the row count (run 33), a fifth
     of a one-query decode step."""
     t, k = codes.shape
+    # the whole row (up to 2048) against a few entries per program, in one step: the
+    # per-step load latency, not the compares, bounded a looped form (run 34: 13 µs at
+    # T = 1, 30 at T = 8 with 32 × 128 steps)
+    bj = min(1 << (k - 1).bit_length(), 2048)
+    bi = max(1, min(tile // bj, 1 << (k - 1).bit_length()))
     parts = -(-k // bi)
     kernel = functools.partial(_rank_order_kernel, k=k, bi=bi, bj=bj, id_ordered=id_ordered)
     ids, scores = pl.pallas_call(
