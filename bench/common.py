@@ -83,6 +83,46 @@ def time_fn(fn: Callable, input_sets: Sequence[tuple], *, budget_s: float = 1.0)
     return Timing(statistics.median(samples), q[0], q[-1], repeats * per_repeat)
 
 
+def device_busy_s(fn: Callable, input_sets: Sequence[tuple], *, calls: int = 30) -> float | None:
+    """GPU busy time per call: the summed durations of the kernels (and memsets) that
+    ``calls`` back-to-back calls ran, from a profiler trace, over ``calls``.
+
+    Launch gaps and host dispatch are excluded, so at small shapes this is what a
+    model's own jitted step would pay; ``time_fn`` measures what a Python caller pays.
+    None where the trace has no GPU activity (a CPU run).
+    """
+    import glob
+    import gzip
+    import tempfile
+
+    for args in input_sets:
+        block(fn(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            out = None
+            for i in range(calls):
+                out = fn(*input_sets[i % len(input_sets)])
+            block(out)
+        (path,) = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return busy_from_trace(events, calls)
+
+
+def busy_from_trace(events: list[dict], calls: int) -> float | None:
+    """Seconds per call of GPU activity in perfetto trace events (see device_busy_s)."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpus = {e["pid"] for e in meta if e.get("name") == "process_name"
+            and "GPU" in e["args"].get("name", "")}  # fmt: skip
+    # annotation lines (XLA ops / modules) nest the kernels: only stream lines count
+    lines = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in meta
+             if e.get("name") == "thread_name" and e["pid"] in gpus}  # fmt: skip
+    annotation = {key for key, name in lines.items() if name.startswith(("XLA", "Steps"))}
+    busy = [e["dur"] for e in events if e.get("ph") == "X" and e.get("pid") in gpus
+            and (e["pid"], e.get("tid")) not in annotation]  # fmt: skip
+    return 1e-6 * sum(busy) / calls if busy else None
+
+
 @dataclasses.dataclass
 class Floors:
     """Ceilings measured once per run on this device (what 100% of the floor means)."""
@@ -137,6 +177,9 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]):
         value = row.get(key, "")
         return value if isinstance(value, str) else fmt(value)
 
+    # a column no row has (e.g. GPU busy time without --device-time) is left out
+    columns = [(k, t) for k, t in columns if any(k in r for r in rows)]
+    header = [title for _, title in columns]
     body = [[cell(r, key) for key, _ in columns] for r in rows]
     widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(header)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))

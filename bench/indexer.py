@@ -35,6 +35,11 @@ def add_arguments(parser):
         help="block_t,block_s,num_warps,num_stages for the Triton scorer (default: heuristic)",
     )  # fmt: skip
     parser.add_argument(
+        "--device-time", action="store_true",
+        help="also the GPU busy time per call from a profiler trace (kernels only: no "
+        "host dispatch or launch gaps), and speedups on it",
+    )  # fmt: skip
+    parser.add_argument(
         "--implementation", choices=["triton", "mosaic", "reference"], default=None,
         help="the implementation name for base/full instead of the backend's (e.g. mosaic "
         "with --backend pallas-gpu to time the Mosaic GPU scorer; it has base only)",
@@ -179,6 +184,9 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
                 tbps=nbytes / timing.median_s / 1e12,
                 pct_floor=100 * floor_s / timing.median_s,
             )
+            if args.device_time:
+                busy = common.device_busy_s(fn, [(s,) for s in sets])
+                row["device_ms"] = None if busy is None else 1e3 * busy
             case_rows.append(row)
             progress.update()
         by_method = {r["method"]: r for r in case_rows if r.get("status") == "ok"}
@@ -186,6 +194,8 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             for ref in ("xla", "base"):
                 if r.get("status") == "ok" and ref in by_method:
                     r[f"vs_{ref}"] = by_method[ref]["ms"] / r["ms"]
+                    if r.get("device_ms") and by_method[ref].get("device_ms"):
+                        r[f"device_vs_{ref}"] = by_method[ref]["device_ms"] / r["device_ms"]
         rows.extend(case_rows)
         del sets, inputs, results
     progress.close()
@@ -213,6 +223,8 @@ COLUMNS = [
     ("pct_floor", "% floor"),
     ("vs_xla", "× xla"),
     ("vs_base", "× base"),
+    ("device_ms", "GPU busy ms"),
+    ("device_vs_xla", "busy × xla"),
     ("candidates", "cand/query"),
     ("fallbacks", "fallbacks"),
     ("status", "status"),
