@@ -259,3 +259,20 @@ def test_rank_order_matches_sort(k, id_ordered, kernel_impl):
     want = select.sort_order(jnp.asarray(codes), jnp.asarray(ids), id_ordered=id_ordered)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16])
+def test_gpu_rank_order_compiled(t):
+    # the full-size set (K = 2048, one 2048-lane compare per program) compiled; rounded
+    # scores give ties that only the id order separates
+    rng = np.random.default_rng(t)
+    x = np.round(rng.standard_normal((t, 2048)) * 8).astype(np.float32)
+    codes = codes_lib.score_code(jnp.asarray(x))
+    ids = jnp.asarray(np.sort(rng.permutation(1 << 17)[:2048])[None].repeat(t, 0), jnp.int32)
+    codes = codes.at[:, -100:].set(codes_lib.EMPTY_CODE)
+    for id_ordered in (True, False):
+        got = select.rank_order(codes, ids, id_ordered=id_ordered)
+        want = select.sort_order(codes, ids, id_ordered=id_ordered)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
