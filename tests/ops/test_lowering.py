@@ -62,6 +62,9 @@ def test_selection_kernels_lower_to_cuda():
     lower_for_h200(lambda x, i, m: select.select_rows(x, i, m, K), scores, buf, rng)
     big = jax.ShapeDtypeStruct((t, 3 * 8192), i32)  # too long to hold in registers
     lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), big, big, rng)
+    topk = jax.ShapeDtypeStruct((8, K), i32)
+    for id_ordered in (True, False):
+        lower_for_h200(lambda c, i, o=id_ordered: select.rank_order(c, i, id_ordered=o), topk, topk)
 
 
 @pytest.mark.parametrize(
