@@ -57,7 +57,6 @@ _INT_MAX = np.int32(np.iinfo(np.int32).max)
 SAMPLE_BLOCKS = 512
 SAMPLE_BLOCK = 8
 MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in registers
-LEAN_RESIDENT = True  # the resident select holds (code, id) only, no mask: fewer registers
 SMALL_RESIDENT = 4096  # ... in a block of this many when they fit (run 26: −8% select)
 RADIX = 16  # trial thresholds per streaming pass of the exact path
 # compact_rows' per-row report of the path taken. Typed on purpose: in a Pallas Triton
@@ -646,7 +645,7 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
             c = plt.load(src_ref.at[src], mask=ok, other=EMPTY_CODE)
         return jnp.where(ok, c, EMPTY_CODE), i, ok
 
-    def write(c, i, ok, kth, cut, stored):
+    def write(c, i, ok, kth, cut, stored):  # ok None: empty lanes are EMPTY / INT_MAX
         keep = (c > kth) | ((c == kth) & (i <= cut))
         keep = keep if ok is None else ok & keep
         keep_i = keep.astype(jnp.int32)
@@ -665,26 +664,21 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
     no_cut = lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX)  # noqa: E731  fewer than K: all
 
     def resident(blk):  # one load; every pass runs on registers
+        # No lane mask held (run 37: −10-16% time): an empty lane has EMPTY_CODE, below
+        # every score's code, and id INT_MAX, above every cut, so nothing below keeps it.
         c, i, ok = load(0, blk)
-        if LEAN_RESIDENT:
-            # No mask held: an empty lane has EMPTY_CODE (below every score's code) and
-            # id INT_MAX (above every cut), so no threshold or cut below keeps it.
-            i = jnp.where(ok, i, _INT_MAX)
-            ok = None
-
-        def live():
-            return (c != EMPTY_CODE) if ok is None else ok
+        i = jnp.where(ok, i, _INT_MAX)
 
         def count(pred):
-            return jnp.sum((live() & pred(c, i)).astype(jnp.int32))
+            return jnp.sum(((c != EMPTY_CODE) & pred(c, i)).astype(jnp.int32))
 
         def threshold():
-            kth = _kth_code(c, live(), top_k)
+            kth = _kth_code(c, c != EMPTY_CODE, top_k)
             return kth, tie_cut(count, kth)
 
-        fewer = no_cut if ok is not None else lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX - 1)
-        kth, cut = jax.lax.cond(n >= top_k, threshold, fewer)
-        return kth, write(c, i, ok, kth, cut, n * 0)
+        all_live = lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX - 1)  # noqa: E731
+        kth, cut = jax.lax.cond(n >= top_k, threshold, all_live)
+        return kth, write(c, i, None, kth, cut, n * 0)
 
     def streamed(blk):  # buffers too long for registers: passes over blocks
         n_blocks = (n + blk - 1) // blk
