@@ -24,14 +24,16 @@ Two kernels:
   smallest ids: exactly K. Either way the buffer holds every entry of the exact Top-K.
 * :func:`select_candidates` / :func:`select_rows` (candidate buffer → Top-K set). An
   interpolation search over codes, safeguarded by bisection, finds the K-th largest
-  code θ in ~10 block-wide counts instead of bisection's 32 (the select was no faster
-  for it, WORKSPACE.md run 27: its time is elsewhere); every entry above θ
+  code θ in ~10 block-wide counts instead of bisection's 32; every entry above θ
   enters; ties at θ enter by ascending id (a bisection over ids finds the cut when
-  ties straddle the boundary). Output keeps the input order.
+  ties straddle the boundary). Output keeps the input order. A row's candidates sit in
+  registers (a 4096-lane tile), so an SM holds two rows at a time (ncu, run 35): its
+  latency, not its arithmetic, is the select's cost.
 
-The final order (score descending, id ascending) is an XLA sort of K entries per row
-(:func:`order_topk`): one stable key when the entries are already in id order, else
-two keys.
+The final order (score descending, id ascending, :func:`order_topk`): for a few rows
+(T·K² ≤ 2^26) one kernel ranks each entry against its whole row (2.3 µs at T = 1
+against XLA's 23 µs sort, run 35); for more, an XLA sort of K entries per row, with one
+stable key when the entries are already in id order, else two.
 """
 
 from __future__ import annotations
