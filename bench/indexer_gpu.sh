@@ -39,7 +39,7 @@ for s in "${steps[@]}"; do
     causal) run causal "$PY" bench/run.py --backend pallas-gpu --preset causal-prefill \
       --method xla base full --json "$OUT/causal.json" --quiet ;;
     decode) run decode "$PY" bench/run.py --backend pallas-gpu --preset decode \
-      --method xla base full --json "$OUT/decode.json" --quiet ;;
+      --method xla base full --device-time --json "$OUT/decode.json" --quiet ;;
     dosa) run dosa "$PY" -m bench.dosa --prefill --shapes 8192x32768 8192x65536 8192x131072 \
       --json "$OUT/dosa.json" ;;
     dosa-causal) run dosa-causal "$PY" -m bench.dosa --prefill --shapes 65536x65536 \
