@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
+import gzip
 import json
 import math
 import statistics
+import tempfile
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -91,10 +94,6 @@ def device_busy_s(fn: Callable, input_sets: Sequence[tuple], *, calls: int = 30)
     model's own jitted step would pay; ``time_fn`` measures what a Python caller pays.
     None where the trace has no GPU activity (a CPU run).
     """
-    import glob
-    import gzip
-    import tempfile
-
     for args in input_sets:
         block(fn(*args))
     with tempfile.TemporaryDirectory() as log_dir:
@@ -171,8 +170,6 @@ def fmt(x, digits=3):
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str]]):
-    header = [title for _, title in columns]
-
     def cell(row, key):
         value = row.get(key, "")
         return value if isinstance(value, str) else fmt(value)

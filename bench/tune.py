@@ -122,7 +122,7 @@ def tune_dtype(args, dtype, floors, configs, rows):
     stages = {
         "compact_rows": (compact, (scores, start, end)),
         "select_rows": (sel, (scores, ci, cn)),
-        "order_topk (XLA sort)": (order, (sc, si)),
+        "order_topk": (order, (sc, si)),
         "lax.top_k on scores": (jax.jit(lambda s: jax.lax.top_k(s, k)), (scores,)),
         "topk_base (all stages)": (
             jax.jit(lambda *a: methods.topk_base(*a[:3], k, *a[3:], cfg=cfg)), a),

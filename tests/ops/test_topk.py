@@ -235,6 +235,13 @@ def test_long_candidate_rows(s, top_k, cap, kernel_impl):
     assert slow[0] == select.FAST  # the sample's θ fit: no slow path
 
 
+def _assert_rank_order_is_sort(codes, ids, id_ordered):
+    got = select.rank_order(codes, ids, id_ordered=id_ordered)
+    want = select.sort_order(codes, ids, id_ordered=id_ordered)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("k", [1, 37, 300])
 @pytest.mark.parametrize("id_ordered", [False, True])
 def test_rank_order_matches_sort(k, id_ordered, kernel_impl):
@@ -255,10 +262,7 @@ def test_rank_order_matches_sort(k, id_ordered, kernel_impl):
         for r, n in enumerate(n_valid):
             codes[r, rng.permutation(k)[n:]] = codes_lib.EMPTY_CODE
     ids = np.where(codes == codes_lib.EMPTY_CODE, -1, ids).astype(np.int32)
-    got = select.rank_order(jnp.asarray(codes), jnp.asarray(ids), id_ordered=id_ordered)
-    want = select.sort_order(jnp.asarray(codes), jnp.asarray(ids), id_ordered=id_ordered)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
+    _assert_rank_order_is_sort(jnp.asarray(codes), jnp.asarray(ids), id_ordered)
 
 
 @pytest.mark.gpu
@@ -272,7 +276,4 @@ def test_gpu_rank_order_compiled(t):
     ids = jnp.asarray(np.sort(rng.permutation(1 << 17)[:2048])[None].repeat(t, 0), jnp.int32)
     codes = codes.at[:, -100:].set(codes_lib.EMPTY_CODE)
     for id_ordered in (True, False):
-        got = select.rank_order(codes, ids, id_ordered=id_ordered)
-        want = select.sort_order(codes, ids, id_ordered=id_ordered)
-        np.testing.assert_array_equal(got[0], want[0])
-        np.testing.assert_array_equal(got[1], want[1])
+        _assert_rank_order_is_sort(codes, ids, id_ordered)

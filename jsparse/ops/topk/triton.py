@@ -415,7 +415,7 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given):
     own = jnp.clip(total - chunk * per_chunk, 0, per_chunk)
     _, _, compact = _streaming(block, first + chunk * per_chunk * blk, own, blk)
     if theta_given:
-        theta = plt.load(refs[3].at[row])
+        theta = plt.load(refs[3].at[row])  # the 4th input, after the row source
     else:
         theta = _sample_threshold(entries, length, top_k, cap)
     segment = row * chunks + chunk
@@ -575,7 +575,9 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
         # θ in a kernel of its own: its sample (4096 entries held in registers) would
         # set the streaming kernel's register count and so its rows per SM, and its
         # reductions would delay every row's first load (run 33: streaming with θ given
-        # 1.21-1.28 ms, θ alone 0.39, against 1.76-1.87 with θ sampled inside).
+        # 1.21-1.28 ms, θ alone 0.39, against 1.76-1.87 with θ sampled inside). Rows
+        # split over chunks (decode) still sample in each chunk program: there a θ
+        # kernel would add a launch to a step of a few µs per kernel (not measured).
         theta = pl.pallas_call(
             functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
             grid=(t,),
@@ -686,8 +688,10 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
         need = top_k - count(lambda c, i: c > kth)
         return _id_cut(lambda pred: count(lambda c, i: (c == kth) & pred(i)), need)
 
-    # (Branch results derive from a traced value: Triton's scf.if cannot yield constants.)
-    no_cut = lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX)  # noqa: E731  fewer than K: all
+    # Fewer than K candidates: every live one enters. The cut sits below INT_MAX, the id
+    # the resident path gives empty lanes. (Branch results derive from a traced value:
+    # Triton's scf.if cannot yield constants.)
+    all_live = lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX - 1)  # noqa: E731
 
     def resident(blk):  # one load; every pass runs on registers
         # No lane mask held (run 37: −10-16% time): an empty lane has EMPTY_CODE, below
@@ -702,7 +706,6 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
             kth = _kth_code(c, c != EMPTY_CODE, top_k)
             return kth, tie_cut(count, kth)
 
-        all_live = lambda: (n * 0 + EMPTY_CODE, n * 0 + _INT_MAX - 1)  # noqa: E731
         kth, cut = jax.lax.cond(n >= top_k, threshold, all_live)
         return kth, write(c, i, None, kth, cut, n * 0)
 
@@ -725,7 +728,7 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
             kth = jax.lax.fori_loop(0, 32, step, n * 0) ^ _INT_MIN
             return kth, tie_cut(count, kth)
 
-        kth, cut = jax.lax.cond(n >= top_k, threshold, no_cut)
+        kth, cut = jax.lax.cond(n >= top_k, threshold, all_live)
         stored = jax.lax.fori_loop(
             0, n_blocks, lambda j, s: write(*load(j, blk), kth, cut, s), n * 0
         )
