@@ -470,9 +470,7 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given, with_codes
     """
     source = refs[:3]
     n_in = 3 + theta_given
-    codes_ref, ids_ref, count_ref, flags = _buffer_refs(
-        refs, with_codes, 1 if chunks == 1 else 0
-    )
+    codes_ref, ids_ref, count_ref, flags = _buffer_refs(refs, with_codes, 1 if chunks == 1 else 0)
     row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
     entries, block, lo, hi = _row_source(source, dense, row, blk)
