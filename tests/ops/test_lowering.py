@@ -45,18 +45,13 @@ def test_selection_kernels_lower_to_cuda():
     t, s, cap, n = 256, 65536, 4608, 30000
     scores = jax.ShapeDtypeStruct((t, s), jnp.float32)
     rng = jax.ShapeDtypeStruct((t,), i32)
-    entry_by_entry = select.SelectConfig(group=1)
     for chunks in (1, 8):
-        for cfg in (select.SelectConfig(), entry_by_entry):
-            for with_codes in (False, True):
-                lower_for_h200(
-                    lambda x, a, b, c=chunks, g=cfg, w=with_codes: select.compact_rows(
-                        x, a, b, K, cap, g, c, with_codes=w
-                    ),
-                    scores,
-                    rng,
-                    rng,
-                )
+        lower_for_h200(
+            lambda x, a, b, c=chunks: select.compact_rows(x, a, b, K, cap, chunks=c),
+            scores,
+            rng,
+            rng,
+        )
     for width in (n, 30720):  # gathered and aligned block loads
         rec = jax.ShapeDtypeStruct((t, width), i32)
         lower_for_h200(

@@ -1,6 +1,6 @@
 """``base`` and ``full`` composed from the Triton scorer and selection kernels.
 
-base:  scorer → dense [T, S] scores → compact_rows (codes, ids) → select_candidates → order
+base:  scorer → dense [T, S] scores → compact_rows (ids) → select_rows → order
 full:  scorer on seed keys → τ (K-th seed code) → scorer writes records ≥ τ
        → select_candidates → order; a query whose records overflow the buffer is
        answered by ``base`` instead (reported in ``fallback``).
@@ -120,19 +120,10 @@ def _finish(sel_codes, sel_ids, *, id_ordered, sort):
     return jnp.where(empty, -1, sel_ids), jnp.where(empty, -jnp.inf, code_to_score(sel_codes))
 
 
-# The compaction stores each candidate's code beside its id (the select then reads a
-# short contiguous buffer) instead of the select gathering the scores back by id.
-STORE_CODES = True
-
-
-def _select_dense(scores, start, end, top_k, sort, *, store_codes=None):
+def _select_dense(scores, start, end, top_k, sort):
     cap = candidate_capacity(top_k, scores.shape[1])
-    if STORE_CODES if store_codes is None else store_codes:
-        codes, ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, with_codes=True)
-        sel_codes, sel_ids, _ = select.select_candidates(codes, ids, count, top_k)
-    else:
-        ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
-        sel_codes, sel_ids, _ = select.select_rows(scores, ids, count, top_k)
+    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
+    sel_codes, sel_ids, _ = select.select_rows(scores, ids, count, top_k)
     return _finish(sel_codes, sel_ids, id_ordered=True, sort=sort)
 
 

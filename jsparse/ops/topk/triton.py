@@ -75,9 +75,6 @@ class SelectConfig:
     block: int = 1024  # entries per step of a streaming pass
     num_warps: int = 4
     num_stages: int = 1
-    # Dense compaction: entries per store group (see _grouped_compact); 1 stores entry
-    # by entry. Needs a storage row width that is a multiple of ``block``.
-    group: int = 8
 
 
 def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
@@ -375,12 +372,13 @@ def _at_least(theta, dense):
     return lambda c, i: c >= theta
 
 
-def _buffer_refs(refs, with_codes, n_flags):
+def _buffer_refs(refs, dense, n_flags):
     """(codes or None, ids, count, flags): the candidate buffer refs that end ``refs``
-    (slots, then a count per row or segment, then ``n_flags`` per-row flag refs)."""
-    n_slots = 2 if with_codes else 1
+    (slots, then a count per row or segment, then ``n_flags`` per-row flag refs). Dense
+    buffers hold no codes."""
+    n_slots = 1 if dense else 2
     bufs = refs[len(refs) - (n_slots + 1 + n_flags) :]
-    codes = bufs[0] if with_codes else None
+    codes = None if dense else bufs[0]
     return codes, bufs[n_slots - 1], bufs[n_slots], bufs[n_slots + 1 :]
 
 
@@ -397,80 +395,17 @@ def _theta_kernel(*refs, dense, top_k, cap, cfg):
     plt.store(theta_ref.at[row], _sample_threshold(entries, hi - lo, top_k, cap))
 
 
-def _grouped_compact(x3_ref, row, lo, hi, first, n_blocks, blk, group, theta, out_codes,
-                     out_ids, base, cap, trash):  # fmt: skip
-    """:func:`_streaming`'s compact for a dense row, by groups of ``group`` entries.
-
-    Storing entry by entry issues a store per entry, kept or not (blk per block), and
-    those stores, not the bytes read, set the compaction's time (run 40: a streaming
-    count of the row runs at 4.4 TB/s, the same loop with the scattered store at 2.5).
-    Few entries pass θ (~1.3·K of a row), so a group rarely holds more than one: round
-    j stores every group's j-th kept entry at the group's offset + j, one store per
-    group, for as many rounds as the fullest group of the block needs. Same output as
-    the entry-by-entry compaction (row order). ``x3_ref`` is the score rows viewed as
-    [T, S / group, group]; ``theta`` a code; with ``out_codes`` the codes are stored.
-    """
-    n_groups = blk // group
-    g_lane = jnp.arange(n_groups, dtype=jnp.int32)
-    e_lane = jnp.arange(group, dtype=jnp.int32)[None, :]
-    theta_f = code_to_score(theta)
-
-    def body(a, stored, masked):
-        pos = a + g_lane[:, None] * group + e_lane
-        span = pl.ds(pl.multiple_of(a // group, n_groups), n_groups)
-        if masked:
-            ok = (pos >= lo) & (pos < hi)
-            x = plt.load(x3_ref.at[row, span, :], mask=ok, other=0.0)
-            keep = ok & ((x >= theta_f) | (x != x))  # NaN kept: its code is above θ
-        else:
-            x = plt.load(x3_ref.at[row, span, :])
-            keep = (x >= theta_f) | (x != x)
-        n_kept = jnp.sum(keep.astype(jnp.int32), axis=1)
-        offset = stored + jnp.cumsum(n_kept) - n_kept  # each group's first slot
-        bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-
-        def one_round(j, prev):  # prev: position of each group's previous kept entry
-            at = jnp.min(jnp.where(keep & (e_lane > prev[:, None]), e_lane, group), axis=1)
-            slot = offset + j
-            store = (at < group) & (slot < cap)
-            dst = jnp.where(store, base + slot, trash)
-            plt.store(out_ids.at[dst], a + g_lane * group + at, mask=store)
-            if out_codes is not None:  # one entry's bits per group: the sum is exact
-                picked = jnp.sum(jnp.where(e_lane == at[:, None], bits, 0), axis=1)
-                code = score_code(jax.lax.bitcast_convert_type(picked, jnp.float32))
-                plt.store(out_codes.at[dst], code, mask=store)
-            return at
-
-        rounds = jnp.max(n_kept)
-        jax.lax.fori_loop(0, rounds, one_round, jnp.full((n_groups,), -1, jnp.int32))
-        return stored + jnp.sum(n_kept)
-
-    stored = body(first, n_blocks * 0, True)  # n_blocks = 0: all masked off, as compact
-    stored = jax.lax.fori_loop(
-        1, n_blocks - 1, lambda j, s: body(first + j * blk, s, False), stored
-    )
-    last = lambda s: body(first + (n_blocks - 1) * blk, s, True)  # noqa: E731
-    return jax.lax.cond(n_blocks >= 2, last, lambda s: s, stored)
-
-
-def _grouped(dense, width, cfg):
-    """Whether a dense compaction stores by groups (:func:`_grouped_compact`)."""
-    return dense and cfg.group > 1 and width % cfg.block == 0 and cfg.block % cfg.group == 0
-
-
-def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given, with_codes):
+def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given):
     """Program (row, chunk): compacts entries ≥ θ of its chunk of the row.
 
     With one chunk it writes the final buffer and flags the row for the exact kernel when
     the count missed [min(K, length), cap]; with several it writes segment (row, chunk)
     and the merge kernel finishes the row. The retry and the exact search live in their
-    own kernel, so this one is the streaming loop alone. Inputs: the row source, then θ
-    when ``theta_given`` (from :func:`_theta_kernel`, instead of this program's own
-    sample), then for grouped stores the score rows viewed as groups.
+    own kernel, so this one is the streaming loop alone. ``theta_given``: θ comes from
+    :func:`_theta_kernel` (the 4th input) instead of this program's own sample.
     """
     source = refs[:3]
-    n_in = 3 + theta_given
-    codes_ref, ids_ref, count_ref, flags = _buffer_refs(refs, with_codes, 1 if chunks == 1 else 0)
+    codes_ref, ids_ref, count_ref, flags = _buffer_refs(refs, dense, 1 if chunks == 1 else 0)
     row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
     entries, block, lo, hi = _row_source(source, dense, row, blk)
@@ -478,23 +413,15 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given, with_codes
     first, total = _aligned_blocks(lo, hi, blk)
     per_chunk = (total + chunks - 1) // chunks
     own = jnp.clip(total - chunk * per_chunk, 0, per_chunk)
-    own_first = first + chunk * per_chunk * blk
+    _, _, compact = _streaming(block, first + chunk * per_chunk * blk, own, blk)
     if theta_given:
-        theta = plt.load(refs[3].at[row])
+        theta = plt.load(refs[3].at[row])  # the 4th input, after the row source
     else:
         theta = _sample_threshold(entries, length, top_k, cap)
     segment = row * chunks + chunk
     trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
-    if _grouped(dense, source[0].shape[1], cfg):
-        stored = _grouped_compact(
-            refs[n_in], row, lo, hi, own_first, own, blk, cfg.group, theta, codes_ref,
-            ids_ref, segment * cap, cap, trash,
-        )  # fmt: skip
-    else:
-        _, _, compact = _streaming(block, own_first, own, blk)
-        raw = dense and not with_codes  # raw scores compare as floats; codes are stored
-        keep = _at_least(theta, raw)
-        stored = compact(keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=raw)
+    keep = _at_least(theta, dense)
+    stored = compact(keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense)
     if chunks > 1:
         plt.store(count_ref.at[segment], stored)
         return
@@ -503,14 +430,14 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given, with_codes
     plt.store(flags[0].at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
 
 
-def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg, with_codes):
+def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     """Program (row): concatenates the row's segments, or flags it for the exact kernel."""
     source = refs[:3]
-    n_segment_refs = (2 if with_codes else 1) + 1  # (codes,) ids, counts: after the source
+    n_segment_refs = (1 if dense else 2) + 1  # (codes,) ids, counts: after the source
     seg_codes_ref, seg_ids_ref, seg_count_ref, _ = _buffer_refs(
-        refs[: 3 + n_segment_refs], with_codes, 0
+        refs[: 3 + n_segment_refs], dense, 0
     )
-    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, with_codes, 1)
+    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, dense, 1)
     row = pl.program_id(0)
     blk = cfg.block
     _, _, lo, hi = _row_source(source, dense, row, blk)
@@ -561,7 +488,7 @@ def _ladder(lo, hi):
     return jnp.clip(jnp.clip(at, -(2.0**31) + 256, 2.0**31 - 256).astype(jnp.int32), lo, hi)
 
 
-def _exact_kernel(*refs, dense, top_k, cap, cfg, with_codes):
+def _exact_kernel(*refs, dense, top_k, cap, cfg):
     """Program (row): the slow path of a row flagged by the compaction kernels; other rows
     return at once and keep their buffers (aliased in and out).
 
@@ -574,7 +501,7 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg, with_codes):
     Otherwise (massive ties), the exact radix search.
     """
     source = refs[:3]
-    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, with_codes, 1)  # in/out
+    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, dense, 1)  # aliased in/out
     row = pl.program_id(0)
     blk = cfg.block
 
@@ -586,9 +513,8 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg, with_codes):
         length = hi - lo
 
         def into_row(theta):  # compacts the entries ≥ θ; returns their count
-            raw = dense and not with_codes  # raw scores compare as floats; codes are stored
-            keep = _at_least(theta, raw)
-            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, raw=raw, peel=False)
+            keep = _at_least(theta, dense)
+            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, raw=dense, peel=False)
 
         missed = plt.load(count_ref.at[row])
         first, theta = _sample_threshold(entries, length, top_k, cap, missed=missed)
@@ -628,22 +554,17 @@ def default_chunks(rows: int, length: int) -> int:
     return int(max(1, min(-(-4 * 132 // rows), length // 4096, 64)))
 
 
-def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, with_codes):
+def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
     i32 = jnp.int32
 
     def buffers(n):  # (codes,) ids, count. No init: nothing reads a slot past its count.
         slots = jax.ShapeDtypeStruct((n * cap,), i32)
-        return (slots,) * (2 if with_codes else 1) + (jax.ShapeDtypeStruct((n,), i32),)
+        return (slots,) * (1 if dense else 2) + (jax.ShapeDtypeStruct((n,), i32),)
 
-    statics = dict(dense=dense, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg,
-                   with_codes=with_codes)  # fmt: skip
+    statics = dict(dense=dense, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
     flag = jax.ShapeDtypeStruct((t,), i32)
-    width = inputs[0].shape[1]
-    groups = (inputs[0].reshape(t, width // cfg.group, cfg.group),) if _grouped(
-        dense, width, cfg
-    ) else ()  # fmt: skip
     if chunks == 1:
         # θ in a kernel of its own: its sample (4096 entries held in registers) would
         # set the streaming kernel's register count and so its rows per SM, and its
@@ -666,7 +587,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, with_codes):
             compiler_params=compiler,
             interpret=interpret,
             name="jsparse_topk_compact",
-        )(*inputs, theta, *groups)
+        )(*inputs, theta)
     else:
         n_seg = t * chunks
         segments = pl.pallas_call(
@@ -676,7 +597,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, with_codes):
             compiler_params=compiler,
             interpret=interpret,
             name="jsparse_topk_compact_chunks",
-        )(*inputs, *groups)
+        )(*inputs)
         *bufs, slow = pl.pallas_call(
             functools.partial(_merge_kernel, **statics),
             grid=(t,),
@@ -687,9 +608,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, with_codes):
         )(*inputs, *segments)
     n_out = len(bufs) + 1
     *bufs, slow = pl.pallas_call(
-        functools.partial(
-            _exact_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg, with_codes=with_codes
-        ),
+        functools.partial(_exact_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
         grid=(t,),
         out_shape=(*buffers(t), flag),
         input_output_aliases={3 + k: k for k in range(n_out)},
@@ -701,23 +620,21 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, with_codes):
     return (*(x.reshape(t, cap) for x in slots), count, slow)
 
 
-def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None, *,
-                 with_codes=False):  # fmt: skip
-    """Candidate ids [T, cap] (id order) holding each row's exact Top-K; slots past a
-    row's count are undefined.
+def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None):
+    """Candidate ids [T, cap] (id order) holding each row's exact Top-K; no codes: the
+    select gathers their scores back (:func:`select_rows`). Slots past a row's count
+    are undefined.
 
     ``scores`` [T, S] is read only inside ``[start[t], end[t])``. Returns (ids, count
     [T], slow [T] int32: the path each row took, FAST (0) for the sampled θ, RETRIED (1)
     for one retry at a rescaled rank, SEARCHED (2) for the exact radix search).
     ``cap ≥ top_k``. A row that a ladder of thresholds rescued also reports RETRIED.
     ``chunks`` programs share a row (default: :func:`default_chunks`),
-    for few rows. ``with_codes``: return (codes, ids, count, slow), the candidates'
-    score codes stored beside their ids, for :func:`select_candidates`; without, the
-    select gathers the scores back by id (:func:`select_rows`).
+    for few rows.
     """
     t, s = scores.shape
     chunks = chunks or default_chunks(t, s)
-    return _compact_call((scores, start, end), t, top_k, cap, True, cfg, chunks, with_codes)
+    return _compact_call((scores, start, end), t, top_k, cap, True, cfg, chunks)
 
 
 def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=None):
@@ -725,7 +642,7 @@ def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=N
     (codes, ids, count, slow)."""
     t, n = codes.shape
     chunks = chunks or default_chunks(t, n)
-    return _compact_call((codes, ids, counts), t, top_k, cap, False, cfg, chunks, True)
+    return _compact_call((codes, ids, counts), t, top_k, cap, False, cfg, chunks)
 
 
 def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_ref,
