@@ -15,6 +15,7 @@ from jsparse.testing import topk_mismatches
 
 from . import common
 
+DEFAULT_METHODS = ["xla", "base", "full"]
 DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "f32": jnp.float32}
 FP8_MAX = 448.0
 # Check tolerance relative to a row's largest |score|: bf16/fp8 products are exact in

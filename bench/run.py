@@ -3,6 +3,7 @@
     python bench/run.py                               # small default: CPU (interpret) or GPU
     python bench/run.py --backend pallas-gpu --preset prefill-chunk --method xla base full
     python bench/run.py --op indexer --preset decode --json out/decode.json
+    python bench/run.py --op topk --preset selection --unsorted --device-time   # selection alone
     python bench/run.py --op dosa --prefill --keys 131072       # DoSA (bench/dosa.py)
     python bench/run.py --op model throughput --context 2048    # the real model (bench/model.py)
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-OPS = {"indexer": "bench.indexer"}
+OPS = {"indexer": "bench.indexer", "topk": "bench.topk"}
 # Ops with a command line of their own: `--op NAME` forwards every other argument.
 CLIS = {"dosa": "bench.dosa", "model": "bench.model", "recall": "bench.recall"}
 
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--op", choices=sorted(OPS) + sorted(CLIS), default="indexer")
     parser.add_argument("--preset", default=None, help="a preset of configs/<op>.toml")
-    parser.add_argument("--method", nargs="+", default=["xla", "base", "full"])
+    parser.add_argument("--method", nargs="+", default=None, help="default: the op's own list")
     parser.add_argument(
         "--backend", choices=sorted(common.BACKENDS),
         default="pallas-gpu" if on_gpu else "interpret",
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     module = importlib.import_module(OPS[module_args.op])
     module.add_arguments(parser)
     args = parser.parse_args(argv)
+    args.method = args.method or module.DEFAULT_METHODS
     if args.preset is None:
         args.preset = "gpu-smoke" if on_gpu else "smoke"
     if args.backend == "pallas-gpu" and not on_gpu:
@@ -67,7 +69,9 @@ def main(argv=None) -> int:
     methods = " ".join(args.method)
     print(f"op {args.op} | preset {args.preset} | backend {args.backend} | methods {methods}")
     cases = common.expand_cases(common.load_presets(args.op)[args.preset])
-    floors = common.measure_floors(sorted({c["dtype"] for c in cases}), on_gpu=on_gpu)
+    floors = common.measure_floors(
+        sorted({c["dtype"] for c in cases if "dtype" in c}), on_gpu=on_gpu
+    )
     print(floors.describe())
 
     impl = common.BACKENDS[args.backend]

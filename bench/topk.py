@@ -1,0 +1,170 @@
+"""Benchmark of exact Top-K selection over dense score rows (``--op topk``).
+
+The selection half of ``base`` on its own: given f32 scores [T, S] and per-row visible
+ranges, the K best ids (score descending, then id ascending). ``xla`` is
+``lax.top_k`` over the masked rows; ``base`` is the library's compaction + select
+(+ order unless ``--unsorted``). The floor is reading the visible scores once and
+writing the answer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jsparse.ops.indexer import methods as indexer_methods
+from jsparse.ops.topk.reference import select_topk_reference
+
+from . import common
+
+DEFAULT_METHODS = ["xla", "base"]
+
+
+def add_arguments(parser):
+    parser.add_argument(
+        "--check-rows", type=int, default=16, help="rows checked against the reference"
+    )
+    parser.add_argument(
+        "--unsorted", action="store_true",
+        help="base returns the exact Top-K set without the final sort by score",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device-time", action="store_true",
+        help="also the GPU busy time per call from a profiler trace (kernels only)",
+    )  # fmt: skip
+
+
+def make_inputs(case: dict, seed: int):
+    """i.i.d. Gaussian score rows; "causal" rows see keys up to their position."""
+    t, s = case["t"], case["s"]
+    scores = jax.random.normal(jax.random.PRNGKey(seed), (t, s), jnp.float32)
+    if case["ranges"] == "causal":
+        end = jnp.arange(s - t + 1, s + 1, dtype=jnp.int32)
+    else:
+        end = jnp.full((t,), s, jnp.int32)
+    return dict(scores=scores, start=jnp.zeros((t,), jnp.int32), end=end)
+
+
+def _visible_ids(t, s, start, end):
+    ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (t, s))
+    return jnp.where((ids >= start[:, None]) & (ids < end[:, None]), ids, -1)
+
+
+def select_fn(method: str, top_k: int, *, sort: bool, impl: str):
+    """(scores, start, end) -> (ids, scores) [T, K], -1 / -inf padded."""
+    if method == "xla":
+
+        def xla(scores, start, end):
+            ids = _visible_ids(*scores.shape, start, end)
+            values, at = jax.lax.top_k(jnp.where(ids >= 0, scores, -jnp.inf), top_k)
+            picked = jnp.take_along_axis(ids, at, axis=1)
+            return picked, jnp.where(picked >= 0, values, -jnp.inf)
+
+        return xla
+    if method != "base":
+        raise SystemExit(f"--op topk has methods xla and base, not {method!r}")
+    if impl == "reference":
+        return lambda scores, start, end: select_topk_reference(
+            scores, _visible_ids(*scores.shape, start, end), top_k
+        )
+    return functools.partial(indexer_methods._select_dense, top_k=top_k, sort=sort)
+
+
+def check(inputs, got, top_k: int, rows: int, *, in_order: bool) -> list[str]:
+    """Sampled rows against the reference: id for id when ordered, else the same set."""
+    t, s = inputs["scores"].shape
+    pick = np.unique(np.linspace(0, t - 1, min(rows, t)).astype(int))
+    sub = {k: v[pick] for k, v in inputs.items()}
+    want_ids, _ = select_topk_reference(
+        sub["scores"], _visible_ids(len(pick), s, sub["start"], sub["end"]), top_k
+    )
+    want_ids, got_ids = np.asarray(want_ids), np.asarray(got[0])[pick]
+    problems = []
+    for r, row in enumerate(pick):
+        a, b = (
+            (got_ids[r], want_ids[r]) if in_order else (np.sort(got_ids[r]), np.sort(want_ids[r]))
+        )
+        if not np.array_equal(a, b):
+            problems.append(f"row {row}: {int(np.sum(a != b))} of {top_k} ids differ")
+    return problems
+
+
+def run(args, floors: common.Floors, impl: str) -> list[dict]:
+    cases = common.expand_cases(common.load_presets("topk")[args.preset])
+    rows = []
+    progress = tqdm(total=len(cases) * len(args.method), desc="topk", disable=args.quiet)
+    for case in cases:
+        t, s, top_k = case["t"], case["s"], case["top_k"]
+        label = f"T{t} S{s} K{top_k} {case['ranges']}"
+        inputs = make_inputs(case, seed=0)
+        n_sets = 3 if inputs["scores"].nbytes < 2 * common.L2_BYTES else 1
+        sets = [inputs] + [make_inputs(case, seed=i) for i in range(1, n_sets)]
+        visible = float(np.sum(np.asarray(inputs["end"] - inputs["start"], np.int64)))
+        nbytes = 4 * visible + 8 * t * top_k
+        floor_s = nbytes / (floors.copy_bytes_per_s / 2)  # reads at the copy's rate
+        case_rows = []
+        for method in args.method:
+            progress.set_postfix_str(f"{label} {method}")
+            sort = method == "xla" or not args.unsorted
+            row = dict(
+                case=label, method=method, t=t, s=s, top_k=top_k, sorted="yes" if sort else "no"
+            )
+            row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
+            fn = jax.jit(select_fn(method, top_k, sort=sort, impl=impl))
+            call = lambda a, fn=fn: fn(a["scores"], a["start"], a["end"])  # noqa: E731
+            try:
+                got = common.block(call(inputs))
+            except Exception as err:
+                row["status"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                case_rows.append(row)
+                progress.update()
+                continue
+            problems = check(inputs, got, top_k, args.check_rows, in_order=sort)
+            if problems:
+                row["status"] = "CHECK FAILED: " + problems[0]
+                print(f"\n{label} {method}: " + "\n  ".join(problems[:5]))
+                case_rows.append(row)
+                progress.update()
+                continue
+            timing = common.time_fn(call, [(x,) for x in sets], budget_s=args.budget)
+            row.update(
+                status="ok",
+                ms=1e3 * timing.median_s,
+                spread_ms=timing.spread(),
+                tbps=nbytes / timing.median_s / 1e12,
+                pct_floor=100 * floor_s / timing.median_s,
+            )
+            if args.device_time:
+                busy = common.device_busy_s(call, [(x,) for x in sets])
+                row["device_ms"] = None if busy is None else 1e3 * busy
+            case_rows.append(row)
+            progress.update()
+        ok = {r["method"]: r for r in case_rows if r.get("status") == "ok"}
+        for r in case_rows:
+            if r.get("status") == "ok" and "xla" in ok:
+                r["vs_xla"] = ok["xla"]["ms"] / r["ms"]
+                if r.get("device_ms") and ok["xla"].get("device_ms"):
+                    r["device_vs_xla"] = ok["xla"]["device_ms"] / r["device_ms"]
+        rows.extend(case_rows)
+        del sets, inputs
+    progress.close()
+    return rows
+
+
+COLUMNS = [
+    ("case", "case"),
+    ("method", "method"),
+    ("sorted", "sorted"),
+    ("ms", "median ms"),
+    ("spread_ms", "p10-p90 ms"),
+    ("tbps", "TB/s"),
+    ("pct_floor", "% floor"),
+    ("vs_xla", "× xla"),
+    ("device_ms", "GPU busy ms"),
+    ("device_vs_xla", "busy × xla"),
+    ("status", "status"),
+]

@@ -1,0 +1,42 @@
+"""The selection benchmark checks before it times, and its check can fail."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from bench import topk
+from bench.run import main
+from jsparse import backend
+
+
+def _case():
+    case = dict(t=3, s=300, top_k=20, ranges="causal")
+    inputs = topk.make_inputs(case, seed=1)
+    want = topk.select_fn("base", 20, sort=True, impl="reference")(**inputs)
+    return inputs, tuple(np.asarray(x) for x in want)
+
+
+def test_check_accepts_the_reference_and_flags_a_wrong_id():
+    inputs, (ids, scores) = _case()
+    assert topk.check(inputs, (ids, scores), 20, 3, in_order=True) == []
+    shuffled = ids[:, ::-1].copy()
+    assert topk.check(inputs, (shuffled, scores), 20, 3, in_order=False) == []
+    assert topk.check(inputs, (shuffled, scores), 20, 3, in_order=True) != []
+    wrong = ids.copy()
+    wrong[1, 5] = 299  # a key row 1 cannot see
+    assert topk.check(inputs, (wrong, scores), 20, 3, in_order=False) != []
+
+
+def test_xla_and_the_kernels_agree_with_the_reference():
+    inputs, want = _case()
+    xla = topk.select_fn("xla", 20, sort=True, impl="triton")(**inputs)
+    np.testing.assert_array_equal(np.asarray(xla[0]), want[0])
+    with backend.interpret_mode(True):
+        got = topk.select_fn("base", 20, sort=True, impl="triton")(**inputs)
+    np.testing.assert_array_equal(np.asarray(got[0]), want[0])
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(jnp.asarray(want[1])))
+
+
+def test_the_cli_runs_the_smoke_preset(tmp_path):
+    out = tmp_path / "topk.json"
+    assert main(["--op", "topk", "--quiet", "--unsorted", "--json", str(out)]) == 0
+    assert out.exists()
