@@ -61,10 +61,6 @@ SAMPLE_BLOCK = 8
 MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in registers
 SMALL_RESIDENT = 4096  # ... in a block of this many when they fit (run 26: −8% select)
 RADIX = 16  # trial thresholds per streaming pass of the exact path
-# θ need not be the sample's exact rank-th code: any code whose sample count is within
-# rank·(1 + 1/THETA_SLACK) lands the row's count in [K, cap] as well (more candidates,
-# never fewer), and the search stops sooner. 0: exact.
-THETA_SLACK = 16
 # compact_rows' per-row report of the path taken. Typed on purpose: in a Pallas Triton
 # kernel, jnp.where(p, 1, 2) with two Python-int branches lowers to an i1 select of
 # `true`/`false` and stores 1 or 0 (run 25's anomaly, confirmed in the lowered IR);
@@ -81,11 +77,9 @@ class SelectConfig:
     num_stages: int = 1
 
 
-def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, slack=0):
+def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
     """The largest code θ with count_ge(θ) ≥ rank, exactly, given count_ge(lo) = c_lo ≥
     rank and count_ge(hi) = 0 (lo < hi); ``smallest_ge(θ)`` is the smallest code ≥ θ.
-    With ``slack`` > 0, any code with rank ≤ count_ge ≤ rank + slack will do (a
-    threshold that only has to land in a window), and the search stops there.
 
     A search over code values keeping lo (count ≥ rank) and hi (count < rank). Each
     step guesses by linear interpolation of the two counts, or bisects when the
@@ -102,7 +96,7 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, slack=0):
 
     def searching(state):
         lo, hi, c_lo, _, _ = state
-        return (lo + 1 < hi) & (c_lo > rank + slack)
+        return (lo + 1 < hi) & (c_lo != rank)
 
     def step(state):
         lo, hi, c_lo, c_hi, bisect = state
@@ -125,10 +119,9 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, slack=0):
     return jnp.where(c_lo == rank, smallest_ge(lo), lo)
 
 
-def _kth_code(codes, ok, rank, slack=0):
+def _kth_code(codes, ok, rank):
     """The rank-th largest of the codes where ``ok`` (1 ≤ rank ≤ their count), held in
-    registers: :func:`_search_kth` between the smallest and the largest code (with
-    ``slack``, a code whose count is in [rank, rank + slack])."""
+    registers: :func:`_search_kth` between the smallest and the largest code."""
 
     def count_ge(th):
         return jnp.sum((ok & (codes >= th)).astype(jnp.int32))
@@ -138,7 +131,7 @@ def _kth_code(codes, ok, rank, slack=0):
 
     lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
     hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
-    return _search_kth(count_ge, smallest_ge, lo, hi, jnp.sum(ok.astype(jnp.int32)), rank, slack)
+    return _search_kth(count_ge, smallest_ge, lo, hi, jnp.sum(ok.astype(jnp.int32)), rank)
 
 
 def _id_cut(count_ties, need):
@@ -337,12 +330,7 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
         ranks.append(jnp.clip(rescaled, 1, n_sample))
     thetas = jax.lax.cond(
         length > cap,
-        lambda: tuple(
-            _kth_code(sample, sampled, r, jnp.where(whole, 0, r // THETA_SLACK))
-            if THETA_SLACK and missed is None
-            else _kth_code(sample, sampled, r)
-            for r in ranks
-        ),
+        lambda: tuple(_kth_code(sample, sampled, r) for r in ranks),
         lambda: tuple(length * 0 + EMPTY_CODE for _ in ranks),  # the row fits: keep all
     )
     return thetas if missed is not None else thetas[0]
