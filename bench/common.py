@@ -122,6 +122,50 @@ def busy_from_trace(events: list[dict], calls: int) -> float | None:
     return 1e-6 * sum(busy) / calls if busy else None
 
 
+def check_then_time(row: dict, fn: Callable, sets: Sequence, check: Callable, *,
+                    budget_s: float, device_time: bool, nbytes: float, floor_s: float,
+                    flops: float | None = None):  # fmt: skip
+    """One benchmark row: run ``fn`` on ``sets[0]``, check the result, and only then time
+    it over ``sets`` (rotating). ``check(result)`` returns a list of problems. Fills
+    ``row`` (status, times, rates) and returns the result (None when it did not run)."""
+    try:
+        result = block(fn(sets[0]))
+    except Exception as err:  # e.g. out of memory for a naive baseline
+        row["status"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
+        return None
+    problems = check(result)
+    if problems:
+        row["status"] = "CHECK FAILED: " + problems[0]
+        print(f"\n{row['case']} {row['method']}: " + "\n  ".join(problems[:5]))
+        return result
+    args = [(x,) for x in sets]
+    timing = time_fn(fn, args, budget_s=budget_s)
+    row.update(
+        status="ok",
+        ms=1e3 * timing.median_s,
+        spread_ms=timing.spread(),
+        tbps=nbytes / timing.median_s / 1e12,
+        pct_floor=100 * floor_s / timing.median_s,
+    )
+    if flops is not None:
+        row["tflops"] = flops / timing.median_s / 1e12
+    if device_time:
+        busy = device_busy_s(fn, args)
+        row["device_ms"] = None if busy is None else 1e3 * busy
+    return result
+
+
+def add_speedups(case_rows: list[dict], refs: Sequence[str]):
+    """× ref (and busy × ref) columns for every timed row of one case."""
+    ok = {r["method"]: r for r in case_rows if r.get("status") == "ok"}
+    for r in case_rows:
+        for ref in refs:
+            if r.get("status") == "ok" and ref in ok:
+                r[f"vs_{ref}"] = ok[ref]["ms"] / r["ms"]
+                if r.get("device_ms") and ok[ref].get("device_ms"):
+                    r[f"device_vs_{ref}"] = ok[ref]["device_ms"] / r["device_ms"]
+
+
 @dataclasses.dataclass
 class Floors:
     """Ceilings measured once per run on this device (what 100% of the floor means)."""

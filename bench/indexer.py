@@ -151,56 +151,38 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             else:
                 fn = functools.partial(jsparse.indexer_topk, **kwargs)
             fn = jax.jit(lambda a, fn=fn: fn(**a))
-            try:
-                result = common.block(fn(inputs))
-            except Exception as err:  # e.g. out of memory for the naive baseline
-                row["status"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
-                case_rows.append(row)
-                progress.update()
-                continue
-            problems = check(case, inputs, result, args.check_rows)
-            if method != "base" and "base" in results:
-                same = np.array_equal(
-                    np.asarray(result.indices), np.asarray(results["base"].indices)
-                )
-                if not same and method != "xla":
-                    problems.append(
-                        f"{method} ids differ from base ids (same scorer: must be equal)"
-                    )
-            results[method] = result
-            row["candidates"] = float(np.mean(np.asarray(result.candidates)))
-            row["fallbacks"] = int(np.sum(np.asarray(result.fallback)))
-            if problems:
-                row["status"] = "CHECK FAILED: " + problems[0]
-                print(f"\n{label} {method}: " + "\n  ".join(problems[:5]))
-                case_rows.append(row)
-                progress.update()
-                continue
-            timing = common.time_fn(fn, [(s,) for s in sets], budget_s=args.budget)
-            row.update(
-                status="ok",
-                ms=1e3 * timing.median_s,
-                spread_ms=timing.spread(),
-                tflops=flops / timing.median_s / 1e12,
-                tbps=nbytes / timing.median_s / 1e12,
-                pct_floor=100 * floor_s / timing.median_s,
-            )
-            if args.device_time:
-                busy = common.device_busy_s(fn, [(s,) for s in sets])
-                row["device_ms"] = None if busy is None else 1e3 * busy
+
+            checked = functools.partial(
+                _check_row, case=case, inputs=inputs, rows=args.check_rows, method=method,
+                row=row, results=results,
+            )  # fmt: skip
+            common.check_then_time(
+                row, fn, sets, checked, budget_s=args.budget, device_time=args.device_time,
+                nbytes=nbytes, floor_s=floor_s, flops=flops,
+            )  # fmt: skip
             case_rows.append(row)
             progress.update()
-        by_method = {r["method"]: r for r in case_rows if r.get("status") == "ok"}
-        for r in case_rows:
-            for ref in ("xla", "base"):
-                if r.get("status") == "ok" and ref in by_method:
-                    r[f"vs_{ref}"] = by_method[ref]["ms"] / r["ms"]
-                    if r.get("device_ms") and by_method[ref].get("device_ms"):
-                        r[f"device_vs_{ref}"] = by_method[ref]["device_ms"] / r["device_ms"]
+        common.add_speedups(case_rows, ("xla", "base"))
         rows.extend(case_rows)
         del sets, inputs, results
     progress.close()
     return rows
+
+
+def _check_row(result, *, case, inputs, rows, method, row, results):
+    """Problems of one method's result: the reference on sampled rows, and id-for-id
+    equality with ``base`` (one scorer). Records the result and its report in ``row``."""
+    problems = check(case, inputs, result, rows)
+    base = results.get("base")
+    shares_the_scorer = method not in ("base", "xla") and base is not None
+    if shares_the_scorer and not np.array_equal(
+        np.asarray(result.indices), np.asarray(base.indices)
+    ):
+        problems.append(f"{method} ids differ from base ids (same scorer: must be equal)")
+    results[method] = result
+    row["candidates"] = float(np.mean(np.asarray(result.candidates)))
+    row["fallbacks"] = int(np.sum(np.asarray(result.fallback)))
+    return problems
 
 
 def _with_config(top_k, method, cfg, sorted=True, **inputs):

@@ -74,7 +74,7 @@ def select_fn(method: str, top_k: int, *, sort: bool, impl: str):
     return functools.partial(indexer_methods._select_dense, top_k=top_k, sort=sort)
 
 
-def check(inputs, got, top_k: int, rows: int, *, in_order: bool) -> list[str]:
+def check(inputs, got, *, top_k: int, rows: int, in_order: bool) -> list[str]:
     """Sampled rows against the reference: id for id when ordered, else the same set."""
     t, s = inputs["scores"].shape
     pick = np.unique(np.linspace(0, t - 1, min(rows, t)).astype(int))
@@ -116,39 +116,15 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
             fn = jax.jit(select_fn(method, top_k, sort=sort, impl=impl))
             call = lambda a, fn=fn: fn(a["scores"], a["start"], a["end"])  # noqa: E731
-            try:
-                got = common.block(call(inputs))
-            except Exception as err:
-                row["status"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
-                case_rows.append(row)
-                progress.update()
-                continue
-            problems = check(inputs, got, top_k, args.check_rows, in_order=sort)
-            if problems:
-                row["status"] = "CHECK FAILED: " + problems[0]
-                print(f"\n{label} {method}: " + "\n  ".join(problems[:5]))
-                case_rows.append(row)
-                progress.update()
-                continue
-            timing = common.time_fn(call, [(x,) for x in sets], budget_s=args.budget)
-            row.update(
-                status="ok",
-                ms=1e3 * timing.median_s,
-                spread_ms=timing.spread(),
-                tbps=nbytes / timing.median_s / 1e12,
-                pct_floor=100 * floor_s / timing.median_s,
-            )
-            if args.device_time:
-                busy = common.device_busy_s(call, [(x,) for x in sets])
-                row["device_ms"] = None if busy is None else 1e3 * busy
+            common.check_then_time(
+                row, call, sets,
+                functools.partial(check, inputs, top_k=top_k, rows=args.check_rows, in_order=sort),
+                budget_s=args.budget, device_time=args.device_time, nbytes=nbytes,
+                floor_s=floor_s,
+            )  # fmt: skip
             case_rows.append(row)
             progress.update()
-        ok = {r["method"]: r for r in case_rows if r.get("status") == "ok"}
-        for r in case_rows:
-            if r.get("status") == "ok" and "xla" in ok:
-                r["vs_xla"] = ok["xla"]["ms"] / r["ms"]
-                if r.get("device_ms") and ok["xla"].get("device_ms"):
-                    r["device_vs_xla"] = ok["xla"]["device_ms"] / r["device_ms"]
+        common.add_speedups(case_rows, ("xla",))
         rows.extend(case_rows)
         del sets, inputs
     progress.close()

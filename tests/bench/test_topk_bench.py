@@ -17,13 +17,13 @@ def _case():
 
 def test_check_accepts_the_reference_and_flags_a_wrong_id():
     inputs, (ids, scores) = _case()
-    assert topk.check(inputs, (ids, scores), 20, 3, in_order=True) == []
+    assert topk.check(inputs, (ids, scores), top_k=20, rows=3, in_order=True) == []
     shuffled = ids[:, ::-1].copy()
-    assert topk.check(inputs, (shuffled, scores), 20, 3, in_order=False) == []
-    assert topk.check(inputs, (shuffled, scores), 20, 3, in_order=True) != []
+    assert topk.check(inputs, (shuffled, scores), top_k=20, rows=3, in_order=False) == []
+    assert topk.check(inputs, (shuffled, scores), top_k=20, rows=3, in_order=True) != []
     wrong = ids.copy()
     wrong[1, 5] = 299  # a key row 1 cannot see
-    assert topk.check(inputs, (wrong, scores), 20, 3, in_order=False) != []
+    assert topk.check(inputs, (wrong, scores), top_k=20, rows=3, in_order=False) != []
 
 
 def test_xla_and_the_kernels_agree_with_the_reference():
@@ -40,3 +40,31 @@ def test_the_cli_runs_the_smoke_preset(tmp_path):
     out = tmp_path / "topk.json"
     assert main(["--op", "topk", "--quiet", "--unsorted", "--json", str(out)]) == 0
     assert out.exists()
+
+
+def test_a_red_check_is_not_timed_and_an_error_is_reported():
+    from bench import common
+
+    sets = [jnp.arange(4.0)]
+    row = dict(case="c", method="m")
+    common.check_then_time(
+        row, lambda x: x + 1, sets, lambda r: ["wrong"], budget_s=0.01, device_time=False,
+        nbytes=16, floor_s=1e-9,
+    )  # fmt: skip
+    assert row["status"] == "CHECK FAILED: wrong" and "ms" not in row
+
+    def out_of_memory(x):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    row = dict(case="c", method="m")
+    common.check_then_time(
+        row, out_of_memory, sets, lambda r: [], budget_s=0.01, device_time=False,
+        nbytes=16, floor_s=1e-9,
+    )  # fmt: skip
+    assert row["status"].startswith("error") and "ms" not in row
+    row = dict(case="c", method="m")
+    common.check_then_time(
+        row, lambda x: x + 1, sets, lambda r: [], budget_s=0.01, device_time=False,
+        nbytes=16, floor_s=1e-9,
+    )  # fmt: skip
+    assert row["status"] == "ok" and row["ms"] > 0
