@@ -41,6 +41,11 @@ def add_arguments(parser):
         "host dispatch or launch gaps), and speedups on it",
     )  # fmt: skip
     parser.add_argument(
+        "--widen-fp8-from", type=int, default=None, metavar="T",
+        help="widen FP8 inputs to f16 in memory before the Triton scorer for launches of "
+        "at least T queries (default: the library's WIDEN_FP8_IN_MEMORY_FROM)",
+    )  # fmt: skip
+    parser.add_argument(
         "--implementation", choices=["triton", "mosaic", "reference"], default=None,
         help="the implementation name for base/full instead of the backend's (e.g. mosaic "
         "with --backend pallas-gpu to time the Mosaic GPU scorer; it has base only)",
@@ -119,6 +124,8 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     presets = common.load_presets("indexer")
     cases = common.expand_cases(presets[args.preset])
     cfg = _scorer_config(args.scorer_config)
+    if args.widen_fp8_from is not None:
+        indexer_triton.WIDEN_FP8_IN_MEMORY_FROM = args.widen_fp8_from
     if args.implementation is not None:
         if cfg is not None and args.implementation != "triton":
             raise SystemExit("--scorer-config configures the Triton scorer; drop --implementation")

@@ -63,3 +63,18 @@ def test_all_equal_scores_take_smallest_ids():
     for method in ("base", "full"):
         r = jsparse.indexer_topk(**x, top_k=K, method=method, implementation="triton")
         np.testing.assert_array_equal(np.asarray(r.indices), np.tile(np.arange(K), (4, 1)))
+
+
+@pytest.mark.parametrize("t, s", [(64, 16384), (1024, 32768)])
+def test_fp8_widened_in_memory_scores_like_in_registers(t, s, monkeypatch):
+    # The same f16 operands reach the same dot: the scores must be equal bit for bit,
+    # or methods that widen differently would stop agreeing id for id.
+    from jsparse.ops.indexer import triton as scorer
+
+    x = inputs(t, s, jnp.float8_e4m3fn, causal=True)
+    args = (x["q"], x["weights"], x["k"], x["k_scale"], x["kv_start"], x["kv_end"])
+    monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", None)
+    in_registers = np.asarray(scorer._launch(*args, fill=True)[0])
+    monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", 1)
+    in_memory = np.asarray(scorer._launch(*args, fill=True)[0])
+    np.testing.assert_array_equal(in_memory, in_registers)

@@ -40,6 +40,16 @@ def test_lowers_to_cuda(name, dtype, t):
     assert "triton" in lowered.as_text().lower() or "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
+def test_fp8_widened_in_memory_lowers_to_cuda(monkeypatch):
+    monkeypatch.setattr(indexer_triton, "WIDEN_FP8_IN_MEMORY_FROM", 1)
+    jax.clear_caches()
+    lowered = lower_for_h200(KERNELS["base"], *_structs(jnp.float8_e4m3fn, T))
+    jax.clear_caches()
+    converts = [line for line in lowered.as_text().splitlines() if "stablehlo.convert" in line]
+    # q and k become f16 in memory before the kernel
+    assert sum("xf8E4M3FN>) -> tensor<" in c and "xf16>" in c for c in converts) == 2
+
+
 def test_selection_kernels_lower_to_cuda():
     i32 = jnp.int32
     t, s, cap, n = 256, 65536, 4608, 30000
