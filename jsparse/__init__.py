@@ -36,6 +36,7 @@ from jsparse.calibration import (
 )
 from jsparse.checkpoint import load_bases, save_bases
 from jsparse.ops.indexer import IndexerTopK, indexer_scores, indexer_topk
+from jsparse.ops.topk import topk
 from jsparse.selectors import DEFAULT_SELECTOR, SELECTORS, Selector, make_selector
 
 __version__ = "0.1.0"
@@ -63,6 +64,7 @@ __all__ = [
     "save_bases",
     "selection_objective",
     "subspace_overlap",
+    "topk",
     "update_moments",
 ]
 

@@ -41,3 +41,45 @@ def concrete(x):
         return np.asarray(x)
     except Exception:  # jax.errors.TracerArrayConversionError and friends
         return None
+
+
+def check_ranges(kv_start, kv_end, t: int, s: int, rows: str):
+    """Validated [T] int32 visible ranges kv_start ≤ i < kv_end within [0, S] (defaults:
+    every key); ``rows`` names what fixes T in the messages (e.g. "q (8, 64, 128)")."""
+    ranges = []
+    for name, value, default in (("kv_start", kv_start, 0), ("kv_end", kv_end, s)):
+        if value is None:
+            ranges.append(jnp.full((t,), default, jnp.int32))
+            continue
+        check_rank(name, value, 1, "[T]")
+        check_dtype(name, value, (jnp.int32,))
+        if value.shape[0] != t:
+            raise ValueError(
+                f"{name}: shape {tuple(value.shape)}; expected [T] = ({t},) to match {rows}"
+            )
+        ranges.append(value)
+    start, end = ranges
+    start_np, end_np = concrete(start), concrete(end)
+    if start_np is not None and end_np is not None:
+        for name, v in (("kv_start", start_np), ("kv_end", end_np)):
+            bad = (v < 0) | (v > s)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"{name}: {name}[{i}] = {v[i]} is outside [0, S] = [0, {s}]")
+        bad = start_np > end_np
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"kv_start > kv_end at query {i}: kv_start[{i}] = {start_np[i]}, "
+                f"kv_end[{i}] = {end_np[i]}; a query's visible range must be "
+                "[kv_start, kv_end) with kv_start ≤ kv_end"
+            )
+    return start, end
+
+
+def check_top_k(top_k) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer):
+        raise ValueError(f"top_k: expected a positive Python int, got {top_k!r}")
+    if top_k <= 0:
+        raise ValueError(f"top_k: expected top_k ≥ 1, got {top_k}")
+    return int(top_k)

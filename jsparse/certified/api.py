@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from jaxtyping import Array, Float, Int
 
-from jsparse import _chunking, backend
+from jsparse import _checks, _chunking, backend
 from jsparse.certified import planner
 from jsparse.certified import reference as ref_impl
 from jsparse.ops.indexer.result import IndexerTopK
@@ -102,7 +102,7 @@ def dosa_topk(
     from jsparse.ops.indexer import api
 
     start, end = api._validate(q, weights, k, k_scale, kv_start, kv_end)
-    top_k = api._check_top_k(top_k)
+    top_k = _checks.check_top_k(top_k)
     seeds = api._check_seeds(seeds, q.shape[0], start, end)
 
     def call(q, weights, start, end, seeds, r):

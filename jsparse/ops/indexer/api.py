@@ -79,44 +79,8 @@ def _validate(q, weights, k, k_scale, kv_start, kv_end):
                     f"k_scale: every scale must be finite and > 0; k_scale[{i}] = {values[i]} "
                     f"({int(bad.sum())} bad of {values.size})"
                 )
-    ranges = []
-    for name, value, default in (("kv_start", kv_start, 0), ("kv_end", kv_end, s)):
-        if value is None:
-            ranges.append(jnp.full((t,), default, jnp.int32))
-            continue
-        _checks.check_rank(name, value, 1, "[T]")
-        _checks.check_dtype(name, value, (jnp.int32,))
-        if value.shape[0] != t:
-            raise ValueError(
-                f"{name}: shape {tuple(value.shape)}; expected [T] = ({t},) to match q "
-                f"{tuple(q.shape)}"
-            )
-        ranges.append(value)
-    start, end = ranges
-    start_np, end_np = _checks.concrete(start), _checks.concrete(end)
-    if start_np is not None and end_np is not None:
-        for name, v in (("kv_start", start_np), ("kv_end", end_np)):
-            bad = (v < 0) | (v > s)
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise ValueError(f"{name}: {name}[{i}] = {v[i]} is outside [0, S] = [0, {s}]")
-        bad = start_np > end_np
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(
-                f"kv_start > kv_end at query {i}: kv_start[{i}] = {start_np[i]}, "
-                f"kv_end[{i}] = {end_np[i]}; a query's visible range must be "
-                "[kv_start, kv_end) with kv_start ≤ kv_end"
-            )
+    start, end = _checks.check_ranges(kv_start, kv_end, t, s, f"q {tuple(q.shape)}")
     return start, end
-
-
-def _check_top_k(top_k) -> int:
-    if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer):
-        raise ValueError(f"top_k: expected a positive Python int, got {top_k!r}")
-    if top_k <= 0:
-        raise ValueError(f"top_k: expected top_k ≥ 1, got {top_k}")
-    return int(top_k)
 
 
 def indexer_scores(
@@ -185,7 +149,7 @@ def indexer_topk(
       :class:`IndexerTopK`.
     """
     start, end = _validate(q, weights, k, k_scale, kv_start, kv_end)
-    top_k = _check_top_k(top_k)
+    top_k = _checks.check_top_k(top_k)
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
     seeds = None if method == "xla" else _check_seeds(seeds, q.shape[0], start, end)

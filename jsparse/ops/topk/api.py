@@ -1,0 +1,72 @@
+"""Public exact Top-K of dense score rows: :func:`topk`.
+
+The selection half of the indexer's ``base``, for scores computed anywhere: the K best
+keys of each row under the library's total order (score descending, then key id
+ascending; NaN above +inf, -0 equal to +0), each row restricted to its visible range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jsparse import _checks, backend
+from jsparse.ops.topk.reference import select_topk_reference
+
+
+def topk(
+    scores: Float[Array, "T S"],
+    top_k: int,
+    *,
+    kv_start: Int[Array, " T"] | None = None,
+    kv_end: Int[Array, " T"] | None = None,
+    sorted: bool = True,
+    implementation: str | Sequence[str] | None = None,
+) -> tuple[Int[Array, "T K"], Float[Array, "T K"]]:
+    """Exact Top-K of every row of ``scores``.
+
+    Args:
+      scores: [T, S] float32.
+      top_k: K ≥ 1.
+      kv_start, kv_end: optional [T] int32; row t selects among keys kv_start[t] ≤ i <
+        kv_end[t] (default: all S).
+      sorted: order each row by score descending, then id ascending (default); False
+        returns the same exact set in the implementation's order (the Triton kernels:
+        ascending id), saving a sort of K entries per row.
+      implementation: see :mod:`jsparse.backend` (``"triton"`` or ``"reference"``).
+
+    Returns:
+      (indices [T, K] int32, values [T, K] float32); rows with fewer than K visible keys
+      are padded with -1 / -inf.
+    """
+    _checks.check_rank("scores", scores, 2, "[T, S]")
+    _checks.check_dtype("scores", scores, (jnp.float32,))
+    t, s = scores.shape
+    if t == 0:
+        raise ValueError(f"scores: shape {tuple(scores.shape)} has no rows; expected T ≥ 1")
+    start, end = _checks.check_ranges(kv_start, kv_end, t, s, f"scores {tuple(scores.shape)}")
+    top_k = _checks.check_top_k(top_k)
+    if s == 0:  # nothing to select: every slot is padding
+        return jnp.full((t, top_k), -1, jnp.int32), jnp.full((t, top_k), -jnp.inf, jnp.float32)
+    return backend.dispatch(
+        "topk", _implementations(), implementation, scores, start, end, top_k, bool(sorted)
+    )
+
+
+def _implementations():
+    from jsparse.ops.indexer import methods  # Pallas imports only when used
+
+    return {
+        "triton": jax.jit(methods._select_dense, static_argnums=(3, 4)),
+        "reference": jax.jit(_reference, static_argnums=(3, 4)),
+    }
+
+
+def _reference(scores, start, end, top_k, sort):
+    del sort  # the reference always sorts
+    ids = jnp.broadcast_to(jnp.arange(scores.shape[1], dtype=jnp.int32), scores.shape)
+    visible = (ids >= start[:, None]) & (ids < end[:, None])
+    return select_topk_reference(scores, jnp.where(visible, ids, -1), top_k)

@@ -1,0 +1,96 @@
+"""``jsparse.topk``: exact Top-K of dense score rows, against an independent numpy
+oracle, for the kernels and the reference; and its input errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+
+
+def oracle(scores, start, end, k):
+    """numpy: sort visible keys by (score descending with NaN first, id ascending)."""
+    t = scores.shape[0]
+    ids = np.full((t, k), -1, np.int64)
+    vals = np.full((t, k), -np.inf, np.float32)
+    for r in range(t):
+        i = np.arange(start[r], end[r])
+        x = scores[r, i].astype(np.float64)
+        key = np.where(np.isnan(x), np.inf, x)
+        rank_nan = np.isnan(x)
+        x0 = np.where(x == 0, 0.0, key)  # -0 == +0
+        order = np.lexsort((i, -x0, ~rank_nan))[:k]
+        ids[r, : len(order)] = i[order]
+        vals[r, : len(order)] = scores[r, i[order]]
+    return ids, vals
+
+
+def rows(kind, rng, t=5, s=3000):
+    x = rng.standard_normal((t, s)).astype(np.float32)
+    if kind == "ties":
+        x = np.round(x * 2) / 2
+    elif kind == "all-equal":
+        x[:] = 0.25
+    elif kind == "specials":
+        x[:, ::5] = -np.inf
+        x[:, 1::9] = np.inf
+        x[:, 2::13] = np.nan
+        x[:, 3::7] = -0.0
+    start = np.array([0, 10, 2900, 0, 1500][:t], np.int32)
+    end = np.array([s, 2000, s, 0, 1600][:t], np.int32)  # one empty row, one short row
+    return x, start, end
+
+
+@pytest.mark.parametrize("kind", ["gauss", "ties", "all-equal", "specials"])
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_topk_matches_the_numpy_oracle(kind, impl, kernel_impl):
+    rng = np.random.default_rng(3)
+    x, start, end = rows(kind, rng)
+    k = 150  # larger than the 100 keys the short row sees
+    name = kernel_impl if impl == "kernel" else "reference"
+    ids, vals = jsparse.topk(
+        jnp.asarray(x), k, kv_start=jnp.asarray(start), kv_end=jnp.asarray(end),
+        implementation=name,
+    )  # fmt: skip
+    want_ids, want_vals = oracle(x, start, end, k)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_array_equal(np.asarray(vals), want_vals)
+
+
+def test_unsorted_is_the_same_set(kernel_impl):
+    rng = np.random.default_rng(4)
+    x, start, end = rows("gauss", rng)
+    args = dict(kv_start=jnp.asarray(start), kv_end=jnp.asarray(end), implementation=kernel_impl)
+    ids, _ = jsparse.topk(jnp.asarray(x), 64, sorted=False, **args)
+    want, _ = oracle(x, start, end, 64)
+    np.testing.assert_array_equal(np.sort(np.asarray(ids), axis=1), np.sort(want, axis=1))
+
+
+def test_defaults_jit_and_no_keys():
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 40)).astype(np.float32))
+    ids, _ = jax.jit(lambda x: jsparse.topk(x, 3))(x)
+    np.testing.assert_array_equal(np.asarray(ids), oracle(np.asarray(x), [0, 0], [40, 40], 3)[0])
+    ids, vals = jsparse.topk(jnp.zeros((2, 0), jnp.float32), 4)
+    assert np.all(np.asarray(ids) == -1) and np.all(np.isneginf(np.asarray(vals)))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda x: jsparse.topk(x[0], 3), "scores: expected rank 2"),
+        (lambda x: jsparse.topk(x.astype(jnp.bfloat16), 3), "scores: dtype bfloat16"),
+        (lambda x: jsparse.topk(x, 0), "top_k: expected top_k ≥ 1"),
+        (lambda x: jsparse.topk(x, 2.0), "top_k: expected a positive Python int"),
+        (lambda x: jsparse.topk(x, 3, kv_end=jnp.array([9, 41], jnp.int32)), r"kv_end\[1\] = 41"),
+        (lambda x: jsparse.topk(x, 3, kv_start=jnp.array([5, 0], jnp.int32),
+                                kv_end=jnp.array([4, 9], jnp.int32)), "kv_start > kv_end"),
+        (lambda x: jsparse.topk(x, 3, kv_start=jnp.zeros((3,), jnp.int32)),
+         r"expected \[T\] = \(2,\)"),
+        (lambda x: jsparse.topk(x, 3, implementation="cuda"), "implementation: got 'cuda'"),
+    ],
+)  # fmt: skip
+def test_bad_input_names_the_argument(call, message):
+    x = jnp.zeros((2, 40), jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        call(x)
