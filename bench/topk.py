@@ -2,9 +2,9 @@
 
 The selection half of ``base`` on its own: given f32 scores [T, S] and per-row visible
 ranges, the K best ids (score descending, then id ascending). ``xla`` is
-``lax.top_k`` over the masked rows; ``base`` is the library's compaction + select
-(+ order unless ``--unsorted``). The floor is reading the visible scores once and
-writing the answer.
+``lax.top_k`` over the masked rows; ``base`` is :func:`jsparse.topk`, the library's
+compaction + select (+ order unless ``--unsorted``). The floor is reading the visible
+scores once and writing the answer.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jsparse.ops.indexer import methods as indexer_methods
+import jsparse
 from jsparse.ops.topk.reference import select_topk_reference
 
 from . import common
@@ -67,11 +67,9 @@ def select_fn(method: str, top_k: int, *, sort: bool, impl: str):
         return xla
     if method != "base":
         raise SystemExit(f"--op topk has methods xla and base, not {method!r}")
-    if impl == "reference":
-        return lambda scores, start, end: select_topk_reference(
-            scores, _visible_ids(*scores.shape, start, end), top_k
-        )
-    return functools.partial(indexer_methods._select_dense, top_k=top_k, sort=sort)
+    return lambda scores, start, end: jsparse.topk(
+        scores, top_k, kv_start=start, kv_end=end, sorted=sort, implementation=impl
+    )
 
 
 def check(inputs, got, *, top_k: int, rows: int, in_order: bool) -> list[str]:
