@@ -313,6 +313,7 @@ def _mosaic(name):
     return call
 
 
+@functools.cache  # built once: a fresh jax.jit wrapper per call costs ~1 ms of host time
 def _score_implementations():
     # Pallas imports only when used. "mosaic" is opt-in (backend.OPT_IN_IMPLEMENTATIONS).
     from jsparse.ops.indexer import triton as triton_impl

@@ -7,6 +7,7 @@ ascending; NaN above +inf, -0 equal to +0), each row restricted to its visible r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -56,6 +57,7 @@ def topk(
     )
 
 
+@functools.cache  # built once: a fresh jax.jit wrapper per call costs ~1 ms of host time
 def _implementations():
     from jsparse.ops.indexer import methods  # Pallas imports only when used
 
