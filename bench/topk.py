@@ -17,7 +17,6 @@ import numpy as np
 from tqdm import tqdm
 
 import jsparse
-from jsparse.ops.topk.reference import select_topk_reference
 
 from . import common
 
@@ -74,11 +73,11 @@ def select_fn(method: str, top_k: int, *, sort: bool, impl: str):
 
 def check(inputs, got, *, top_k: int, rows: int, in_order: bool) -> list[str]:
     """Sampled rows against the reference: id for id when ordered, else the same set."""
-    t, s = inputs["scores"].shape
+    t = inputs["scores"].shape[0]
     pick = np.unique(np.linspace(0, t - 1, min(rows, t)).astype(int))
     sub = {k: v[pick] for k, v in inputs.items()}
-    want_ids, _ = select_topk_reference(
-        sub["scores"], _visible_ids(len(pick), s, sub["start"], sub["end"]), top_k
+    want_ids, _ = jsparse.topk(
+        sub["scores"], top_k, kv_start=sub["start"], kv_end=sub["end"], implementation="reference"
     )
     want_ids, got_ids = np.asarray(want_ids), np.asarray(got[0])[pick]
     problems = []
