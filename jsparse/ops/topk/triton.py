@@ -569,7 +569,8 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
         # θ in a kernel of its own: its sample (4096 entries held in registers) would
         # set the streaming kernel's register count and so its rows per SM, and its
         # reductions would delay every row's first load (run 33: streaming with θ given
-        # 1.21-1.28 ms, θ alone 0.39, against 1.76-1.87 with θ sampled inside). Rows
+        # 1.21-1.28 ms against 1.76-1.87 with θ sampled inside; θ's kernel 0.24 ms at
+        # 8192 × 64K, run 40). Rows
         # split over chunks (decode) still sample in each chunk program: there a θ
         # kernel would add a launch to a step of a few µs per kernel (not measured).
         theta = pl.pallas_call(
