@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import glob
 import gzip
@@ -45,6 +46,26 @@ def expand_cases(preset: dict) -> list[dict]:
             c.update({k: lists[k][i] for k, i in zip(keys, combo, strict=True)})
             out.append(c)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class WidenThreshold:
+    threshold: int | None  # None: FP8 stays in registers
+
+
+def widen_threshold(text: str) -> WidenThreshold:
+    """``--widen-fp8-from``'s value: a query count, or ``never``."""
+    if text == "never":
+        return WidenThreshold(None)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a query count or 'never', got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a query count ≥ 1 or 'never', got {value}")
+    return WidenThreshold(value)
 
 
 def block(x):

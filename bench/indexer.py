@@ -41,9 +41,10 @@ def add_arguments(parser):
         "host dispatch or launch gaps), and speedups on it",
     )  # fmt: skip
     parser.add_argument(
-        "--widen-fp8-from", type=int, default=None, metavar="T",
+        "--widen-fp8-from", type=common.widen_threshold, default=None, metavar="T|never",
         help="widen FP8 inputs to f16 in memory before the Triton scorer for launches of "
-        "at least T queries (default: the library's WIDEN_FP8_IN_MEMORY_FROM)",
+        "at least T queries; never: always in registers (default: the library's "
+        "WIDEN_FP8_IN_MEMORY_FROM)",
     )  # fmt: skip
     parser.add_argument(
         "--implementation", choices=["triton", "mosaic", "reference"], default=None,
@@ -125,7 +126,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     cases = common.expand_cases(presets[args.preset])
     cfg = _scorer_config(args.scorer_config)
     if args.widen_fp8_from is not None:
-        indexer_triton.WIDEN_FP8_IN_MEMORY_FROM = args.widen_fp8_from
+        indexer_triton.WIDEN_FP8_IN_MEMORY_FROM = args.widen_fp8_from.threshold
     if args.implementation is not None:
         if cfg is not None and args.implementation != "triton":
             raise SystemExit("--scorer-config configures the Triton scorer; drop --implementation")

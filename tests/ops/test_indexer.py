@@ -180,6 +180,27 @@ def test_fp8_widened_in_memory_gives_the_same_answer(kernel_impl, monkeypatch):
     np.testing.assert_array_equal(full.scores, base.scores)
 
 
+def test_fp8_tiles_follow_where_the_widening_happens(monkeypatch):
+    from jsparse.ops.indexer import triton as scorer
+
+    # Widened in memory, fp8 keys reach the kernel as f16 and take bf16's tiles; in
+    # registers, more queries share each widened tile.
+    monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", 16)
+    assert scorer.default_config(8192, 64, fp8_keys=True).block_t == 2
+    assert scorer.default_config(8, 64, fp8_keys=True).block_t == 4
+    assert scorer.default_config(8192, 64, fp8_keys=False).block_t == 2
+    monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", None)
+    assert scorer.default_config(8192, 64, fp8_keys=True).block_t == 4
+    fp8, f16 = jnp.float8_e4m3fn, jnp.float16
+    assert not scorer._widen_in_memory(8192, fp8, fp8, f16, paged=False)
+    monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", 16)
+    assert scorer._widen_in_memory(16, fp8, fp8, f16, paged=False)
+    assert not scorer._widen_in_memory(15, fp8, fp8, f16, paged=False)
+    assert not scorer._widen_in_memory(8192, fp8, fp8, f16, paged=True)
+    assert not scorer._widen_in_memory(8192, fp8, fp8, fp8, paged=False)  # fp8 dot
+    assert not scorer._widen_in_memory(8192, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, paged=False)
+
+
 @pytest.mark.parametrize("method", ["base", "full"])
 def test_unsorted_is_the_same_set(method, kernel_impl):
     case = CASES[2]

@@ -39,12 +39,12 @@ _NEG_INF = float("-inf")
 # FP8 inputs of a launch with at least this many queries are widened to the compute
 # dtype once, in memory, before the kernel (exact: every e4m3 value is an f16), instead
 # of tile by tile in registers: a load that feeds a conversion cannot stream global →
-# shared memory asynchronously, and the fp8 scorer runs ~30% below the bf16 one
-# (WORKSPACE.md, runs 1-3). The dot's operands, and so the scores, are the same either
+# shared memory asynchronously, and the in-register fp8 scorer runs ~30% below the bf16
+# one. Widened, it runs at the bf16 tiles' rate (WORKSPACE.md, run 45: 8192 × 128K
+# causal, 270 → 462 TFLOP/s). The dot's operands, and so the scores, are the same either
 # way. Few queries read each key once or twice, where fp8's halved bytes pay more than
-# the copy. None: always in registers (the measured default until the in-memory path
-# has been timed on the GPU).
-WIDEN_FP8_IN_MEMORY_FROM: int | None = None
+# the copy. None: always in registers.
+WIDEN_FP8_IN_MEMORY_FROM: int | None = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +73,22 @@ class ScorerConfig:
 
 
 def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> ScorerConfig:
-    """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3, 8192 × 64K, H=64, D=128).
+    """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3 and 45, H=64, D=128).
 
-    Queries share each key tile (N = block_t·H of the dot): two for bf16 keys; four for
-    fp8 keys, whose tiles are widened in registers, so more reuse per widened tile pays.
+    Queries share each key tile (N = block_t·H of the dot): two for bf16 keys and for
+    fp8 keys widened in memory; four for fp8 keys widened in registers, where more reuse
+    per widened tile pays. A paged launch is never widened in memory, so a paged fp8
+    pool of ≥ ``WIDEN_FP8_IN_MEMORY_FROM`` rows runs the in-register path at two.
     """
     if num_queries == 1 or heads >= 128:
         return ScorerConfig(block_t=1)
-    return ScorerConfig(block_t=4 if fp8_keys and num_queries >= 4 else 2)
+    in_registers = fp8_keys and not _widens_from(num_queries)
+    return ScorerConfig(block_t=4 if in_registers and num_queries >= 4 else 2)
+
+
+def _widens_from(num_queries: int) -> bool:
+    threshold = WIDEN_FP8_IN_MEMORY_FROM
+    return threshold is not None and num_queries >= threshold
 
 
 def _widen_in_memory(t: int, q_dtype, k_dtype, compute, *, paged: bool) -> bool:
@@ -89,11 +97,7 @@ def _widen_in_memory(t: int, q_dtype, k_dtype, compute, *, paged: bool) -> bool:
     every page of the pool, not only the sequence's."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     has_fp8 = fp8 in (jnp.dtype(q_dtype), jnp.dtype(k_dtype))
-    threshold = WIDEN_FP8_IN_MEMORY_FROM
-    return bool(
-        has_fp8 and jnp.dtype(compute) != fp8 and not paged
-        and threshold is not None and t >= threshold
-    )  # fmt: skip
+    return bool(has_fp8 and jnp.dtype(compute) != fp8 and not paged and _widens_from(t))
 
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
