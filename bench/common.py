@@ -48,15 +48,10 @@ def expand_cases(preset: dict) -> list[dict]:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class WidenThreshold:
-    threshold: int | None  # None: FP8 stays in registers
-
-
-def widen_threshold(text: str) -> WidenThreshold:
-    """``--widen-fp8-from``'s value: a query count, or ``never``."""
+def widen_threshold(text: str) -> int | str:
+    """``--widen-fp8-from``'s value: a query count, or ``never`` (FP8 stays in registers)."""
     if text == "never":
-        return WidenThreshold(None)
+        return text
     try:
         value = int(text)
     except ValueError:
@@ -65,7 +60,12 @@ def widen_threshold(text: str) -> WidenThreshold:
         ) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a query count ≥ 1 or 'never', got {value}")
-    return WidenThreshold(value)
+    return value
+
+
+def widen_setting(value: int | str) -> int | None:
+    """``WIDEN_FP8_IN_MEMORY_FROM`` for a parsed ``--widen-fp8-from``."""
+    return None if value == "never" else value
 
 
 def block(x):

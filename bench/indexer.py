@@ -126,7 +126,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     cases = common.expand_cases(presets[args.preset])
     cfg = _scorer_config(args.scorer_config)
     if args.widen_fp8_from is not None:
-        indexer_triton.WIDEN_FP8_IN_MEMORY_FROM = args.widen_fp8_from.threshold
+        indexer_triton.WIDEN_FP8_IN_MEMORY_FROM = common.widen_setting(args.widen_fp8_from)
     if args.implementation is not None:
         if cfg is not None and args.implementation != "triton":
             raise SystemExit("--scorer-config configures the Triton scorer; drop --implementation")

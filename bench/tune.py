@@ -159,7 +159,7 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.widen_fp8_from is not None:
-        scorer.WIDEN_FP8_IN_MEMORY_FROM = args.widen_fp8_from.threshold
+        scorer.WIDEN_FP8_IN_MEMORY_FROM = common.widen_setting(args.widen_fp8_from)
     env = common.environment()
     print(" | ".join(f"{k} {v}" for k, v in env.items()))
     floors = common.measure_floors(args.dtype, on_gpu=backend.has_nvidia_gpu())
