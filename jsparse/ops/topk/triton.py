@@ -431,14 +431,18 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given):
 
 
 def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
-    """Program (row): concatenates the row's segments, or flags it for the exact kernel."""
+    """Program (row, chunk): copies segment (row, chunk) to its place in the row's buffer,
+    after the segments before it, or (chunk 0) flags the row for the exact kernel.
+
+    One program per segment: a program per row copied the segments one after another,
+    a chain of dependent loads and stores (run 33: 6.5-11.6 µs of a decode step)."""
     source = refs[:3]
     n_segment_refs = (1 if dense else 2) + 1  # (codes,) ids, counts: after the source
     seg_codes_ref, seg_ids_ref, seg_count_ref, _ = _buffer_refs(
         refs[: 3 + n_segment_refs], dense, 0
     )
     codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, dense, 1)
-    row = pl.program_id(0)
+    row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
     _, _, lo, hi = _row_source(source, dense, row, blk)
     length = hi - lo
@@ -452,32 +456,31 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     fast_ok = _fits(total, top_k, length, cap)
     trash = count_ref.shape[0] * cap
     lanes = jnp.arange(blk, dtype=jnp.int32)
+    n = jnp.sum(jnp.where(lane == chunk, seg_counts, 0))
+    offset = jnp.sum(jnp.where(lane < chunk, seg_counts, 0))
+    src = (row * chunks + chunk) * cap
 
-    def merge():
-        def one_segment(c, offset):
-            n = jnp.sum(jnp.where(lane == c, seg_counts, 0))
-            src = (row * chunks + c) * cap
+    def copy(j, carry):
+        pos = j * blk + lanes
+        ok = pos < n
+        safe = src + jnp.where(ok, pos, 0)
+        dst = jnp.where(ok, row * cap + offset + pos, trash)
+        if codes_ref is not None:
+            vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
+            plt.store(codes_ref.at[dst], vc, mask=ok)
+        vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
+        plt.store(ids_ref.at[dst], vi, mask=ok)
+        return carry
 
-            def copy(j, carry):
-                pos = j * blk + lanes
-                ok = pos < n
-                safe = src + jnp.where(ok, pos, 0)
-                dst = jnp.where(ok, row * cap + offset + pos, trash)
-                if codes_ref is not None:
-                    vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
-                    plt.store(codes_ref.at[dst], vc, mask=ok)
-                vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
-                plt.store(ids_ref.at[dst], vi, mask=ok)
-                return carry
+    # A missed total copies nothing (the exact kernel rewrites the row) and is stored as
+    # the row's count: it steers the retry.
+    n_copies = jnp.where(fast_ok, (n + blk - 1) // blk, 0)
+    jax.lax.fori_loop(0, n_copies, copy, 0)
 
-            jax.lax.fori_loop(0, (n + blk - 1) // blk, copy, 0)
-            return offset + n
-
-        return jax.lax.fori_loop(0, chunks, one_segment, row * 0)
-
-    final = jax.lax.cond(fast_ok, merge, lambda: total)  # a missed total steers the retry
-    plt.store(count_ref.at[row], final)
-    plt.store(slow_ref.at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
+    @pl.when(chunk == 0)
+    def _():
+        plt.store(count_ref.at[row], total)
+        plt.store(slow_ref.at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
 
 
 def _ladder(lo, hi):
@@ -601,7 +604,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
         )(*inputs)
         *bufs, slow = pl.pallas_call(
             functools.partial(_merge_kernel, **statics),
-            grid=(t,),
+            grid=(t, chunks),
             out_shape=(*buffers(t), flag),
             compiler_params=compiler,
             interpret=interpret,
