@@ -39,8 +39,9 @@ def main(argv=None) -> int:
     from jsparse import backend
 
     on_gpu = backend.has_nvidia_gpu()
+    # -h is added after the op's own flags, so that `--op X --help` lists them too.
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False
     )
     parser.add_argument("--op", choices=sorted(OPS) + sorted(CLIS), default="indexer")
     parser.add_argument("--preset", default=None, help="a preset of configs/<op>.toml")
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     module_args, _ = parser.parse_known_args(argv)
     module = importlib.import_module(OPS[module_args.op])
     module.add_arguments(parser)
+    parser.add_argument("-h", "--help", action="help", help="show this help message and exit")
     args = parser.parse_args(argv)
     args.method = args.method or module.DEFAULT_METHODS
     if args.preset is None:

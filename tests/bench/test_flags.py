@@ -1,4 +1,4 @@
-"""``--widen-fp8-from``: parsed, applied, and written to the run's JSON."""
+"""Bench flags: `--widen-fp8-from` parsed, applied and written to JSON; per-op help."""
 
 import argparse
 import json
@@ -22,3 +22,11 @@ def test_widen_flag_parses_counts_and_never_and_rejects_the_rest(tmp_path):
     out = tmp_path / "args.json"
     common.write_json(str(out), {"args": vars(parser.parse_args(["--widen-fp8-from", "never"]))})
     assert json.loads(out.read_text())["args"]["widen_fp8_from"] == "never"
+
+
+def test_op_help_lists_the_ops_own_flags(capsys):
+    from bench.run import main
+
+    with pytest.raises(SystemExit):
+        main(["--op", "indexer", "--help"])
+    assert "--widen-fp8-from" in capsys.readouterr().out
