@@ -287,22 +287,22 @@ def _decode_triton_jit(
     k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses, s_max)
     b = q.shape[0]
     cfg = scorer_triton.default_config(b, q.shape[1], k.dtype == jnp.float8_e4m3fn)
-    # Paged: ids are the B·S_max virtual slots; the scorer reads each key in its page.
-    paging = (
-        {}
-        if page_table is None
-        else dict(page_table=page_table.reshape(-1), page_size=k_cache.shape[1])
-    )
+    # Each sequence's keys are its query's alone: never widened in memory (that would
+    # copy the whole cache on every step).
+    key_layout = dict(shared_keys=False)
+    if page_table is not None:
+        # Ids are the B·S_max virtual slots; the scorer reads each key in its page.
+        key_layout.update(page_table=page_table.reshape(-1), page_size=k_cache.shape[1])
     seeds = _seeds(wit, start, end, top_k, b * s_max)
     lists = methods.block_union_ids(seeds, cfg.block_t)
     keep_all = jnp.full((b,), EMPTY_CODE, jnp.int32)
     seed_cap = methods._round_up(lists.shape[1], 128)
     seed_codes, seed_ids, seed_counts, _ = scorer_triton.score_records_triton(
-        q, weights, k, scale, start, end, keep_all, seed_cap, key_ids=lists, cfg=cfg, **paging
+        q, weights, k, scale, start, end, keep_all, seed_cap, key_ids=lists, cfg=cfg, **key_layout
     )
     _, _, tau = select.select_candidates(seed_codes, seed_ids, seed_counts, top_k)
     codes, ids, counts, ordered = scorer_triton.score_records_triton(
-        q, weights, k, scale, start, end, tau, capacity, cfg=cfg, **paging
+        q, weights, k, scale, start, end, tau, capacity, cfg=cfg, **key_layout
     )
     overflow = counts > capacity
     indices, values = methods.select_records(
@@ -315,7 +315,7 @@ def _decode_triton_jit(
         fb_end = jnp.where(overflow, end, start)
         full_cap = methods._round_up(s_max, 128)
         c2, i2, n2, ordered2 = scorer_triton.score_records_triton(
-            q, weights, k, scale, start, fb_end, keep_all, full_cap, cfg=cfg, **paging
+            q, weights, k, scale, start, fb_end, keep_all, full_cap, cfg=cfg, **key_layout
         )
         fb_idx, fb_val = methods.select_records(c2, i2, n2, top_k, id_ordered=ordered2)
         return (

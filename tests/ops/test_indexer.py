@@ -191,14 +191,15 @@ def test_fp8_tiles_follow_where_the_widening_happens(monkeypatch):
     assert scorer.default_config(8192, 64, fp8_keys=False).block_t == 2
     monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", None)
     assert scorer.default_config(8192, 64, fp8_keys=True).block_t == 4
-    fp8, f16 = jnp.float8_e4m3fn, jnp.float16
-    assert not scorer._widen_in_memory(8192, fp8, fp8, f16, paged=False)
+    fp8, f16, bf16 = jnp.float8_e4m3fn, jnp.float16, jnp.bfloat16
+    assert not scorer._widen_in_memory(8192, fp8, fp8, f16, shared_keys=True)
     monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", 16)
-    assert scorer._widen_in_memory(16, fp8, fp8, f16, paged=False)
-    assert not scorer._widen_in_memory(15, fp8, fp8, f16, paged=False)
-    assert not scorer._widen_in_memory(8192, fp8, fp8, f16, paged=True)
-    assert not scorer._widen_in_memory(8192, fp8, fp8, fp8, paged=False)  # fp8 dot
-    assert not scorer._widen_in_memory(8192, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, paged=False)
+    assert scorer._widen_in_memory(16, fp8, fp8, f16, shared_keys=True)
+    assert not scorer._widen_in_memory(15, fp8, fp8, f16, shared_keys=True)
+    assert not scorer._widen_in_memory(8192, fp8, fp8, fp8, shared_keys=True)  # fp8 dot
+    assert not scorer._widen_in_memory(8192, bf16, bf16, bf16, shared_keys=True)
+    # Keys of one query each (a decode batch, a paged pool): never copied.
+    assert not scorer._widen_in_memory(64, fp8, fp8, f16, shared_keys=False)
 
 
 @pytest.mark.parametrize("method", ["base", "full"])

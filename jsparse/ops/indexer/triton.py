@@ -77,8 +77,10 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
 
     Queries share each key tile (N = block_t·H of the dot): two for bf16 keys and for
     fp8 keys widened in memory; four for fp8 keys widened in registers, where more reuse
-    per widened tile pays. A paged launch is never widened in memory, so a paged fp8
-    pool of ≥ ``WIDEN_FP8_IN_MEMORY_FROM`` rows runs the in-register path at two.
+    per widened tile pays. The tiles follow the query count alone, not whether a launch
+    actually widens (see :func:`_widen_in_memory`), so that every launch over the same
+    queries, whatever its keys, runs one config: one config is what keeps methods
+    identical id for id.
     """
     if num_queries == 1 or heads >= 128:
         return ScorerConfig(block_t=1)
@@ -91,13 +93,14 @@ def _widens_from(num_queries: int) -> bool:
     return threshold is not None and num_queries >= threshold
 
 
-def _widen_in_memory(t: int, q_dtype, k_dtype, compute, *, paged: bool) -> bool:
+def _widen_in_memory(t: int, q_dtype, k_dtype, compute, *, shared_keys: bool) -> bool:
     """Whether a launch widens its FP8 inputs before the kernel (see
-    ``WIDEN_FP8_IN_MEMORY_FROM``). A paged pool is left alone: widening it would copy
-    every page of the pool, not only the sequence's."""
+    ``WIDEN_FP8_IN_MEMORY_FROM``). Only keys that many queries share: a batch of decode
+    sequences reads each key once, and widening would copy the whole cache (or every
+    page of a paged pool) on each step."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     has_fp8 = fp8 in (jnp.dtype(q_dtype), jnp.dtype(k_dtype))
-    return bool(has_fp8 and jnp.dtype(compute) != fp8 and not paged and _widens_from(t))
+    return bool(has_fp8 and jnp.dtype(compute) != fp8 and shared_keys and _widens_from(t))
 
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
@@ -324,16 +327,19 @@ def _num_keys(k, page_table, page_size):
 def _launch(
     q, weights, k, k_scale, start, end, *,
     tau_codes=None, key_ids=None, key_counts=None, records_cap=None, fill=False, cfg=None,
-    splits=None, page_table=None, page_size=0,
+    splits=None, page_table=None, page_size=0, shared_keys=True,
 ):  # fmt: skip
     """One scorer launch. ``page_table`` [n_pages] int32 (-1: no page) with ``page_size``
     P: key ids run over n_pages·P virtual slots, id i stored at row
-    page_table[i // P]·P + i % P of ``k`` (and of ``k_scale``)."""
+    page_table[i // P]·P + i % P of ``k`` (and of ``k_scale``). ``shared_keys`` False:
+    each query sees keys of its own, which are then never widened in memory (see
+    :func:`_widen_in_memory`); a paged pool is always so."""
     t, _, _ = q.shape
     s = _num_keys(k, page_table, page_size)
     cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
-    if _widen_in_memory(t, q.dtype, k.dtype, cdt, paged=page_table is not None):
+    shared_keys = shared_keys and page_table is None
+    if _widen_in_memory(t, q.dtype, k.dtype, cdt, shared_keys=shared_keys):
         q, k = q.astype(cdt), k.astype(cdt)
     q, weights, k = _pad_heads_dims(q, weights, k, cfg.block_t)
     hp, dp = q.shape[1], q.shape[2]
@@ -397,7 +403,7 @@ def indexer_scores_triton(q, weights, k, k_scale, start, end, *, cfg=None):
 
 def score_records_triton(
     q, weights, k, k_scale, start, end, tau_codes, capacity, *, key_ids=None, key_counts=None,
-    cfg=None, page_table=None, page_size=0,
+    cfg=None, page_table=None, page_size=0, shared_keys=True,
 ):  # fmt: skip
     """Records (code, key id) of every visible score with code ≥ ``tau_codes[t]``.
 
@@ -409,6 +415,7 @@ def score_records_triton(
     are not stored), and whether each row's records are in ascending id order (one
     program per query block: the key range or list is not split). ``page_table`` and
     ``page_size``: a paged key cache (see :func:`_launch`); ids are virtual slots.
+    ``shared_keys``: see :func:`_launch`.
     """
     fp8_keys = k.dtype == jnp.float8_e4m3fn
     s = _num_keys(k, page_table, page_size)
@@ -417,6 +424,7 @@ def score_records_triton(
         q, weights, k, k_scale, start, end,
         tau_codes=tau_codes, key_ids=key_ids, key_counts=key_counts, records_cap=capacity,
         cfg=cfg, splits=splits, page_table=page_table, page_size=page_size,
+        shared_keys=shared_keys,
     )  # fmt: skip
     t = q.shape[0]
     return codes.reshape(t, capacity), ids.reshape(t, capacity), counts, splits == 1
