@@ -2,9 +2,11 @@
 
     s[t, i] = k_scale[i] · Σ_h w[t, h] · relu(q[t, h] · k[i])          (MATH.md §1.1)
 
-Why a second GPU kernel: the Triton scorer widens fp8 keys to f16 in registers, which
+Why a second GPU kernel: the Triton scorer widened fp8 keys to f16 in registers, which
 needs a register load of every key tile and so gives up the asynchronous global → shared
-copy; on an H200 its fp8 path reached 36.5% of XLA's fp8 matmul rate. Here key tiles
+copy; on an H200 that fp8 path reached 36.5% of XLA's fp8 matmul rate (since then the
+Triton scorer widens large launches once in memory and runs at 48%; this kernel's 51-57%
+is still ahead, WORKSPACE.md runs 15 and 45). Here key tiles
 stream through shared memory by TMA and feed the tensor cores directly (wgmma reads both
 operands from shared memory), fp8 × fp8 natively or bf16 × bf16, into an f32 accumulator
 (Hopper's fp8 MMA keeps fewer bits while it accumulates: scores round differently from
