@@ -6,11 +6,11 @@ Why a second GPU kernel: the Triton scorer widened fp8 keys to f16 in registers,
 needs a register load of every key tile and so gives up the asynchronous global → shared
 copy; on an H200 that fp8 path reached 36.5% of XLA's fp8 matmul rate (since then the
 Triton scorer widens large launches once in memory and runs at 48%; this kernel's 51-57%
-is still ahead, WORKSPACE.md runs 15 and 45). Here key tiles
-stream through shared memory by TMA and feed the tensor cores directly (wgmma reads both
-operands from shared memory), fp8 × fp8 natively or bf16 × bf16, into an f32 accumulator
-(Hopper's fp8 MMA keeps fewer bits while it accumulates: scores round differently from
-the Triton kernel's, which is why this is a separate, opt-in scorer).
+is still ahead, WORKSPACE.md runs 15 and 45). Here key tiles stream through shared
+memory by TMA and feed the tensor cores directly (wgmma reads both operands from shared
+memory), fp8 × fp8 natively or bf16 × bf16, into an f32 accumulator (Hopper's fp8 MMA
+keeps fewer bits while it accumulates: scores round differently from the Triton
+kernel's, which is why this is a separate, opt-in scorer).
 
 Differences between compiled and interpreted runs, both forced by jax 0.10.2's Mosaic GPU
 interpreter and both value-preserving: ``layout_cast`` is skipped (no interpreter rule),
