@@ -271,6 +271,14 @@ def _class_tiles(block_class, c, nsub):
     return jnp.where(live, order, -1).reshape(n_tiles, nsub)
 
 
+def _screen_widens_in_memory(num_queries: int) -> bool:
+    """Whether FP8 keys reach the screening kernel widened once, in memory, to the rows'
+    dtype (exact; each tile is cast to it in the kernel anyway): a tile converted in
+    registers cannot stream to shared memory asynchronously. The scorer's reason and
+    rule (``WIDEN_FP8_IN_MEMORY_FROM``)."""
+    return scorer.widens_fp8_in_memory(num_queries)
+
+
 def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, splits=None):
     """Survivor lists per scorer block (union over its queries) and counts.
 
@@ -281,6 +289,8 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
     cfg = cfg or ScreenConfig()
     t, wmax, d = plan.rows.shape
     s = k.shape[0]
+    if k.dtype == jnp.float8_e4m3fn and _screen_widens_in_memory(t):
+        k = k.astype(plan.rows.dtype)
     dp = max(16, 1 << (d - 1).bit_length())
     rows = plan.rows
     if dp != d:

@@ -72,6 +72,38 @@ def test_triton_certified_equals_base(kernel_impl, method, options):
         assert set(widths.tolist()) == {8, 16}
 
 
+def test_fp8_keys_widened_in_memory_screen_the_same(kernel_impl, monkeypatch):
+    # Large launches hand the screening kernel keys widened once to the rows' dtype
+    # (exact): every survivor list, count and answer must be what in-register widening
+    # gives. Only the screening's choice is forced; the scorer runs as it would.
+    inputs = make_inputs(CFG, 11)
+    seen = []
+    launch = ctriton._screen_launch
+
+    def spy(*args, **kwargs):
+        seen.append(jnp.dtype(args[4].dtype))  # k
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(ctriton, "_screen_launch", spy)
+    results = {}
+    for widen in (False, True):
+        monkeypatch.setattr(ctriton, "_screen_widens_in_memory", lambda t, widen=widen: widen)
+        jax.clear_caches()  # the choice is made when the pipeline is traced
+        seen.clear()
+        results[widen] = _dosa(inputs, CFG.top_k, kernel_impl, method="dosa")
+        want = jnp.bfloat16 if widen else jnp.float8_e4m3fn
+        assert seen and all(d == want for d in seen)
+    jax.clear_caches()
+    (in_registers, info_r), (in_memory, info_m) = results[False], results[True]
+    assert np.asarray(info_m.screened).any()
+    for name in ("indices", "scores", "candidates", "survivors", "threshold"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(in_memory, name)), np.asarray(getattr(in_registers, name)),
+            err_msg=name,
+        )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(info_m.list_length), np.asarray(info_r.list_length))
+
+
 def test_triton_planted_overflows_fall_back_exactly(kernel_impl):
     inputs = make_inputs(CFG, 12)
     base, _ = _base_and_full(inputs, CFG.top_k, kernel_impl)

@@ -84,11 +84,13 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
     """
     if num_queries == 1 or heads >= 128:
         return ScorerConfig(block_t=1)
-    in_registers = fp8_keys and not _widens_from(num_queries)
+    in_registers = fp8_keys and not widens_fp8_in_memory(num_queries)
     return ScorerConfig(block_t=4 if in_registers and num_queries >= 4 else 2)
 
 
-def _widens_from(num_queries: int) -> bool:
+def widens_fp8_in_memory(num_queries: int) -> bool:
+    """Whether a launch of this many queries over shared keys widens FP8 in memory (see
+    ``WIDEN_FP8_IN_MEMORY_FROM``); the screening kernel of DoSA follows the same rule."""
     threshold = WIDEN_FP8_IN_MEMORY_FROM
     return threshold is not None and num_queries >= threshold
 
@@ -100,7 +102,7 @@ def _widen_in_memory(t: int, q_dtype, k_dtype, compute, *, shared_keys: bool) ->
     page of a paged pool) on each step."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     has_fp8 = fp8 in (jnp.dtype(q_dtype), jnp.dtype(k_dtype))
-    return bool(has_fp8 and jnp.dtype(compute) != fp8 and shared_keys and _widens_from(t))
+    return bool(has_fp8 and jnp.dtype(compute) != fp8 and shared_keys and widens_fp8_in_memory(t))
 
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
