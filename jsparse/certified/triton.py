@@ -271,12 +271,15 @@ def _class_tiles(block_class, c, nsub):
     return jnp.where(live, order, -1).reshape(n_tiles, nsub)
 
 
+# FP8 keys reach the screening kernel widened once, in memory, to the rows' dtype
+# (exact; each tile is cast to it in the kernel anyway), by the scorer's rule
+# (``WIDEN_FP8_IN_MEMORY_FROM``): a tile converted in registers cannot stream to shared
+# memory asynchronously. Off until timed on the GPU (diag/dosa_screen_ab.py).
+SCREEN_WIDENS_FP8_IN_MEMORY = False
+
+
 def _screen_widens_in_memory(num_queries: int) -> bool:
-    """Whether FP8 keys reach the screening kernel widened once, in memory, to the rows'
-    dtype (exact; each tile is cast to it in the kernel anyway): a tile converted in
-    registers cannot stream to shared memory asynchronously. The scorer's reason and
-    rule (``WIDEN_FP8_IN_MEMORY_FROM``)."""
-    return scorer.widens_fp8_in_memory(num_queries)
+    return SCREEN_WIDENS_FP8_IN_MEMORY and scorer.widens_fp8_in_memory(num_queries)
 
 
 def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, splits=None):
