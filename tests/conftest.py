@@ -70,5 +70,34 @@ def kernel_impl(request):
             yield request.param
 
 
+class _Fp8Widening:
+    def __init__(self, monkeypatch):
+        from jsparse.ops.indexer import triton as scorer
+
+        self._monkeypatch, self._scorer = monkeypatch, scorer
+        self.decisions = []  # one per traced scorer launch with FP8 inputs: True = widened
+        widen = scorer._widen_in_memory
+
+        def spy(*args, **kwargs):
+            self.decisions.append(widen(*args, **kwargs))
+            return self.decisions[-1]
+
+        monkeypatch.setattr(scorer, "_widen_in_memory", spy)
+
+    def set_threshold(self, threshold):
+        self._monkeypatch.setattr(self._scorer, "WIDEN_FP8_IN_MEMORY_FROM", threshold)
+        jax.clear_caches()  # the threshold is read when a launch is traced
+        self.decisions.clear()
+
+
+@pytest.fixture
+def fp8_widening(monkeypatch):
+    """The scorer's in-memory FP8 widening under test: ``set_threshold(n)`` sets
+    ``WIDEN_FP8_IN_MEMORY_FROM`` (None: never) and clears the traces; ``decisions``
+    records each launch's choice since."""
+    yield _Fp8Widening(monkeypatch)
+    jax.clear_caches()
+
+
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {jax.devices()}"

@@ -174,37 +174,23 @@ def test_paged_decode_validates_the_page_table():
         )  # fmt: skip
 
 
-def test_fp8_decode_never_widens_the_cache_and_still_equals_base(interpret, monkeypatch):
+def test_fp8_decode_never_widens_the_cache_and_still_equals_base(interpret, fp8_widening):
     # Each sequence's keys are its query's alone: widening them in memory would copy the
     # whole cache on every step. The threshold is lowered so that the batch of 3 would
     # widen if the decode let it; base over the same flattened keys does widen, and the
     # two must still agree id for id (same operands reach the same dot).
-    import jax
-
-    from jsparse.ops.indexer import triton as scorer
-
     k_cache, scale, qs, ws, lengths0 = _sequence(seed=2, steps=1)
     k_cache = k_cache.astype(jnp.float8_e4m3fn)
     q = qs[0].astype(jnp.float8_e4m3fn)
-    decisions = []
-    widen = scorer._widen_in_memory
-
-    def spy(*args, **kwargs):
-        decisions.append(widen(*args, **kwargs))
-        return decisions[-1]
-
-    monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", 1)
-    monkeypatch.setattr(scorer, "_widen_in_memory", spy)
-    jax.clear_caches()  # the threshold is read when a launch is traced
     lengths = jnp.asarray(lengths0, jnp.int32)
+    fp8_widening.set_threshold(1)
     res, _ = indexer_topk_decode(
         q, ws[0], k_cache, K, k_scale=scale, lengths=lengths,
         witnesses=jnp.full((B, 2 * K), -1, jnp.int32), implementation="triton",
     )  # fmt: skip
-    assert decisions and not any(decisions)
-    decisions.clear()
+    assert fp8_widening.decisions and not any(fp8_widening.decisions)
+    fp8_widening.decisions.clear()
     ids, scores = _base(q, ws[0], k_cache, scale, lengths, "triton")
-    jax.clear_caches()
-    assert decisions and all(decisions)
+    assert fp8_widening.decisions and all(fp8_widening.decisions)
     np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
     np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(scores))

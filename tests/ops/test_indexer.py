@@ -149,9 +149,7 @@ def test_triton_methods_match_oracle_and_each_other(case, dtype, kernel_impl):
     assert np.all(np.asarray(full.candidates) <= visible)
 
 
-def test_fp8_widened_in_memory_gives_the_same_answer(kernel_impl, monkeypatch):
-    from jsparse.ops.indexer import triton as scorer
-
+def test_fp8_widened_in_memory_gives_the_same_answer(kernel_impl, fp8_widening):
     case = next(c for c in CASES if c.name == "odd")
     inputs = make_inputs(case, DTYPES["fp8"], seed=1)
 
@@ -160,20 +158,12 @@ def test_fp8_widened_in_memory_gives_the_same_answer(kernel_impl, monkeypatch):
             **inputs, top_k=case.top_k, method=method, implementation=kernel_impl
         )
 
+    fp8_widening.set_threshold(None)
     before = run("base")
-    decisions = []
-    widen = scorer._widen_in_memory
-
-    def spy(*args, **kwargs):
-        decisions.append(widen(*args, **kwargs))
-        return decisions[-1]
-
-    monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", 1)
-    monkeypatch.setattr(scorer, "_widen_in_memory", spy)
-    jax.clear_caches()  # the threshold is read when a launch is traced
+    assert fp8_widening.decisions and not any(fp8_widening.decisions)
+    fp8_widening.set_threshold(1)
     base, full = run("base"), run("full")
-    jax.clear_caches()
-    assert decisions and all(decisions)  # every launch took the in-memory path
+    assert fp8_widening.decisions and all(fp8_widening.decisions)  # every launch widened
     np.testing.assert_array_equal(base.indices, before.indices)
     np.testing.assert_array_equal(base.scores, before.scores)
     np.testing.assert_array_equal(full.indices, base.indices)
