@@ -17,6 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jsparse
+from jsparse.ops.topk.reference import visible_key_ids
 
 from . import common
 
@@ -48,17 +49,12 @@ def make_inputs(case: dict, seed: int):
     return dict(scores=scores, start=jnp.zeros((t,), jnp.int32), end=end)
 
 
-def _visible_ids(t, s, start, end):
-    ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (t, s))
-    return jnp.where((ids >= start[:, None]) & (ids < end[:, None]), ids, -1)
-
-
 def select_fn(method: str, top_k: int, *, sort: bool, impl: str):
     """(scores, start, end) -> (ids, scores) [T, K], -1 / -inf padded."""
     if method == "xla":
 
         def xla(scores, start, end):
-            ids = _visible_ids(*scores.shape, start, end)
+            ids = visible_key_ids(start, end, scores.shape[1])
             values, at = jax.lax.top_k(jnp.where(ids >= 0, scores, -jnp.inf), top_k)
             picked = jnp.take_along_axis(ids, at, axis=1)
             return picked, jnp.where(picked >= 0, values, -jnp.inf)

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jsparse.ops.topk.reference import visible_key_ids  # also imported from here
+
 
 def relu_keep_nan(x: jax.Array) -> jax.Array:
     return jnp.where(x < 0, jnp.zeros_like(x), x)
@@ -92,15 +94,6 @@ def score_keys_reference(
         ),
     )
     return out.reshape(n_chunks * chunk, n)[:t]
-
-
-def visible_key_ids(
-    kv_start: Int[Array, " T"], kv_end: Int[Array, " T"], num_keys: int
-) -> Int[Array, "T S"]:
-    """Key ids ``0..S-1`` per query, ``-1`` outside ``[kv_start, kv_end)``."""
-    ids = jnp.arange(num_keys, dtype=jnp.int32)[None, :]
-    visible = (ids >= kv_start[:, None]) & (ids < kv_end[:, None])
-    return jnp.where(visible, ids, -1)
 
 
 def indexer_scores_reference(

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, backend
-from jsparse.ops.topk.reference import select_topk_reference
+from jsparse.ops.topk.reference import select_topk_reference, visible_key_ids
 
 
 def topk(
@@ -69,6 +69,4 @@ def _implementations():
 
 def _reference(scores, start, end, top_k, sort):
     del sort  # the reference always sorts
-    ids = jnp.broadcast_to(jnp.arange(scores.shape[1], dtype=jnp.int32), scores.shape)
-    visible = (ids >= start[:, None]) & (ids < end[:, None])
-    return select_topk_reference(scores, jnp.where(visible, ids, -1), top_k)
+    return select_topk_reference(scores, visible_key_ids(start, end, scores.shape[1]), top_k)

@@ -14,6 +14,15 @@ from jaxtyping import Array, Float, Int
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 
 
+def visible_key_ids(
+    kv_start: Int[Array, " T"], kv_end: Int[Array, " T"], num_keys: int
+) -> Int[Array, "T S"]:
+    """Key ids ``0..S-1`` per query, ``-1`` outside ``[kv_start, kv_end)``."""
+    ids = jnp.arange(num_keys, dtype=jnp.int32)[None, :]
+    visible = (ids >= kv_start[:, None]) & (ids < kv_end[:, None])
+    return jnp.where(visible, ids, -1)
+
+
 def select_topk_reference(
     scores: Float[Array, "T N"], ids: Int[Array, "T N"], top_k: int
 ) -> tuple[Int[Array, "T K"], Float[Array, "T K"]]:
