@@ -68,6 +68,24 @@ def widen_setting(value: int | str) -> int | None:
     return None if value == "never" else value
 
 
+def add_widen_argument(parser):
+    """``--widen-fp8-from``, shared by the indexer benchmark and the tile sweep."""
+    parser.add_argument(
+        "--widen-fp8-from", type=widen_threshold, default=None, metavar="T|never",
+        help="widen FP8 inputs to f16 in memory before the Triton scorer for launches of "
+        "at least T queries; never: always in registers (default: the library's "
+        "WIDEN_FP8_IN_MEMORY_FROM)",
+    )  # fmt: skip
+
+
+def apply_widen_argument(args):
+    """Sets the scorer's ``WIDEN_FP8_IN_MEMORY_FROM`` from ``--widen-fp8-from``, if given."""
+    if args.widen_fp8_from is not None:
+        from jsparse.ops.indexer import triton as scorer
+
+        scorer.WIDEN_FP8_IN_MEMORY_FROM = widen_setting(args.widen_fp8_from)
+
+
 def block(x):
     return jax.block_until_ready(x)
 

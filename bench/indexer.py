@@ -40,12 +40,7 @@ def add_arguments(parser):
         help="also the GPU busy time per call from a profiler trace (kernels only: no "
         "host dispatch or launch gaps), and speedups on it",
     )  # fmt: skip
-    parser.add_argument(
-        "--widen-fp8-from", type=common.widen_threshold, default=None, metavar="T|never",
-        help="widen FP8 inputs to f16 in memory before the Triton scorer for launches of "
-        "at least T queries; never: always in registers (default: the library's "
-        "WIDEN_FP8_IN_MEMORY_FROM)",
-    )  # fmt: skip
+    common.add_widen_argument(parser)
     parser.add_argument(
         "--implementation", choices=["triton", "mosaic", "reference"], default=None,
         help="the implementation name for base/full instead of the backend's (e.g. mosaic "
@@ -125,8 +120,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     presets = common.load_presets("indexer")
     cases = common.expand_cases(presets[args.preset])
     cfg = _scorer_config(args.scorer_config)
-    if args.widen_fp8_from is not None:
-        indexer_triton.WIDEN_FP8_IN_MEMORY_FROM = common.widen_setting(args.widen_fp8_from)
+    common.apply_widen_argument(args)
     if args.implementation is not None:
         if cfg is not None and args.implementation != "triton":
             raise SystemExit("--scorer-config configures the Triton scorer; drop --implementation")

@@ -152,14 +152,10 @@ def main(argv=None):
     p.add_argument("--dtype", nargs="+", default=["fp8", "bf16"])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--configs", default=None, help="bt,bs,warps,stages;... (default: a sweep)")
-    p.add_argument("--widen-fp8-from", type=common.widen_threshold, default=None,
-                   metavar="T|never",
-                   help="widen FP8 inputs in memory for launches of ≥ T queries; never: "
-                   "in registers (default: the library's)")  # fmt: skip
+    common.add_widen_argument(p)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if args.widen_fp8_from is not None:
-        scorer.WIDEN_FP8_IN_MEMORY_FROM = common.widen_setting(args.widen_fp8_from)
+    common.apply_widen_argument(args)
     env = common.environment()
     print(" | ".join(f"{k} {v}" for k, v in env.items()))
     floors = common.measure_floors(args.dtype, on_gpu=backend.has_nvidia_gpu())

@@ -24,6 +24,20 @@ def test_widen_flag_parses_counts_and_never_and_rejects_the_rest(tmp_path):
     assert json.loads(out.read_text())["args"]["widen_fp8_from"] == "never"
 
 
+def test_widen_flag_sets_the_scorer_only_when_given(monkeypatch):
+    from jsparse.ops.indexer import triton as scorer
+
+    parser = argparse.ArgumentParser()
+    common.add_widen_argument(parser)
+    monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", 16)
+    common.apply_widen_argument(parser.parse_args([]))
+    assert scorer.WIDEN_FP8_IN_MEMORY_FROM == 16  # the library's default stays
+    common.apply_widen_argument(parser.parse_args(["--widen-fp8-from", "never"]))
+    assert scorer.WIDEN_FP8_IN_MEMORY_FROM is None
+    common.apply_widen_argument(parser.parse_args(["--widen-fp8-from", "64"]))
+    assert scorer.WIDEN_FP8_IN_MEMORY_FROM == 64
+
+
 def test_op_help_lists_the_ops_own_flags(capsys):
     from bench.run import main
 
