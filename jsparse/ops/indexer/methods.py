@@ -120,7 +120,9 @@ def _finish(sel_codes, sel_ids, *, id_ordered, sort):
     return jnp.where(empty, -1, sel_ids), jnp.where(empty, -jnp.inf, code_to_score(sel_codes))
 
 
-def _select_dense(scores, start, end, top_k, sort):
+def select_dense(scores, start, end, top_k, sort):
+    """Exact Top-K of dense [T, S] score rows over [start, end): ``base``'s selection,
+    and :func:`jsparse.topk`'s Triton implementation."""
     cap = candidate_capacity(top_k, scores.shape[1])
     ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
     sel_codes, sel_ids, _ = select.select_rows(scores, ids, count, top_k)
@@ -145,7 +147,7 @@ def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True)
 
 def topk_from_scores(scores, start, end, top_k, *, sort=True):
     """``base``'s second half: exact selection over dense [T, S] scores, and its report."""
-    indices, values = _select_dense(scores, start, end, top_k, sort)
+    indices, values = select_dense(scores, start, end, top_k, sort)
     t = scores.shape[0]
     empty = jnp.full((t,), EMPTY_CODE, jnp.int32)
     return _result(indices, values, start, end, end - start, empty, jnp.zeros((t,), bool))
