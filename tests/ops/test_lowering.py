@@ -75,6 +75,7 @@ def test_selection_kernels_lower_to_cuda():
     topk = jax.ShapeDtypeStruct((8, K), i32)
     for id_ordered in (True, False):
         lower_for_h200(lambda c, i, o=id_ordered: select.rank_order(c, i, id_ordered=o), topk, topk)
+    lower_for_h200(select.bitonic_order, topk, topk)
 
 
 @pytest.mark.parametrize(

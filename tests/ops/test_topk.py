@@ -1,5 +1,6 @@
 """Exact selection kernels against the jnp reference, on adversarial candidate sets."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -235,18 +236,27 @@ def test_long_candidate_rows(s, top_k, cap, kernel_impl):
     assert slow[0] == select.FAST  # the sample's θ fit: no slow path
 
 
-def _assert_rank_order_is_sort(codes, ids, id_ordered):
-    got = select.rank_order(codes, ids, id_ordered=id_ordered)
+def _assert_rank_order_is_sort(codes, ids, id_ordered, order="rank"):
+    if order == "rank":
+        got = select.rank_order(codes, ids, id_ordered=id_ordered)
+    else:  # the network ignores id_ordered: it always breaks ties by id
+        got = select.bitonic_order(codes, ids)
     want = select.sort_order(codes, ids, id_ordered=id_ordered)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("k", [1, 37, 300])
+@pytest.mark.parametrize(
+    ("order", "k"),
+    [("rank", 1), ("rank", 37), ("rank", 300), ("bitonic", 1), ("bitonic", 5), ("bitonic", 13)],
+)
 @pytest.mark.parametrize("id_ordered", [False, True])
-def test_rank_order_matches_sort(k, id_ordered, kernel_impl):
-    """The one-kernel order (few rows) against XLA's sort: heavy ties, NaN / ±inf codes,
-    and empty slots (at the tail of an id-ordered row, anywhere otherwise)."""
+def test_rank_order_matches_sort(order, k, id_ordered, kernel_impl):
+    """The order kernels (rank: few rows; bitonic network: many) against XLA's sort:
+    heavy ties, NaN / ±inf codes, and empty slots (at the tail of an id-ordered row,
+    anywhere otherwise). The network kernel runs interpreted only at K ≤ 16 (XLA's CPU
+    compile of it grows exponentially with the width); its layers are checked wide
+    below, eagerly, and the GPU test compiles it at 2048."""
     rng = np.random.default_rng(k)
     t = 3
     lo, hi = (int(c) for c in codes_lib.score_code(jnp.array([-jnp.inf, jnp.nan])))
@@ -262,7 +272,24 @@ def test_rank_order_matches_sort(k, id_ordered, kernel_impl):
         for r, n in enumerate(n_valid):
             codes[r, rng.permutation(k)[n:]] = codes_lib.EMPTY_CODE
     ids = np.where(codes == codes_lib.EMPTY_CODE, -1, ids).astype(np.int32)
-    _assert_rank_order_is_sort(jnp.asarray(codes), jnp.asarray(ids), id_ordered)
+    _assert_rank_order_is_sort(jnp.asarray(codes), jnp.asarray(ids), id_ordered, order)
+
+
+@pytest.mark.parametrize("n", [2, 64, 512])
+def test_bitonic_network_sorts_pairs(n):
+    """The network's layers, run op by op: ascending (key, id) on rows with heavy ties,
+    the int32 extremes (the partner trick's sums wrap) and repeated empty pairs."""
+    rng = np.random.default_rng(n)
+    info = np.iinfo(np.int32)
+    keys = rng.integers(-3, 3, size=n).astype(np.int32)
+    keys[: min(n, 4)] = [info.max, info.min, info.max, 0][: min(n, 4)]
+    ids = rng.permutation(4 * n)[:n].astype(np.int32)
+    ids[rng.random(n) < 0.2] = -1  # empties: (INT_MAX, -1) after the kernel's mapping
+    keys[ids == -1] = info.max
+    got_k, got_i = select.bitonic_sort(jnp.asarray(keys), jnp.asarray(ids))
+    order = np.lexsort((ids, keys))
+    np.testing.assert_array_equal(got_k, keys[order])
+    np.testing.assert_array_equal(got_i, ids[order])
 
 
 @pytest.mark.gpu
@@ -277,3 +304,22 @@ def test_gpu_rank_order_compiled(t):
     codes = codes.at[:, -100:].set(codes_lib.EMPTY_CODE)
     for id_ordered in (True, False):
         _assert_rank_order_is_sort(codes, ids, id_ordered)
+
+
+@pytest.mark.gpu
+def test_gpu_bitonic_order_compiled():
+    # many rows of the full-size set: order_topk takes the network, which must equal the
+    # sort id for id; rounded scores tie, ids unordered, empty slots scattered
+    rng = np.random.default_rng(5)
+    t, k = 4096, 2048
+    assert t * k * k > select.RANK_ORDER_PAIRS and k <= select.BITONIC_MAX_K
+    x = np.round(rng.standard_normal((t, k)) * 8).astype(np.float32)
+    x[:, ::97] = np.nan
+    codes = np.asarray(codes_lib.score_code(jnp.asarray(x)))
+    codes[rng.random((t, k)) < 0.03] = codes_lib.EMPTY_CODE
+    ids = np.stack([rng.permutation(1 << 17)[:k] for _ in range(16)]).repeat(t // 16, 0)
+    codes, ids = jnp.asarray(codes), jnp.asarray(ids, jnp.int32)
+    got = jax.jit(select.order_topk)(codes, ids)
+    want = select.sort_order(codes, ids)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])

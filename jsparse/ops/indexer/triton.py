@@ -153,7 +153,10 @@ class _Plan:
     records: bool  # write records ≥ τ instead of a dense matrix
     cap: int  # record capacity per query
     splits: int
-    fill: bool  # dense output: write -inf where a query sees nothing
+    # The second launch of a dense output with -inf where a query sees nothing: it only
+    # writes -inf over the key tiles no query of a block sees. In the scoring launch
+    # itself that loop made the main loop 1.7× slower at block_t 2 (WORKSPACE.md, run 52).
+    fill_only: bool
     interpret: bool
     page_size: int = 0  # > 0: key id i lives at row pages[i // P]·P + i % P of k
 
@@ -257,7 +260,7 @@ def _kernel(
             plt.store(count_ref.at[jnp.where(row_ok, rows, p.t)], written, mask=row_ok)
         return
 
-    (out_ref,) = refs
+    out_ref = refs[-1]  # (the fill launch also sees the aliased scores before it)
 
     def dense_body(j, carry):
         ids = tile_ids(j)
@@ -268,8 +271,9 @@ def _kernel(
         plt.store(out_ref.at[rows[:, None], col], scores, mask=in_bounds)
         return carry
 
-    jax.lax.fori_loop(begin, stop, dense_body, 0)
-    if p.fill:
+    if not p.fill_only:
+        jax.lax.fori_loop(begin, stop, dense_body, 0)
+    else:
         # Tiles outside [first, last) are invisible to every query of the block.
         n_all = (p.s + bs - 1) // bs
         outside = n_all - (last - first)
@@ -366,7 +370,7 @@ def _launch(
     records = records_cap is not None
     p = _Plan(
         t=t, s=s, heads=hp, dim=dp, cfg=cfg, compute=cdt, key_list=key_ids is not None,
-        list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill=fill,
+        list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill_only=False,
         interpret=backend.is_interpret(), page_size=page_size if page_table is not None else 0,
     )  # fmt: skip
     if records:
@@ -383,16 +387,24 @@ def _launch(
     else:
         out_shape = (jax.ShapeDtypeStruct((t, s), jnp.float32),)
         initial = ()
-    n_in = 10
-    outs = pl.pallas_call(
-        functools.partial(_kernel, p=p),
-        grid=(n_tb, splits),
-        out_shape=out_shape,
-        input_output_aliases={n_in + j: j for j in range(len(initial))},
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=p.interpret,
-        name="jsparse_indexer_records" if records else "jsparse_indexer_scores",
-    )(q, weights, k, scale, start, end, tau, ids, n_ids, pages, *initial)
+    inputs = (q, weights, k, scale, start, end, tau, ids, n_ids, pages)
+
+    def call(plan, initial, name):
+        return pl.pallas_call(
+            functools.partial(_kernel, p=plan),
+            grid=(n_tb, splits),
+            out_shape=out_shape,
+            input_output_aliases={len(inputs) + j: j for j in range(len(initial))},
+            compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            interpret=plan.interpret,
+            name=name,
+        )(*inputs, *initial)
+
+    if records:
+        return call(p, initial, "jsparse_indexer_records")
+    outs = call(p, (), "jsparse_indexer_scores")
+    if fill:
+        outs = call(dataclasses.replace(p, fill_only=True), outs, "jsparse_indexer_fill")
     return outs
 
 
