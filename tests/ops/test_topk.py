@@ -312,10 +312,14 @@ def test_gpu_bitonic_order_compiled():
     # sort id for id; rounded scores tie, ids unordered, empty slots scattered
     rng = np.random.default_rng(5)
     t, k = 4096, 2048
-    assert t * k * k > select.RANK_ORDER_PAIRS and k <= select.BITONIC_MAX_K
+    assert (
+        t * k * k > select.RANK_ORDER_PAIRS
+        and t >= select.BITONIC_MIN_ROWS
+        and k <= select.BITONIC_MAX_K
+    )
     x = np.round(rng.standard_normal((t, k)) * 8).astype(np.float32)
     x[:, ::97] = np.nan
-    codes = np.asarray(codes_lib.score_code(jnp.asarray(x)))
+    codes = np.array(codes_lib.score_code(jnp.asarray(x)))  # a writable copy
     codes[rng.random((t, k)) < 0.03] = codes_lib.EMPTY_CODE
     ids = np.stack([rng.permutation(1 << 17)[:k] for _ in range(16)]).repeat(t // 16, 0)
     codes, ids = jnp.asarray(codes), jnp.asarray(ids, jnp.int32)

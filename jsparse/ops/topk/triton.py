@@ -856,9 +856,11 @@ def rank_order(codes, ids, *, id_ordered=False, tile=16384):
     return ids[:, :k], scores[:, :k]
 
 
-# Rows of up to this many entries are ordered by a sorting network in registers
-# (:func:`bitonic_order`) when there are too many for the rank kernel. Measured at
-# 2048 only (run 51: 8192 × 2048 in 0.61 ms against 1.38 for XLA's sort).
+# From this many rows of at most BITONIC_MAX_K entries, a sorting network in
+# registers (:func:`bitonic_order`, one program per row) orders them instead of XLA's
+# sort. GPU busy at K = 2048 (WORKSPACE.md, run 53), network vs sort: 64 rows 26.1 vs
+# 24.4 µs, 256 rows 31.4 vs 45.2, 8192 rows 733 vs 1353. Measured at 2048 only.
+BITONIC_MIN_ROWS = 256
 BITONIC_MAX_K = 2048
 
 
@@ -939,7 +941,7 @@ def order_topk(codes, ids, *, id_ordered=False):
 
     ``id_ordered``: the entries of each row are already in ascending id order, so one
     stable sort key (the code) suffices. Few rows: :func:`rank_order`; many rows of at
-    most ``BITONIC_MAX_K``: :func:`bitonic_order`.
+    most ``BITONIC_MAX_K``: :func:`bitonic_order`; between, or longer rows: XLA's sort.
     """
     t, k = codes.shape
     # Interpret mode runs a grid program by program (the rank kernel became the slowest
@@ -951,7 +953,7 @@ def order_topk(codes, ids, *, id_ordered=False):
         return sort_order(codes, ids, id_ordered=id_ordered)
     if t * k * k <= RANK_ORDER_PAIRS:
         return rank_order(codes, ids, id_ordered=id_ordered)
-    if k <= BITONIC_MAX_K:
+    if t >= BITONIC_MIN_ROWS and k <= BITONIC_MAX_K:
         return bitonic_order(codes, ids)
     return sort_order(codes, ids, id_ordered=id_ordered)
 
