@@ -221,19 +221,19 @@ def _screen_launch(tiles, plan, start, end, k, knorm, scale, lists, counts, surv
 PROBE_QUERIES = 64  # queries planned first to decide whether screening can pay (policy auto)
 
 # The probe's cost model, in units of ``base``'s time per visible (query, key) pair.
-# Measured on the H200 at H = 64, D = 128, K = 2048 (WORKSPACE.md, DoSA stage times and
-# the 2026-11-30 causal run): seeds + τ 5.5 ms, plan + record selection + glue ~11 ms,
-# screening 21 ms at W = 8, refinement 4 ms at 2.4% survival, for 8192 × 127K pairs
-# that ``base`` scores and selects in 68 ms.
-_SEED_UNITS = 1.5  # per seed key of a query: scored, then τ selected from them
-_QUERY_UNITS_PER_K = 10.0  # per query, times K: plan, selection of the records, glue
-_SCREEN_UNITS_PER_ROW = 0.04  # per visible pair and screening row (W = 8: 0.32)
-# Per visible pair, times the estimated survival: refinement measured ~2.5 per survivor
+# Fitted to the H200 stage times at H = 64, D = 128, K = 2048, FP8 keys (WORKSPACE.md,
+# run 52, 8192 × ~127K pairs that ``base`` scores and selects in 41 ms): seeds + τ
+# 6.4 ms (6656 seeds a query), plan 5.8 + record selection 2.6, screening 20.1 at W = 8,
+# refinement 4.7 at 2.44% survival, ``full`` 92 ms.
+_SEED_UNITS = 3.0  # per seed key of a query: scored, then τ selected from them
+_QUERY_UNITS_PER_K = 12.7  # per query, times K: plan, selection of the records, glue
+_SCREEN_UNITS_PER_ROW = 0.06  # per visible pair and screening row (W = 8: 0.49)
+# Per visible pair, times the estimated survival: refinement measured 4.7 per survivor
 # (gathered keys, the block's union), plus a margin: the estimate counts the seeds'
 # recent window as kept and samples the rest (planner.plan_from_threshold), which
 # brackets the measured 2.44% at 8192 × 128K between 0.7% (sample) and 3.4%.
-_REFINE_UNITS = 3.0
-_FULL_UNITS = 1.2  # per visible pair of a query left to ``full`` (records ≥ τ)
+_REFINE_UNITS = 5.5
+_FULL_UNITS = 2.25  # per visible pair of a query left to ``full`` (records ≥ τ)
 PROBE_GAIN = 0.9  # screen only when the estimate is at most this share of ``base``
 
 
