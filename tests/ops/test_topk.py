@@ -236,7 +236,7 @@ def test_long_candidate_rows(s, top_k, cap, kernel_impl):
     assert slow[0] == select.FAST  # the sample's θ fit: no slow path
 
 
-def _assert_rank_order_is_sort(codes, ids, id_ordered, order="rank"):
+def _assert_order_is_sort(codes, ids, id_ordered, order="rank"):
     if order == "rank":
         got = select.rank_order(codes, ids, id_ordered=id_ordered)
     else:  # the network ignores id_ordered: it always breaks ties by id
@@ -251,7 +251,7 @@ def _assert_rank_order_is_sort(codes, ids, id_ordered, order="rank"):
     [("rank", 1), ("rank", 37), ("rank", 300), ("bitonic", 1), ("bitonic", 5), ("bitonic", 13)],
 )
 @pytest.mark.parametrize("id_ordered", [False, True])
-def test_rank_order_matches_sort(order, k, id_ordered, kernel_impl):
+def test_order_kernels_match_sort(order, k, id_ordered, kernel_impl):
     """The order kernels (rank: few rows; bitonic network: many) against XLA's sort:
     heavy ties, NaN / ±inf codes, and empty slots (at the tail of an id-ordered row,
     anywhere otherwise). The network kernel runs interpreted only at K ≤ 16 (XLA's CPU
@@ -272,7 +272,7 @@ def test_rank_order_matches_sort(order, k, id_ordered, kernel_impl):
         for r, n in enumerate(n_valid):
             codes[r, rng.permutation(k)[n:]] = codes_lib.EMPTY_CODE
     ids = np.where(codes == codes_lib.EMPTY_CODE, -1, ids).astype(np.int32)
-    _assert_rank_order_is_sort(jnp.asarray(codes), jnp.asarray(ids), id_ordered, order)
+    _assert_order_is_sort(jnp.asarray(codes), jnp.asarray(ids), id_ordered, order)
 
 
 @pytest.mark.parametrize("n", [2, 64, 512])
@@ -303,7 +303,7 @@ def test_gpu_rank_order_compiled(t):
     ids = jnp.asarray(np.sort(rng.permutation(1 << 17)[:2048])[None].repeat(t, 0), jnp.int32)
     codes = codes.at[:, -100:].set(codes_lib.EMPTY_CODE)
     for id_ordered in (True, False):
-        _assert_rank_order_is_sort(codes, ids, id_ordered)
+        _assert_order_is_sort(codes, ids, id_ordered)
 
 
 @pytest.mark.gpu
