@@ -402,6 +402,19 @@ def test_jit_compatible():
     )
 
 
+def test_query_chunks_keep_launches_within_two_to_the_30_once_split():
+    # The 64K causal prefill (65,536 × 65,792 slots) must split; its launches stay at
+    # ≤ 2^30 elements (run 55: 139 → 128 registers, 139.5 → 91.2 ms). Calls under the
+    # int32 limit stay whole, even just over 2^30 (the 8192 × 128K chunk).
+    from jsparse import _chunking
+
+    chunk = _chunking.queries_per_call(65536, 65536)
+    assert chunk % _chunking.ALIGN == 0
+    assert chunk * _chunking.key_row(65536) <= 2**30 < (chunk + 256) * _chunking.key_row(65536)
+    assert _chunking.queries_per_call(8192, 131072) == 8192
+    assert _chunking.queries_per_call(32768, 32768) == 32768
+
+
 def test_large_calls_run_in_query_chunks(monkeypatch):
     # Kernels address [T, row] buffers with int32 offsets: a call with T·row ≥ 2^31
     # (64K × 64K causal prefill) runs over query chunks. Shrink the limit to see it here.
