@@ -1,13 +1,21 @@
 """Exact selection kernels against the jnp reference, on adversarial candidate sets."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jsparse
+from jsparse.ops.indexer.methods import candidate_capacity
 from jsparse.ops.topk import codes as codes_lib
 from jsparse.ops.topk import triton as select
-from jsparse.ops.topk.reference import select_codes_reference, select_topk_reference
+from jsparse.ops.topk.reference import (
+    select_codes_reference,
+    select_topk_reference,
+    visible_key_ids,
+)
 
 
 def test_codes_order_and_round_trip():
@@ -219,6 +227,86 @@ def test_gpu_slow_path_flags_compiled(check):
     # The path flags come from scalar selects, which Pallas Triton once lowered wrongly
     # for Python-int branches (2 stored as 0); interpret mode cannot see that.
     check(1)
+
+
+def _adversarial_rows(kind, t, s, start_end, rng):
+    scores = rng.standard_normal((t, s)).astype(np.float32)
+    if kind == "all-equal":
+        scores[:] = 1.5
+    elif kind == "few-values":
+        scores = np.round(scores * 2) / 2
+    elif kind == "specials":
+        scores = np.minimum(scores, 0.0)
+        scores[:, 1::4] = -0.0
+        scores[:, ::3] = -np.inf
+        for r, (a, b) in enumerate(start_end):
+            pick = rng.choice(np.arange(a, b), min(20, b - a), replace=False)
+            scores[r, pick[:10]] = np.nan
+            scores[r, pick[10:]] = np.inf
+    return scores
+
+
+@pytest.mark.parametrize("bi, bj", [(8, 1024), (16, 128)])
+@pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values", "specials"])
+def test_rank_select_after_compaction(kind, bi, bj, kernel_impl):
+    """Decode's selection: the compaction's candidates, each ranked against its row and
+    written at its rank, equal the reference id for id and in order, on ties, -0 / NaN /
+    ±inf, a row with fewer visible keys than K, and an empty row. bj = 128 makes the
+    rank loop take several blocks, with the slot cut (ties) inside and across them."""
+    rng = np.random.default_rng(3)
+    s, top_k, cap = 9000, 40, 512
+    start_end = [(0, s), (100, 7000), (s - 10, s), (500, 500)]
+    scores = _adversarial_rows(kind, len(start_end), s, start_end, rng)
+    start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
+    scores = jnp.asarray(scores)
+    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, chunks=3)
+    codes = select.gathered_codes(scores, ids, count)
+    got = select.rank_select(codes, ids, count, top_k, bi=bi, bj=bj)
+    vis = visible_key_ids(start, end, s)
+    want = select_topk_reference(scores, vis, top_k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_rank_select_on_tied_records_of_every_count(kernel_impl):
+    # counts 0, below K, K exactly, above K and the full buffer; codes tie heavily and
+    # include the extremes (NaN's code, -inf's); ids ascend along each row
+    rng = np.random.default_rng(9)
+    t, cap, top_k = 5, 96, 30
+    lo, hi = (int(c) for c in codes_lib.score_code(jnp.array([-jnp.inf, jnp.nan])))
+    codes = rng.integers(-3, 3, size=(t, cap)).astype(np.int32)
+    codes[:, ::11] = hi
+    codes[:, 5::13] = lo
+    ids = np.stack([np.sort(rng.permutation(50 * cap)[:cap]) for _ in range(t)]).astype(np.int32)
+    counts = np.array([0, 7, top_k, 61, cap], np.int32)
+    got = select.rank_select(
+        jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), top_k, bj=32
+    )
+    live = np.arange(cap)[None, :] < counts[:, None]
+    want = select_codes_reference(
+        jnp.asarray(np.where(live, codes, codes_lib.EMPTY_CODE)),
+        jnp.asarray(np.where(live, ids, -1)),
+        top_k,
+    )
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, s", [(1, 65536), (8, 131072)])
+def test_gpu_decode_rows_select_by_rank(t, s):
+    # decode-sized rows take rank_select when compiled; rounded scores tie at the
+    # boundary, one row sees fewer keys than K
+    rng = np.random.default_rng(t)
+    cap = candidate_capacity(2048, s)
+    assert select.rank_selects(t, cap)
+    x = jnp.asarray(np.round(rng.standard_normal((t, s)) * 16).astype(np.float32))
+    start = jnp.zeros((t,), jnp.int32)
+    end = jnp.full((t,), s, jnp.int32).at[-1].set(1500 if t > 1 else s)
+    got = jax.jit(functools.partial(jsparse.topk, top_k=2048))(x, kv_start=start, kv_end=end)
+    want = select_topk_reference(x, visible_key_ids(start, end, s), 2048)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 @pytest.mark.parametrize(

@@ -141,7 +141,8 @@ def indexer_topk(
         (-1 = unused slot; each must be visible to its query and distinct).
       sorted: order each row by score descending, then id ascending (default). With
         False the row holds the same exact Top-K set in an order the implementation
-        chooses (the Triton kernels: ascending id when the key range was not split),
+        chooses (the Triton kernels: ascending id when the key range was not split and
+        the call has many queries; a few queries come out ordered anyway),
         which saves one sort of K entries per query.
       implementation: see :mod:`jsparse.backend`; ignored by ``xla``.
 

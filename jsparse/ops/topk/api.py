@@ -36,7 +36,8 @@ def topk(
         kv_end[t] (default: all S).
       sorted: order each row by score descending, then id ascending (default); False
         returns the same exact set in the implementation's order (the Triton kernels:
-        ascending id), saving a sort of K entries per row.
+        ascending id, except few rows, which come out ordered anyway), saving a sort of
+        K entries per row.
       implementation: see :mod:`jsparse.backend` (``"triton"`` or ``"reference"``).
 
     Returns:

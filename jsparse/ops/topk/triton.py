@@ -856,6 +856,95 @@ def rank_order(codes, ids, *, id_ordered=False, tile=16384):
     return ids[:, :k], scores[:, :k]
 
 
+# Rows × candidates² up to this: few rows (decode) select by ranks (:func:`rank_select`)
+# instead of searching the K-th code and then ordering the K entries.
+RANK_SELECT_PAIRS = 1 << 28
+
+
+def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_ref,
+                        *, top_k, cap, bi, bj):  # fmt: skip
+    """Program (row, part): each of the part's ``bi`` candidate slots is ranked against
+    the row's live candidates; an entry whose rank is below K is written at its rank,
+    so the row comes out selected and ordered at once. Slots between the live count and
+    K are the padding (-1 / -inf). The candidates are in id order (slot order), so an
+    entry ranks behind an equal code exactly when that code sits in an earlier slot."""
+    row, part = pl.program_id(0), pl.program_id(1)
+    n = jnp.minimum(plt.load(count_ref.at[row]), cap)
+    first = part * bi
+
+    @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
+    def _():
+        slot_i = first + jnp.arange(bi, dtype=jnp.int32)
+        live_i = slot_i < n
+        at_i = row * cap + jnp.where(live_i, slot_i, 0)
+        c_i = plt.load(codes_ref.at[at_i], mask=live_i, other=EMPTY_CODE)
+        id_i = plt.load(ids_ref.at[at_i], mask=live_i, other=-1)
+
+        def body(j, rank):
+            slot_j = j * bj + jnp.arange(bj, dtype=jnp.int32)
+            live_j = slot_j < n
+            at_j = row * cap + jnp.where(live_j, slot_j, 0)
+            # a dead slot loads EMPTY, which is ahead of nothing (live codes are above it)
+            c_j = plt.load(codes_ref.at[at_j], mask=live_j, other=EMPTY_CODE)
+            # j precedes i iff c_j > c_i, or c_j == c_i in an earlier slot: one compare
+            # against c_i lowered by one for earlier slots (c_i > EMPTY: no wrap)
+            earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
+            ahead = c_j[None, :] > c_i[:, None] - earlier
+            return rank + jnp.sum(ahead.astype(jnp.int32), axis=1)
+
+        rank = jax.lax.fori_loop(0, (n + bj - 1) // bj, body, jnp.zeros((bi,), jnp.int32))
+        # live ranks are a permutation of [0, n) and padding slots lie in [n, K): every
+        # written slot is written once
+        write = jnp.where(live_i, rank < top_k, slot_i < top_k)
+        trash = count_ref.shape[0] * top_k  # one past the last slot: never a live index
+        dst = jnp.where(write, row * top_k + jnp.where(live_i, rank, slot_i), trash)
+        plt.store(out_ids_ref.at[dst], jnp.where(live_i, id_i, -1), mask=write)
+        score = jnp.where(live_i, code_to_score(c_i), -jnp.inf)
+        plt.store(out_scores_ref.at[dst], score, mask=write)
+
+
+def rank_select(codes, ids, counts, top_k, *, bi=8, bj=1024):
+    """Exact Top-K of few candidate rows, ordered (score descending, then id ascending),
+    in one kernel: every candidate's rank against its row decides whether and where it
+    is written. Replaces the K-th code search (a chain of ~10 block-wide counts in one
+    program per row) and the ordering of the K entries for decode-sized calls.
+
+    codes, ids: [T, cap] in ascending id order (as the compaction writes them), counts
+    [T] (clipped to cap). Returns (ids [T, K], scores [T, K]) with -1 / -inf padding.
+    Costs T·cap² compares: few rows only (``RANK_SELECT_PAIRS``).
+    """
+    t, cap = ids.shape
+    kernel = functools.partial(_rank_select_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj)
+    parts = -(-max(cap, top_k) // bi)
+    out_ids, out_scores = pl.pallas_call(
+        kernel,
+        grid=(t, parts),
+        out_shape=(
+            jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
+            jax.ShapeDtypeStruct((t * top_k,), jnp.float32),
+        ),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=backend.is_interpret(),
+        name="jsparse_topk_rank_select",
+    )(codes.reshape(-1), ids.reshape(-1), counts)
+    return out_ids.reshape(t, top_k), out_scores.reshape(t, top_k)
+
+
+def rank_selects(rows: int, cap: int) -> bool:
+    """Whether :func:`rank_select` takes rows of ``cap`` candidates (compiled only:
+    interpreted, a grid runs program by program, and the search path gives the same
+    answer; :func:`rank_select`'s own tests run it interpreted)."""
+    return not backend.is_interpret() and rows * cap * cap <= RANK_SELECT_PAIRS
+
+
+def gathered_codes(scores, ids, counts):
+    """Codes [T, cap] of the candidate ids' scores in their dense rows [T, S] (slots
+    past a row's count hold whatever; their ids are clipped into the row)."""
+    live = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :] < counts[:, None]
+    at = jnp.where(live, jnp.clip(ids, 0, scores.shape[1] - 1), 0)
+    return score_code(jnp.take_along_axis(scores, at, axis=1))
+
+
 # From this many rows of at most BITONIC_MAX_K entries, a sorting network in
 # registers (:func:`bitonic_order`, one program per row) orders them instead of XLA's
 # sort. GPU busy at K = 2048 (WORKSPACE.md, run 53), network vs sort: 64 rows 26.1 vs
