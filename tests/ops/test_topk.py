@@ -246,13 +246,13 @@ def _adversarial_rows(kind, t, s, start_end, rng):
     return scores
 
 
-@pytest.mark.parametrize("bi, bj", [(8, 1024), (16, 128)])
+@pytest.mark.parametrize("bi, bj", [(8, 1024), (8, 16)])
 @pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values", "specials"])
 def test_rank_select_after_compaction(kind, bi, bj, kernel_impl):
     """Decode's selection: the compaction's candidates, each ranked against its row and
     written at its rank, equal the reference id for id and in order, on ties, -0 / NaN /
-    ±inf, a row with fewer visible keys than K, and an empty row. bj = 128 makes the
-    rank loop take several blocks, with the slot cut (ties) inside and across them."""
+    ±inf, a row with fewer visible keys than K, and an empty row. bj = 16 makes the
+    rank loops take several blocks: before, holding and after the ranked slots."""
     rng = np.random.default_rng(3)
     s, top_k, cap = 9000, 40, 512
     start_end = [(0, s), (100, 7000), (s - 10, s), (500, 500)]

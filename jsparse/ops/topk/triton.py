@@ -880,19 +880,29 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
         c_i = plt.load(codes_ref.at[at_i], mask=live_i, other=EMPTY_CODE)
         id_i = plt.load(ids_ref.at[at_i], mask=live_i, other=-1)
 
-        def body(j, rank):
+        def block(j):  # a dead slot loads EMPTY, ahead of nothing (live codes are above)
             slot_j = j * bj + jnp.arange(bj, dtype=jnp.int32)
             live_j = slot_j < n
             at_j = row * cap + jnp.where(live_j, slot_j, 0)
-            # a dead slot loads EMPTY, which is ahead of nothing (live codes are above it)
-            c_j = plt.load(codes_ref.at[at_j], mask=live_j, other=EMPTY_CODE)
-            # j precedes i iff c_j > c_i, or c_j == c_i in an earlier slot: one compare
-            # against c_i lowered by one for earlier slots (c_i > EMPTY: no wrap)
-            earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
-            ahead = c_j[None, :] > c_i[:, None] - earlier
-            return rank + jnp.sum(ahead.astype(jnp.int32), axis=1)
+            return slot_j, plt.load(codes_ref.at[at_j], mask=live_j, other=EMPTY_CODE)
 
-        rank = jax.lax.fori_loop(0, (n + bj - 1) // bj, body, jnp.zeros((bi,), jnp.int32))
+        def count_above(bar):  # adds, per i, the j of a block with c_j > bar_i
+            def body(j, rank):
+                _, c_j = block(j)
+                return rank + jnp.sum((c_j[None, :] > bar[:, None]).astype(jnp.int32), axis=1)
+
+            return body
+
+        # j precedes i iff c_j > c_i, or c_j == c_i in an earlier slot: c_j > c_i - 1 for
+        # the blocks wholly before i's slots, c_j > c_i after them (one compare a pair;
+        # c_i > EMPTY: no wrap), and both tests only in the block that holds them
+        n_blocks = (n + bj - 1) // bj
+        own = first // bj  # bi divides bj: i's slots lie in one block
+        rank = jax.lax.fori_loop(0, own, count_above(c_i - 1), jnp.zeros((bi,), jnp.int32))
+        slot_j, c_j = block(own)
+        earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
+        rank += jnp.sum((c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32), axis=1)
+        rank = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), rank)
         # live ranks are a permutation of [0, n) and padding slots lie in [n, K): every
         # written slot is written once
         write = jnp.where(live_i, rank < top_k, slot_i < top_k)
@@ -914,6 +924,8 @@ def rank_select(codes, ids, counts, top_k, *, bi=8, bj=1024):
     Costs T·cap² compares: few rows only (``RANK_SELECT_PAIRS``).
     """
     t, cap = ids.shape
+    if bj % bi:
+        raise ValueError(f"rank_select: bj={bj} must be a multiple of bi={bi}")
     kernel = functools.partial(_rank_select_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj)
     parts = -(-max(cap, top_k) // bi)
     out_ids, out_scores = pl.pallas_call(
