@@ -886,23 +886,25 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
             at_j = row * cap + jnp.where(live_j, slot_j, 0)
             return slot_j, plt.load(codes_ref.at[at_j], mask=live_j, other=EMPTY_CODE)
 
-        def count_above(bar):  # adds, per i, the j of a block with c_j > bar_i
-            def body(j, rank):
+        def count_above(bar):  # adds, per (i, lane), the block's c_j > bar_i
+            def body(j, ahead):
                 _, c_j = block(j)
-                return rank + jnp.sum((c_j[None, :] > bar[:, None]).astype(jnp.int32), axis=1)
+                return ahead + (c_j[None, :] > bar[:, None]).astype(jnp.int32)
 
             return body
 
         # j precedes i iff c_j > c_i, or c_j == c_i in an earlier slot: c_j > c_i - 1 for
         # the blocks wholly before i's slots, c_j > c_i after them (one compare a pair;
-        # c_i > EMPTY: no wrap), and both tests only in the block that holds them
+        # c_i > EMPTY: no wrap), and both tests only in the block that holds them. The
+        # counts stay per lane until the end: one cross-thread sum, not one a block.
         n_blocks = (n + bj - 1) // bj
         own = first // bj  # bi divides bj: i's slots lie in one block
-        rank = jax.lax.fori_loop(0, own, count_above(c_i - 1), jnp.zeros((bi,), jnp.int32))
         slot_j, c_j = block(own)
         earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
-        rank += jnp.sum((c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32), axis=1)
-        rank = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), rank)
+        ahead = (c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32)
+        ahead = jax.lax.fori_loop(0, own, count_above(c_i - 1), ahead)
+        ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
+        rank = jnp.sum(ahead, axis=1)
         # live ranks are a permutation of [0, n) and padding slots lie in [n, K): every
         # written slot is written once
         write = jnp.where(live_i, rank < top_k, slot_i < top_k)
