@@ -30,6 +30,9 @@ Two kernels:
   registers (a 4096-lane tile), so an SM holds two rows at a time (ncu, run 35): its
   latency, not its arithmetic, is the select's cost.
 
+Few rows (decode) take :func:`rank_select` instead of the select and the order: every
+candidate is ranked against its row in one launch and written at its rank.
+
 The final order (score descending, id ascending, :func:`order_topk`): for a few rows
 (T·K² ≤ 2^26) one kernel ranks each entry against its whole row (2.3 µs at T = 1
 against XLA's 23 µs sort, run 35); for more, an XLA sort of K entries per row, with one
