@@ -318,11 +318,13 @@ def _splits_for(t, h, s, key_ids, cfg, fp8_keys):
     return _default_splits(n_tb, -(-n // cfg.block_s))
 
 
+# Programs a launch aims at: enough to fill the GPU a few times over (132 SMs).
+PROGRAMS_TARGET = 4 * 132
+
+
 def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
-    # Enough programs to fill the GPU a few times over; decode (few queries) splits the
-    # key range instead.
-    target = 4 * 132
-    return int(max(1, min(n_key_tiles, -(-target // n_query_blocks))))
+    # decode (few queries) splits the key range instead of the queries
+    return int(max(1, min(n_key_tiles, -(-PROGRAMS_TARGET // n_query_blocks))))
 
 
 def _num_keys(k, page_table, page_size):

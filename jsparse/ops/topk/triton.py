@@ -918,7 +918,7 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
         plt.store(out_scores_ref.at[dst], score, mask=write)
 
 
-def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512):
+def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512, num_warps=4, num_stages=1):
     """Exact Top-K of few candidate rows, ordered (score descending, then id ascending),
     in one kernel: every candidate's rank against its row decides whether and where it
     is written. Replaces the K-th code search (a chain of ~10 block-wide counts in one
@@ -943,7 +943,7 @@ def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512):
             jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
             jax.ShapeDtypeStruct((t * top_k,), jnp.float32),
         ),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=backend.is_interpret(),
         name="jsparse_topk_rank_select",
     )(codes.reshape(-1), ids.reshape(-1), counts)
