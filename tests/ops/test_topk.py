@@ -42,6 +42,36 @@ def _records(rng, t, n, kind):
     return codes, ids
 
 
+def _adversarial_rows(kind, t, s, start_end, rng):
+    """[t, s] f32 score rows: Gaussian, all equal, a few values, or IEEE specials."""
+    scores = rng.standard_normal((t, s)).astype(np.float32)
+    if kind == "all-equal":
+        scores[:] = 1.5  # every entry ties: the slow path must take the smallest ids
+    elif kind == "few-values":
+        scores = np.round(scores * 2) / 2
+    elif kind == "specials":  # the compaction's float compare must keep what codes keep
+        scores = np.minimum(scores, 0.0)  # ~half the row ties at 0.0 ...
+        scores[:, 1::4] = -0.0  # ... or at -0.0, which is the same score
+        scores[:, ::3] = -np.inf
+        for r, (a, b) in enumerate(start_end):
+            pick = rng.choice(np.arange(a, b), min(20, b - a), replace=False)
+            scores[r, pick[:10]] = np.nan  # above +inf
+            scores[r, pick[10:]] = np.inf  # the boundary then falls among the zeros
+    return scores
+
+
+def _assert_top_k_of_live(got, codes, ids, counts, top_k):
+    """(ids, scores) equal the reference Top-K of each row's first counts[r] entries."""
+    live = np.arange(codes.shape[1])[None, :] < counts[:, None]
+    want = select_codes_reference(
+        jnp.asarray(np.where(live, codes, codes_lib.EMPTY_CODE)),
+        jnp.asarray(np.where(live, ids, -1)),
+        top_k,
+    )
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("kind", ["heavy-ties", "all-tied", "full-range"])
 @pytest.mark.parametrize("n, counts", [(300, [300, 17, 0, 123]), (5000, [5000, 40, 4999, 2])])
 def test_select_candidates_unordered_records(kind, n, counts, kernel_impl):
@@ -56,15 +86,7 @@ def test_select_candidates_unordered_records(kind, n, counts, kernel_impl):
     live = np.asarray(got_c) != codes_lib.EMPTY_CODE
     np.testing.assert_array_equal(live.sum(axis=1), np.minimum(counts, top_k))
     np.testing.assert_array_equal(np.asarray(got_i)[~live], -1)
-    got = select.order_topk(got_c, got_i)
-    valid = np.arange(n)[None, :] < counts[:, None]
-    want = select_codes_reference(
-        jnp.asarray(np.where(valid, codes, codes_lib.EMPTY_CODE)),
-        jnp.asarray(np.where(valid, ids, -1)),
-        top_k,
-    )
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
+    _assert_top_k_of_live(select.order_topk(got_c, got_i), codes, ids, counts, top_k)
     kth_code = [np.sort(codes[r, : counts[r]])[::-1][top_k - 1] if counts[r] >= top_k else -1
                 for r in range(len(counts))]  # fmt: skip
     want_kth = np.asarray(kth_code)
@@ -81,20 +103,7 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
     rng = np.random.default_rng(1)
     t, top_k = 3, 40
     start_end = [(0, s), (100, 7000), (s - 10, s)]
-    scores = rng.standard_normal((t, s)).astype(np.float32)
-    if kind == "all-equal":
-        scores[:] = 1.5  # every entry ties: the slow path must take the smallest ids
-    elif kind == "few-values":
-        scores = np.round(scores * 2) / 2
-    elif kind == "specials":  # the compaction's float compare must keep what codes keep
-        scores = np.minimum(scores, 0.0)  # ~half the row ties at 0.0 ...
-        scores[:, 1::4] = -0.0  # ... or at -0.0, which is the same score
-        scores[:, ::3] = -np.inf
-        for r in range(t):
-            a, b = start_end[r]
-            pick = rng.choice(np.arange(a, b), min(20, b - a), replace=False)
-            scores[r, pick[:10]] = np.nan  # above +inf
-            scores[r, pick[10:]] = np.inf  # the boundary then falls among the zeros
+    scores = _adversarial_rows(kind, t, s, start_end, rng)
     start, end = (np.array(x, np.int32) for x in zip(*start_end, strict=True))
     cap = 512
     ci, cn, slow = select.compact_rows(
@@ -229,23 +238,6 @@ def test_gpu_slow_path_flags_compiled(check):
     check(1)
 
 
-def _adversarial_rows(kind, t, s, start_end, rng):
-    scores = rng.standard_normal((t, s)).astype(np.float32)
-    if kind == "all-equal":
-        scores[:] = 1.5
-    elif kind == "few-values":
-        scores = np.round(scores * 2) / 2
-    elif kind == "specials":
-        scores = np.minimum(scores, 0.0)
-        scores[:, 1::4] = -0.0
-        scores[:, ::3] = -np.inf
-        for r, (a, b) in enumerate(start_end):
-            pick = rng.choice(np.arange(a, b), min(20, b - a), replace=False)
-            scores[r, pick[:10]] = np.nan
-            scores[r, pick[10:]] = np.inf
-    return scores
-
-
 @pytest.mark.parametrize("bi, bj", [(8, 1024), (8, 16)])
 @pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values", "specials"])
 def test_rank_select_after_compaction(kind, bi, bj, kernel_impl):
@@ -282,14 +274,7 @@ def test_rank_select_on_tied_records_of_every_count(kernel_impl):
     got = select.rank_select(
         jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), top_k, bj=32
     )
-    live = np.arange(cap)[None, :] < counts[:, None]
-    want = select_codes_reference(
-        jnp.asarray(np.where(live, codes, codes_lib.EMPTY_CODE)),
-        jnp.asarray(np.where(live, ids, -1)),
-        top_k,
-    )
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
+    _assert_top_k_of_live(got, codes, ids, counts, top_k)
 
 
 @pytest.mark.gpu
