@@ -105,3 +105,18 @@ def test_paged_record_scorer_lowers_to_cuda(dtype):
 
     lowered = lower_for_h200(paged, *structs)
     assert "triton" in lowered.as_text().lower() or "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_dense_scorer_launch_takes_only_what_it_reads(with_scale):
+    # A decode step pays ~1 µs for each broadcast launched to feed the scorer a dummy
+    # operand (no k_scale, no τ, no key list, no page table); only q, weights, keys,
+    # the ranges and a given k_scale go in.
+    q, w, k, scale, a, b = _structs(jnp.bfloat16, t=8)
+    fn = lambda q, w, k, s, a, b: methods.topk_base(q, w, k, K, s, a, b).indices  # noqa: E731
+    text = lower_for_h200(fn, q, w, k, scale if with_scale else None, a, b).as_text()
+    body = text[text.index("func.func private @topk_base") :]
+    first_launch = body[: body.index("stablehlo.custom_call")]
+    assert "broadcast_in_dim" not in first_launch
+    operands = body[body.index("xla.gpu.triton(") :].split(")")[0].count("%")
+    assert operands == 5 + with_scale

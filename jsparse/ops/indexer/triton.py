@@ -123,7 +123,7 @@ def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
     """Scores [BT, BS] of one key tile for a block of queries (the one shared scorer).
 
     q2: [BT·H, D] compute dtype; w: [BT, H] f32; k_tile: [BS, D] compute dtype;
-    scale: [BS] f32.
+    scale: [BS] f32, or None for unscaled keys (the same scores as a scale of 1).
     """
     precision = jax.lax.Precision.HIGHEST if q2.dtype == jnp.float32 else None
     logits = jax.lax.dot_general(
@@ -134,7 +134,9 @@ def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
     relu = jnp.where(logits < 0, 0.0, logits)
     block_s = k_tile.shape[0]
     weighted = relu.reshape(block_s, block_t, heads) * w[None, :, :]
-    scores = jnp.sum(weighted, axis=2) * scale[:, None]  # [BS, BT]
+    scores = jnp.sum(weighted, axis=2)  # [BS, BT]
+    if scale is not None:
+        scores = scores * scale[:, None]
     return scores.T
 
 
@@ -159,12 +161,22 @@ class _Plan:
     fill_only: bool
     interpret: bool
     page_size: int = 0  # > 0: key id i lives at row pages[i // P]·P + i % P of k
+    has_scale: bool = True  # keys carry a per-key scale (k_scale given)
 
 
-def _kernel(
-    q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, tau_ref, ids_ref, n_ids_ref, pages_ref,
-    *refs, p,
-):  # fmt: skip
+def _optional_inputs(p):
+    """Names of the inputs a launch passes after (q, w, k, start, end), in order. Only
+    those its plan reads: each absent one would be a broadcast launched every call
+    (decode: up to 2 µs a step)."""
+    names = ("scale",) * p.has_scale + ("tau",) * p.records + ("ids", "n_ids") * p.key_list
+    return names + ("pages",) * bool(p.page_size)
+
+
+def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
+    optional = dict(zip(_optional_inputs(p), refs, strict=False))
+    scale_ref, tau_ref, pages_ref = (optional.get(n) for n in ("scale", "tau", "pages"))
+    ids_ref, n_ids_ref = optional.get("ids"), optional.get("n_ids")
+    refs = refs[len(optional) :]
     bt, bs = p.cfg.block_t, p.cfg.block_s
     i = pl.program_id(0)
     split = pl.program_id(1)
@@ -196,7 +208,7 @@ def _kernel(
             mask=ok[:, None],
             other=jnp.zeros((), k_ref.dtype),
         )
-        scale = plt.load(scale_ref.at[row], mask=ok, other=0.0)
+        scale = plt.load(scale_ref.at[row], mask=ok, other=0.0) if p.has_scale else None
         scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
         return scores, visible
@@ -353,9 +365,7 @@ def _launch(
     hp, dp = q.shape[1], q.shape[2]
     n_tb = -(-t // cfg.block_t)
     if key_ids is None:
-        list_len = 0
-        ids = jnp.zeros((1, cfg.block_s), jnp.int32)
-        n_ids = jnp.zeros((1,), jnp.int32)
+        list_len, ids, n_ids = 0, None, None
         n_tiles = -(-s // cfg.block_s)
     else:
         list_len = -(-key_ids.shape[1] // cfg.block_s) * cfg.block_s
@@ -366,15 +376,16 @@ def _launch(
         else:
             n_ids = key_counts.astype(jnp.int32)
     splits = splits or _default_splits(n_tb, n_tiles)
-    scale = jnp.ones((k.shape[0],), jnp.float32) if k_scale is None else k_scale
-    pages = jnp.zeros((1,), jnp.int32) if page_table is None else page_table.astype(jnp.int32)
-    tau = jnp.zeros((t,), jnp.int32) if tau_codes is None else tau_codes
     records = records_cap is not None
+    tau = jnp.zeros((t,), jnp.int32) if records and tau_codes is None else tau_codes
     p = _Plan(
         t=t, s=s, heads=hp, dim=dp, cfg=cfg, compute=cdt, key_list=key_ids is not None,
         list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill_only=False,
         interpret=backend.is_interpret(), page_size=page_size if page_table is not None else 0,
+        has_scale=k_scale is not None,
     )  # fmt: skip
+    pages = None if page_table is None else page_table.astype(jnp.int32)
+    given = dict(scale=k_scale, tau=tau, ids=ids, n_ids=n_ids, pages=pages)
     if records:
         out_shape = (
             jax.ShapeDtypeStruct((t * p.cap,), jnp.int32),
@@ -389,7 +400,7 @@ def _launch(
     else:
         out_shape = (jax.ShapeDtypeStruct((t, s), jnp.float32),)
         initial = ()
-    inputs = (q, weights, k, scale, start, end, tau, ids, n_ids, pages)
+    inputs = (q, weights, k, start, end, *(given[n] for n in _optional_inputs(p)))
 
     def call(plan, initial, name):
         return pl.pallas_call(
