@@ -111,9 +111,8 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
     )
     sc, si, _ = select.select_rows(jnp.asarray(scores), ci, cn, top_k)
     got = select.order_topk(sc, si, id_ordered=True)
-    ids = np.arange(s)[None, :]
-    vis = (ids >= start[:, None]) & (ids < end[:, None])
-    want = select_topk_reference(jnp.asarray(scores), jnp.asarray(np.where(vis, ids, -1)), top_k)
+    vis = visible_key_ids(jnp.asarray(start), jnp.asarray(end), s)
+    want = select_topk_reference(jnp.asarray(scores), vis, top_k)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     if kind == "all-equal":  # ties defeat any threshold: the exact search must run

@@ -173,10 +173,11 @@ def _optional_inputs(p):
 
 
 def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
-    optional = dict(zip(_optional_inputs(p), refs, strict=False))
+    names = _optional_inputs(p)
+    optional = dict(zip(names, refs[: len(names)], strict=True))
+    refs = refs[len(names) :]  # the outputs (and aliased inputs)
     scale_ref, tau_ref, pages_ref = (optional.get(n) for n in ("scale", "tau", "pages"))
     ids_ref, n_ids_ref = optional.get("ids"), optional.get("n_ids")
-    refs = refs[len(optional) :]
     bt, bs = p.cfg.block_t, p.cfg.block_s
     i = pl.program_id(0)
     split = pl.program_id(1)

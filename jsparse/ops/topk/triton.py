@@ -591,9 +591,8 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
         # set the streaming kernel's register count and so its rows per SM, and its
         # reductions would delay every row's first load (run 33: streaming with θ given
         # 1.21-1.28 ms against 1.76-1.87 with θ sampled inside; θ's kernel 0.24 ms at
-        # 8192 × 64K, run 40). Rows
-        # split over chunks (decode) sample in each chunk program unless
-        # THETA_KERNEL_FOR_SPLIT_ROWS: there a θ kernel adds a launch (not measured).
+        # 8192 × 64K, run 40). Rows split over chunks (decode) sample in each chunk
+        # program unless THETA_KERNEL_FOR_SPLIT_ROWS: there a θ kernel adds a launch.
         theta = sampled_theta()
         *bufs, slow = pl.pallas_call(
             functools.partial(_chunk_kernel, **statics, theta_given=True),
