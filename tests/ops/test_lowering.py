@@ -120,13 +120,3 @@ def test_dense_scorer_launch_takes_only_what_it_reads(with_scale):
     assert "broadcast_in_dim" not in first_launch
     operands = body[body.index("xla.gpu.triton(") :].split(")")[0].count("%")
     assert operands == 5 + with_scale
-
-
-def test_split_rows_with_the_theta_kernel_lower_to_cuda(monkeypatch):
-    monkeypatch.setattr(select, "THETA_KERNEL_FOR_SPLIT_ROWS", True)
-    scores = jax.ShapeDtypeStruct((8, 65536), jnp.float32)
-    rng = jax.ShapeDtypeStruct((8,), jnp.int32)
-    text = lower_for_h200(
-        lambda x, a, b: select.compact_rows(x, a, b, K, 4608, chunks=16), scores, rng, rng
-    ).as_text()
-    assert "jsparse_topk_theta" in text and "jsparse_topk_compact_chunks" in text

@@ -119,25 +119,6 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
         np.testing.assert_array_equal(np.asarray(slow)[:2], select.SEARCHED)
 
 
-@pytest.mark.parametrize("kind", ["gauss", "few-values"])
-def test_split_rows_sample_theta_once_or_in_every_program(kind, monkeypatch, kernel_impl):
-    # θ of a split row, from the θ kernel or from each program's own sample: the same
-    # sample, so the same candidates, counts and paths
-    rng = np.random.default_rng(4)
-    s, top_k, cap = 9000, 40, 512
-    start_end = [(0, s), (100, 7000), (s - 10, s)]
-    scores = jnp.asarray(_adversarial_rows(kind, 3, s, start_end, rng))
-    start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
-    outs = []
-    for once in (False, True):
-        monkeypatch.setattr(select, "THETA_KERNEL_FOR_SPLIT_ROWS", once)
-        ids, count, slow = select.compact_rows(scores, start, end, top_k, cap, chunks=3)
-        live = np.arange(cap)[None, :] < np.asarray(count)[:, None]
-        outs.append((np.where(live, np.asarray(ids), -1), np.asarray(count), np.asarray(slow)))
-    for a, b in zip(*outs, strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
 @pytest.mark.parametrize("width", [6000, 6144])
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_compact_records_then_select(chunks, width, kernel_impl):

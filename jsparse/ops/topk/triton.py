@@ -64,10 +64,6 @@ SAMPLE_BLOCK = 8
 MAX_RESIDENT = 8192  # candidate rows up to this many entries are held in registers
 SMALL_RESIDENT = 4096  # ... in a block of this many when they fit (run 26: −8% select)
 RADIX = 16  # trial thresholds per streaming pass of the exact path
-# Rows split over several programs (decode) sample θ in every program by default; True
-# computes it once per row in the θ kernel first (one launch more). Unmeasured: an A/B
-# for the GPU (WORKSPACE.md, prepared for run 61).
-THETA_KERNEL_FOR_SPLIT_ROWS = False
 # compact_rows' per-row report of the path taken. Typed on purpose: in a Pallas Triton
 # kernel, jnp.where(p, 1, 2) with two Python-int branches lowers to an i1 select of
 # `true`/`false` and stores 1 or 0 (run 25's anomaly, confirmed in the lowered IR);
@@ -575,9 +571,14 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
 
     statics = dict(dense=dense, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
     flag = jax.ShapeDtypeStruct((t,), i32)
-
-    def sampled_theta():
-        return pl.pallas_call(
+    if chunks == 1:
+        # θ in a kernel of its own: its sample (4096 entries held in registers) would
+        # set the streaming kernel's register count and so its rows per SM, and its
+        # reductions would delay every row's first load (run 33: streaming with θ given
+        # 1.21-1.28 ms against 1.76-1.87 with θ sampled inside; θ's kernel 0.24 ms at
+        # 8192 × 64K, run 40). Rows split over chunks (decode) sample in each chunk
+        # program: there the θ kernel first saved nothing (run 61: busy within 1 µs).
+        theta = pl.pallas_call(
             functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
             grid=(t,),
             out_shape=flag,
@@ -585,15 +586,6 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
             interpret=interpret,
             name="jsparse_topk_theta",
         )(*inputs)
-
-    if chunks == 1:
-        # θ in a kernel of its own: its sample (4096 entries held in registers) would
-        # set the streaming kernel's register count and so its rows per SM, and its
-        # reductions would delay every row's first load (run 33: streaming with θ given
-        # 1.21-1.28 ms against 1.76-1.87 with θ sampled inside; θ's kernel 0.24 ms at
-        # 8192 × 64K, run 40). Rows split over chunks (decode) sample in each chunk
-        # program unless THETA_KERNEL_FOR_SPLIT_ROWS: there a θ kernel adds a launch.
-        theta = sampled_theta()
         *bufs, slow = pl.pallas_call(
             functools.partial(_chunk_kernel, **statics, theta_given=True),
             grid=(t, 1),
@@ -604,15 +596,14 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
         )(*inputs, theta)
     else:
         n_seg = t * chunks
-        given = THETA_KERNEL_FOR_SPLIT_ROWS
         segments = pl.pallas_call(
-            functools.partial(_chunk_kernel, **statics, theta_given=given),
+            functools.partial(_chunk_kernel, **statics, theta_given=False),
             grid=(t, chunks),
             out_shape=buffers(n_seg),
             compiler_params=compiler,
             interpret=interpret,
             name="jsparse_topk_compact_chunks",
-        )(*inputs, *((sampled_theta(),) if given else ()))
+        )(*inputs)
         *bufs, slow = pl.pallas_call(
             functools.partial(_merge_kernel, **statics),
             grid=(t, chunks),
