@@ -259,17 +259,20 @@ def test_rank_select_after_compaction(kind, bi, bj, kernel_impl):
     np.testing.assert_array_equal(got[1], want[1])
 
 
-def test_rank_select_on_tied_records_of_every_count(kernel_impl):
+@pytest.mark.parametrize("cap", [96, 90], ids=["aligned-rows", "unaligned-rows"])
+def test_rank_select_on_tied_records_of_every_count(cap, kernel_impl):
     # counts 0, below K, K exactly, above K and the full buffer; codes tie heavily and
-    # include the extremes (NaN's code, -inf's); ids ascend along each row
+    # include the extremes (NaN's code, -inf's); ids ascend along each row. Slots past
+    # a count hold the highest code, so reading one would move every rank.
     rng = np.random.default_rng(9)
-    t, cap, top_k = 5, 96, 30
+    t, top_k = 5, 30
     lo, hi = (int(c) for c in codes_lib.score_code(jnp.array([-jnp.inf, jnp.nan])))
     codes = rng.integers(-3, 3, size=(t, cap)).astype(np.int32)
     codes[:, ::11] = hi
     codes[:, 5::13] = lo
     ids = np.stack([np.sort(rng.permutation(50 * cap)[:cap]) for _ in range(t)]).astype(np.int32)
     counts = np.array([0, 7, top_k, 61, cap], np.int32)
+    codes[np.arange(cap)[None, :] >= counts[:, None]] = hi
     got = select.rank_select(
         jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), top_k, bj=32
     )
