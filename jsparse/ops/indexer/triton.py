@@ -331,8 +331,10 @@ def _splits_for(t, h, s, key_ids, cfg, fp8_keys):
     return _default_splits(n_tb, -(-n // cfg.block_s))
 
 
-# Programs a launch aims at: enough to fill the GPU a few times over (132 SMs).
-PROGRAMS_TARGET = 4 * 132
+# Programs a launch aims at: two per SM (132 SMs). Decode splits its keys into this many
+# programs; 2 per SM beat 1, 4 and 8 at 1 and 8 queries × 64K and 128K, bf16 and fp8
+# (WORKSPACE.md run 61: 8 × 64K bf16 scorer 21.2 µs against 23.0 at 4 per SM).
+PROGRAMS_TARGET = 2 * 132
 
 
 def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
