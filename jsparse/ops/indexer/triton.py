@@ -331,15 +331,18 @@ def _splits_for(t, h, s, key_ids, cfg, fp8_keys):
     return _default_splits(n_tb, -(-n // cfg.block_s))
 
 
-# Programs a launch aims at: two per SM (132 SMs). Decode splits its keys into this many
-# programs; 2 per SM beat 1, 4 and 8 at 1 and 8 queries × 64K and 128K, bf16 and fp8
-# (WORKSPACE.md run 61: 8 × 64K bf16 scorer 21.2 µs against 23.0 at 4 per SM).
-PROGRAMS_TARGET = 2 * 132
+# Programs a launch aims at: a few per SM (132 SMs). Decode launches of at most
+# SMALL_LAUNCH_BLOCKS query blocks split their keys into half as many: their programs are
+# short, and two per SM beat four at 1 and 8 queries × 64K and 128K, bf16 and fp8, while
+# 64 queries (16-32 query blocks) lost 25% at two (WORKSPACE.md runs 61-62).
+PROGRAMS_TARGET = 4 * 132
+SMALL_LAUNCH_BLOCKS = 4
 
 
 def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
     # decode (few queries) splits the key range instead of the queries
-    return int(max(1, min(n_key_tiles, -(-PROGRAMS_TARGET // n_query_blocks))))
+    target = PROGRAMS_TARGET // (2 if n_query_blocks <= SMALL_LAUNCH_BLOCKS else 1)
+    return int(max(1, min(n_key_tiles, -(-target // n_query_blocks))))
 
 
 def _num_keys(k, page_table, page_size):

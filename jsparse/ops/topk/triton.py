@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -883,26 +882,15 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
         c_i = plt.load(codes_ref.at[at_i], mask=live_i, other=EMPTY_CODE)
         id_i = plt.load(ids_ref.at[at_i], mask=live_i, other=-1)
 
-        align = math.gcd(cap, bj)
-
-        def block(j, masked=True):
-            """Slots and codes of rank block j. Masked: a dead slot loads EMPTY, ahead of
-            nothing (live codes are above). Unmasked, for blocks wholly below the count:
-            one contiguous load, with no per-slot index or mask (run 61 counted ~6
-            instructions a pair where compare and add are 2; the gathered load's index
-            arithmetic was the suspect)."""
+        def block(j):  # a dead slot loads EMPTY, ahead of nothing (live codes are above)
             slot_j = j * bj + jnp.arange(bj, dtype=jnp.int32)
-            if not masked:
-                at = row * cap + j * bj
-                at = at if align == 1 else pl.multiple_of(at, align)
-                return slot_j, plt.load(codes_ref.at[pl.ds(at, bj)])
             live_j = slot_j < n
             at_j = row * cap + jnp.where(live_j, slot_j, 0)
             return slot_j, plt.load(codes_ref.at[at_j], mask=live_j, other=EMPTY_CODE)
 
-        def count_above(bar, masked):  # adds, per (i, lane), the block's c_j > bar_i
+        def count_above(bar):  # adds, per (i, lane), the block's c_j > bar_i
             def body(j, ahead):
-                _, c_j = block(j, masked)
+                _, c_j = block(j)
                 return ahead + (c_j[None, :] > bar[:, None]).astype(jnp.int32)
 
             return body
@@ -911,19 +899,13 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
         # the blocks wholly before i's slots, c_j > c_i after them (one compare a pair;
         # c_i > EMPTY: no wrap), and both tests only in the block that holds them. The
         # counts stay per lane until the end: one cross-thread sum, not one a block.
-        # Blocks before i's are full when i is live; after it, all but the last are.
-        # A part of dead slots only writes padding: it ranks nothing.
-        n_blocks, full = (n + bj - 1) // bj, n // bj
+        n_blocks = (n + bj - 1) // bj
         own = first // bj  # bi divides bj: i's slots lie in one block
-        ranked = first < n
         slot_j, c_j = block(own)
         earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
         ahead = (c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32)
-        loop = jax.lax.fori_loop
-        ahead = loop(0, jnp.where(ranked, own, 0), count_above(c_i - 1, False), ahead)
-        ahead = loop(own + 1, jnp.where(ranked, full, 0), count_above(c_i, False), ahead)
-        tail = jnp.maximum(own + 1, full)
-        ahead = loop(tail, jnp.where(ranked, n_blocks, 0), count_above(c_i, True), ahead)
+        ahead = jax.lax.fori_loop(0, own, count_above(c_i - 1), ahead)
+        ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
         rank = jnp.sum(ahead, axis=1)
         # live ranks are a permutation of [0, n) and padding slots lie in [n, K): every
         # written slot is written once
