@@ -237,9 +237,15 @@ def test_gpu_slow_path_flags_compiled(check):
     check(1)
 
 
+_RANK_SELECTS = pytest.mark.parametrize(
+    "rank_select", [select.rank_select, select.block_rank_select], ids=["pairs", "blocks"]
+)
+
+
+@_RANK_SELECTS
 @pytest.mark.parametrize("bi, bj", [(8, 1024), (8, 16)])
 @pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values", "specials"])
-def test_rank_select_after_compaction(kind, bi, bj, kernel_impl):
+def test_rank_select_after_compaction(kind, bi, bj, rank_select, kernel_impl):
     """Decode's selection: the compaction's candidates, each ranked against its row and
     written at its rank, equal the reference id for id and in order, on ties, -0 / NaN /
     ±inf, a row with fewer visible keys than K, and an empty row. bj = 16 makes the
@@ -252,15 +258,16 @@ def test_rank_select_after_compaction(kind, bi, bj, kernel_impl):
     scores = jnp.asarray(scores)
     ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, chunks=3)
     codes = select.gathered_codes(scores, ids, count)
-    got = select.rank_select(codes, ids, count, top_k, bi=bi, bj=bj)
+    got = rank_select(codes, ids, count, top_k, bi=bi, bj=bj)
     vis = visible_key_ids(start, end, s)
     want = select_topk_reference(scores, vis, top_k)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
 
 
+@_RANK_SELECTS
 @pytest.mark.parametrize("cap", [96, 90], ids=["aligned-rows", "unaligned-rows"])
-def test_rank_select_on_tied_records_of_every_count(cap, kernel_impl):
+def test_rank_select_on_tied_records_of_every_count(cap, rank_select, kernel_impl):
     # counts 0, below K, K exactly, above K and the full buffer; codes tie heavily and
     # include the extremes (NaN's code, -inf's); ids ascend along each row. Slots past
     # a count hold the highest code, so reading one would move every rank.
@@ -273,17 +280,20 @@ def test_rank_select_on_tied_records_of_every_count(cap, kernel_impl):
     ids = np.stack([np.sort(rng.permutation(50 * cap)[:cap]) for _ in range(t)]).astype(np.int32)
     counts = np.array([0, 7, top_k, 61, cap], np.int32)
     codes[np.arange(cap)[None, :] >= counts[:, None]] = hi
-    got = select.rank_select(
-        jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), top_k, bj=32
-    )
+    got = rank_select(jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), top_k, bj=32)
     _assert_top_k_of_live(got, codes, ids, counts, top_k)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("by_blocks", [False, True], ids=["pairs", "blocks"])
 @pytest.mark.parametrize("t, s", [(1, 65536), (8, 131072)])
-def test_gpu_decode_rows_select_by_rank(t, s):
-    # decode-sized rows take rank_select when compiled; rounded scores tie at the
-    # boundary, one row sees fewer keys than K
+def test_gpu_decode_rows_select_by_rank(t, s, by_blocks, monkeypatch, request):
+    # decode-sized rows take rank_select (or its block form) when compiled; rounded
+    # scores tie at the boundary, one row sees fewer keys than K. Traces are cached by
+    # function, not by this module constant: clear them before and after.
+    monkeypatch.setattr(select, "BLOCK_RANK_MIN_ROWS", 1 if by_blocks else None)
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)
     rng = np.random.default_rng(t)
     cap = candidate_capacity(2048, s)
     assert select.rank_selects(t, cap)

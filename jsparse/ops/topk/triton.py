@@ -960,6 +960,131 @@ def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512, num_warps=4, num_
     return out_ids.reshape(t, top_k), out_scores.reshape(t, top_k)
 
 
+# From this many rows, rank_select's T·cap² compares become two launches of ~T·cap·bj
+# compares and T·cap·(cap / bj) binary-search probes (:func:`block_rank_select`). None:
+# off. Not yet measured on a GPU (WORKSPACE.md, prepared for run 65): off until it is.
+BLOCK_RANK_MIN_ROWS: int | None = None
+
+
+def _within_block_rank_kernel(codes_ref, count_ref, sorted_ref, own_rank_ref, *, cap, bi, bj):
+    """Program (row, part): each live slot's rank inside its own block of ``bj`` slots
+    (ahead: a higher code, or an equal one in an earlier slot); its code is written at
+    that rank in the block's sorted copy (descending), the rank beside its slot."""
+    row, part = pl.program_id(0), pl.program_id(1)
+    n = jnp.minimum(plt.load(count_ref.at[row]), cap)
+    first = part * bi
+
+    @pl.when(first < n)  # parts of dead slots write nothing
+    def _():
+        slot_i = first + jnp.arange(bi, dtype=jnp.int32)
+        live_i = slot_i < n
+        c_i = plt.load(
+            codes_ref.at[row * cap + jnp.where(live_i, slot_i, 0)], mask=live_i, other=EMPTY_CODE
+        )
+        own = first // bj  # bi divides bj: the part's slots lie in one block
+        slot_j = own * bj + jnp.arange(bj, dtype=jnp.int32)
+        live_j = slot_j < n
+        c_j = plt.load(
+            codes_ref.at[row * cap + jnp.where(live_j, slot_j, 0)], mask=live_j, other=EMPTY_CODE
+        )
+        earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
+        rank = jnp.sum((c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32), axis=1)
+        trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
+        plt.store(
+            sorted_ref.at[jnp.where(live_i, row * cap + own * bj + rank, trash)], c_i, mask=live_i
+        )
+        plt.store(own_rank_ref.at[jnp.where(live_i, row * cap + slot_i, trash)], rank, mask=live_i)
+
+
+def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref, out_ids_ref,
+                        out_scores_ref, *, top_k, cap, bi, bj):  # fmt: skip
+    """Program (row, part): each live slot's rank in its row is its rank in its own block
+    plus, for every other block, how many of the block's sorted codes are ahead of it
+    (a code ≥ its own in earlier blocks, > in later ones), found by binary search; then
+    written at that rank when below K, as :func:`rank_select` does."""
+    row, part = pl.program_id(0), pl.program_id(1)
+    n = jnp.minimum(plt.load(count_ref.at[row]), cap)
+    first = part * bi
+
+    @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
+    def _():
+        slot_i = first + jnp.arange(bi, dtype=jnp.int32)
+        live_i = slot_i < n
+        at_i = row * cap + jnp.where(live_i, slot_i, 0)
+        c_i = plt.load(codes_ref.at[at_i], mask=live_i, other=EMPTY_CODE)
+        id_i = plt.load(ids_ref.at[at_i], mask=live_i, other=-1)
+        rank = plt.load(own_rank_ref.at[at_i], mask=live_i, other=0)
+        n_blocks = -(-cap // bj)
+        width = 1 << (n_blocks - 1).bit_length()  # Triton tiles are powers of two
+        block = jnp.arange(width, dtype=jnp.int32)
+        own = first // bj
+        length = jnp.clip(n - block * bj, 0, bj)  # live codes in each block
+        length = jnp.where(block == own, 0, length)[None, :]  # own block: counted above
+        bar = c_i[:, None] - (block[None, :] < own).astype(jnp.int32)  # c_i > EMPTY: no wrap
+        base = row * cap + block[None, :] * bj
+
+        def probe(_, bounds):  # count of a block's descending codes above bar: lo == hi
+            lo, hi = bounds
+            active = lo < hi
+            mid = (lo + hi) // 2
+            at = jnp.where(active, base + mid, 0)
+            ahead = plt.load(sorted_ref.at[at], mask=active, other=EMPTY_CODE) > bar
+            return jnp.where(active & ahead, mid + 1, lo), jnp.where(active & ~ahead, mid, hi)
+
+        zero = jnp.zeros((bi, width), jnp.int32)
+        steps = bj.bit_length()  # ⌈log2(bj + 1)⌉ halvings close any [0, ≤ bj]
+        lo, _ = jax.lax.fori_loop(0, steps, probe, (zero, zero + length))
+        rank = rank + jnp.sum(lo, axis=1)
+        write = jnp.where(live_i, rank < top_k, slot_i < top_k)
+        trash = count_ref.shape[0] * top_k
+        dst = jnp.where(write, row * top_k + jnp.where(live_i, rank, slot_i), trash)
+        plt.store(out_ids_ref.at[dst], jnp.where(live_i, id_i, -1), mask=write)
+        score = jnp.where(live_i, code_to_score(c_i), -jnp.inf)
+        plt.store(out_scores_ref.at[dst], score, mask=write)
+
+
+def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, num_warps=4):
+    """:func:`rank_select` in two launches with fewer compares: each candidate is ranked
+    inside its block of ``bj`` slots (T·cap·bj compares) and its code written at that
+    rank into a sorted copy of the block; then its rank in the row is that plus a
+    binary search in each other sorted block (T·cap·(cap / bj) probes of log2(bj)
+    steps). Same inputs, outputs and tie rule as :func:`rank_select`."""
+    t, cap = ids.shape
+    if bj % bi:
+        raise ValueError(f"block_rank_select: bj={bj} must be a multiple of bi={bi}")
+    flat, interpret = codes.reshape(-1), backend.is_interpret()
+    compiler = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+    slots = jax.ShapeDtypeStruct((t * cap,), jnp.int32)
+    sorted_codes, own_rank = pl.pallas_call(
+        functools.partial(_within_block_rank_kernel, cap=cap, bi=bi, bj=bj),
+        grid=(t, -(-cap // bi)),
+        out_shape=(slots, slots),  # no init: a slot past the count is never read
+        compiler_params=compiler,
+        interpret=interpret,
+        name="jsparse_topk_block_rank",
+    )(flat, counts)
+    out_ids, out_scores = pl.pallas_call(
+        functools.partial(_merged_rank_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj),
+        grid=(t, -(-max(cap, top_k) // bi)),
+        out_shape=(
+            jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
+            jax.ShapeDtypeStruct((t * top_k,), jnp.float32),
+        ),
+        compiler_params=compiler,
+        interpret=interpret,
+        name="jsparse_topk_merged_rank",
+    )(flat, ids.reshape(-1), counts, sorted_codes, own_rank)
+    return out_ids.reshape(t, top_k), out_scores.reshape(t, top_k)
+
+
+def select_by_rank(codes, ids, counts, top_k):
+    """:func:`rank_select`, or :func:`block_rank_select` from ``BLOCK_RANK_MIN_ROWS`` rows."""
+    rows = ids.shape[0]
+    if BLOCK_RANK_MIN_ROWS is not None and rows >= BLOCK_RANK_MIN_ROWS:
+        return block_rank_select(codes, ids, counts, top_k)
+    return rank_select(codes, ids, counts, top_k)
+
+
 def rank_selects(rows: int, cap: int) -> bool:
     """Whether :func:`rank_select` takes rows of ``cap`` candidates (compiled only:
     interpreted, a grid runs program by program, and the search path gives the same
