@@ -874,6 +874,31 @@ def rank_order(codes, ids, *, id_ordered=False, tile=16384):
 RANK_SELECT_PAIRS = 1 << 28
 
 
+def _ranked_slots(codes_ref, ids_ref, row, first, n, cap, bi):
+    """(slots, live, storage index, codes, ids) of the ``bi`` slots from ``first`` of a
+    [T·cap] candidate buffer row with ``n`` live entries (dead: EMPTY / -1)."""
+    slot_i = first + jnp.arange(bi, dtype=jnp.int32)
+    live_i = slot_i < n
+    at_i = row * cap + jnp.where(live_i, slot_i, 0)
+    c_i = plt.load(codes_ref.at[at_i], mask=live_i, other=EMPTY_CODE)
+    id_i = plt.load(ids_ref.at[at_i], mask=live_i, other=-1)
+    return slot_i, live_i, at_i, c_i, id_i
+
+
+def _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, rows):
+    """Writes each live slot whose rank is below K at that rank of its output row, and
+    the padding (-1 / -inf) of a dead slot below K at the slot itself. Live ranks are a
+    permutation of [0, n) and padding slots lie in [n, K): every output slot is written
+    once."""
+    out_ids_ref, out_scores_ref = outs
+    write = jnp.where(live_i, rank < top_k, slot_i < top_k)
+    trash = rows * top_k  # one past the last slot: never a live index
+    dst = jnp.where(write, row * top_k + jnp.where(live_i, rank, slot_i), trash)
+    plt.store(out_ids_ref.at[dst], jnp.where(live_i, id_i, -1), mask=write)
+    score = jnp.where(live_i, code_to_score(c_i), -jnp.inf)
+    plt.store(out_scores_ref.at[dst], score, mask=write)
+
+
 def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_ref,
                         *, top_k, cap, bi, bj):  # fmt: skip
     """Program (row, part): each of the part's ``bi`` candidate slots is ranked against
@@ -887,11 +912,7 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
     def _():
-        slot_i = first + jnp.arange(bi, dtype=jnp.int32)
-        live_i = slot_i < n
-        at_i = row * cap + jnp.where(live_i, slot_i, 0)
-        c_i = plt.load(codes_ref.at[at_i], mask=live_i, other=EMPTY_CODE)
-        id_i = plt.load(ids_ref.at[at_i], mask=live_i, other=-1)
+        slot_i, live_i, _, c_i, id_i = _ranked_slots(codes_ref, ids_ref, row, first, n, cap, bi)
 
         def block(j):  # a dead slot loads EMPTY, ahead of nothing (live codes are above)
             slot_j = j * bj + jnp.arange(bj, dtype=jnp.int32)
@@ -918,14 +939,8 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
         ahead = jax.lax.fori_loop(0, own, count_above(c_i - 1), ahead)
         ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
         rank = jnp.sum(ahead, axis=1)
-        # live ranks are a permutation of [0, n) and padding slots lie in [n, K): every
-        # written slot is written once
-        write = jnp.where(live_i, rank < top_k, slot_i < top_k)
-        trash = count_ref.shape[0] * top_k  # one past the last slot: never a live index
-        dst = jnp.where(write, row * top_k + jnp.where(live_i, rank, slot_i), trash)
-        plt.store(out_ids_ref.at[dst], jnp.where(live_i, id_i, -1), mask=write)
-        score = jnp.where(live_i, code_to_score(c_i), -jnp.inf)
-        plt.store(out_scores_ref.at[dst], score, mask=write)
+        outs = (out_ids_ref, out_scores_ref)
+        _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
 
 
 def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512, num_warps=4, num_stages=1):
@@ -1008,11 +1023,7 @@ def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref,
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
     def _():
-        slot_i = first + jnp.arange(bi, dtype=jnp.int32)
-        live_i = slot_i < n
-        at_i = row * cap + jnp.where(live_i, slot_i, 0)
-        c_i = plt.load(codes_ref.at[at_i], mask=live_i, other=EMPTY_CODE)
-        id_i = plt.load(ids_ref.at[at_i], mask=live_i, other=-1)
+        slot_i, live_i, at_i, c_i, id_i = _ranked_slots(codes_ref, ids_ref, row, first, n, cap, bi)
         rank = plt.load(own_rank_ref.at[at_i], mask=live_i, other=0)
         n_blocks = -(-cap // bj)
         width = 1 << (n_blocks - 1).bit_length()  # Triton tiles are powers of two
@@ -1035,12 +1046,8 @@ def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref,
         steps = bj.bit_length()  # ⌈log2(bj + 1)⌉ halvings close any [0, ≤ bj]
         lo, _ = jax.lax.fori_loop(0, steps, probe, (zero, zero + length))
         rank = rank + jnp.sum(lo, axis=1)
-        write = jnp.where(live_i, rank < top_k, slot_i < top_k)
-        trash = count_ref.shape[0] * top_k
-        dst = jnp.where(write, row * top_k + jnp.where(live_i, rank, slot_i), trash)
-        plt.store(out_ids_ref.at[dst], jnp.where(live_i, id_i, -1), mask=write)
-        score = jnp.where(live_i, code_to_score(c_i), -jnp.inf)
-        plt.store(out_scores_ref.at[dst], score, mask=write)
+        outs = (out_ids_ref, out_scores_ref)
+        _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
 
 
 def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, num_warps=4):
