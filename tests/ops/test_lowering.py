@@ -79,10 +79,6 @@ def test_selection_kernels_lower_to_cuda():
     few, few_counts = jax.ShapeDtypeStruct((8, cap), i32), jax.ShapeDtypeStruct((8,), i32)
     lower_for_h200(lambda c, i, m: select.rank_select(c, i, m, K), few, few, few_counts)
     lower_for_h200(lambda c, i, m: select.block_rank_select(c, i, m, K), few, few, few_counts)
-    few_rows = jax.ShapeDtypeStruct((8, s), jnp.float32)
-    lower_for_h200(
-        lambda x, i, m: select.block_rank_select(None, i, m, K, scores=x), few_rows, few, few_counts
-    )
 
 
 @pytest.mark.parametrize(

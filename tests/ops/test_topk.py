@@ -242,10 +242,10 @@ _RANK_SELECTS = pytest.mark.parametrize(
 )
 
 
-@pytest.mark.parametrize("form", ["pairs", "blocks", "blocks-from-scores"])
+@_RANK_SELECTS
 @pytest.mark.parametrize("bi, bj", [(8, 1024), (8, 16)])
 @pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values", "specials"])
-def test_rank_select_after_compaction(kind, bi, bj, form, kernel_impl):
+def test_rank_select_after_compaction(kind, bi, bj, rank_select, kernel_impl):
     """Decode's selection: the compaction's candidates, each ranked against its row and
     written at its rank, equal the reference id for id and in order, on ties, -0 / NaN /
     ±inf, a row with fewer visible keys than K, and an empty row. bj = 16 makes the
@@ -257,13 +257,8 @@ def test_rank_select_after_compaction(kind, bi, bj, form, kernel_impl):
     start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
     scores = jnp.asarray(scores)
     ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, chunks=3)
-    if form == "blocks-from-scores":  # the first launch reads the scores itself
-        got = select.block_rank_select(None, ids, count, top_k, scores=scores, bi=bi, bj=bj)
-    else:
-        rank_select = select.rank_select if form == "pairs" else select.block_rank_select
-        got = rank_select(
-            select.gathered_codes(scores, ids, count), ids, count, top_k, bi=bi, bj=bj
-        )
+    codes = select.gathered_codes(scores, ids, count)
+    got = rank_select(codes, ids, count, top_k, bi=bi, bj=bj)
     vis = visible_key_ids(start, end, s)
     want = select_topk_reference(scores, vis, top_k)
     np.testing.assert_array_equal(got[0], want[0])
@@ -287,14 +282,6 @@ def test_rank_select_on_tied_records_of_every_count(cap, rank_select, kernel_imp
     codes[np.arange(cap)[None, :] >= counts[:, None]] = hi
     got = rank_select(jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), top_k, bj=32)
     _assert_top_k_of_live(got, codes, ids, counts, top_k)
-
-
-def test_block_rank_select_takes_codes_or_scores():
-    rows = jnp.zeros((2, 32), jnp.int32)
-    counts = jnp.zeros((2,), jnp.int32)
-    for codes, scores in ((rows, jnp.zeros((2, 64))), (None, None)):
-        with pytest.raises(ValueError, match="exactly one of codes and scores"):
-            select.block_rank_select(codes, rows, counts, 4, scores=scores)
 
 
 @pytest.mark.gpu

@@ -126,7 +126,7 @@ def select_dense(scores, start, end, top_k, sort):
     cap = candidate_capacity(top_k, scores.shape[1])
     ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
     if select.rank_selects(scores.shape[0], cap):  # decode: selected and ordered at once
-        return select.select_by_rank(scores, ids, count, top_k)
+        return select.select_by_rank(select.gathered_codes(scores, ids, count), ids, count, top_k)
     sel_codes, sel_ids, _ = select.select_rows(scores, ids, count, top_k)
     return _finish(sel_codes, sel_ids, id_ordered=True, sort=sort)
 

@@ -130,8 +130,8 @@ def _kth_code(codes, ok, rank):
     """The rank-th largest of the codes where ``ok`` (1 ≤ rank ≤ their count), held in
     registers: :func:`_search_kth` between the smallest and the largest code.
 
-    Entries outside ``ok`` must hold EMPTY_CODE (both callers' do): every trial lies
-    above the smallest live code, so the counts need no mask (run 63: the mask was
+    Entries outside ``ok`` must hold EMPTY_CODE (both callers' entries do): every trial
+    lies above the smallest live code, so the counts need no mask (run 63: the mask was
     1.7-2.5 µs of a decode compaction's θ search).
     """
 
@@ -981,46 +981,34 @@ def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512, num_warps=4, num_
 BLOCK_RANK_MIN_ROWS: int | None = None
 
 
-def _within_block_rank_kernel(*refs, cap, bi, bj, dense):
+def _within_block_rank_kernel(codes_ref, count_ref, sorted_ref, own_rank_ref, *, cap, bi, bj):
     """Program (row, part): each live slot's rank inside its own block of ``bj`` slots
     (ahead: a higher code, or an equal one in an earlier slot); its code is written at
-    that rank in the block's sorted copy (descending), the rank beside its slot.
-    ``dense``: the codes come from the candidates' scores in their dense rows [T, S]
-    (refs: scores, ids, count, then a third output, the codes in slot order)."""
-    if dense:
-        scores_ref, ids_ref, count_ref, sorted_ref, own_rank_ref, codes_out_ref = refs
-    else:
-        codes_ref, count_ref, sorted_ref, own_rank_ref = refs
+    that rank in the block's sorted copy (descending), the rank beside its slot."""
     row, part = pl.program_id(0), pl.program_id(1)
     n = jnp.minimum(plt.load(count_ref.at[row]), cap)
     first = part * bi
-
-    def codes_at(slot, live):  # dead slots: EMPTY, ahead of nothing
-        at = row * cap + jnp.where(live, slot, 0)
-        if not dense:
-            return plt.load(codes_ref.at[at], mask=live, other=EMPTY_CODE)
-        key = jnp.clip(plt.load(ids_ref.at[at], mask=live, other=0), 0, scores_ref.shape[1] - 1)
-        x = plt.load(scores_ref.at[row, key], mask=live, other=0.0)
-        return jnp.where(live, score_code(x), EMPTY_CODE)
 
     @pl.when(first < n)  # parts of dead slots write nothing
     def _():
         slot_i = first + jnp.arange(bi, dtype=jnp.int32)
         live_i = slot_i < n
-        c_i = codes_at(slot_i, live_i)
+        c_i = plt.load(
+            codes_ref.at[row * cap + jnp.where(live_i, slot_i, 0)], mask=live_i, other=EMPTY_CODE
+        )
         own = first // bj  # bi divides bj: the part's slots lie in one block
         slot_j = own * bj + jnp.arange(bj, dtype=jnp.int32)
-        c_j = codes_at(slot_j, slot_j < n)
+        live_j = slot_j < n
+        c_j = plt.load(
+            codes_ref.at[row * cap + jnp.where(live_j, slot_j, 0)], mask=live_j, other=EMPTY_CODE
+        )
         earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
         rank = jnp.sum((c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32), axis=1)
         trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
-        at_i = jnp.where(live_i, row * cap + slot_i, trash)
         plt.store(
             sorted_ref.at[jnp.where(live_i, row * cap + own * bj + rank, trash)], c_i, mask=live_i
         )
-        plt.store(own_rank_ref.at[at_i], rank, mask=live_i)
-        if dense:
-            plt.store(codes_out_ref.at[at_i], c_i, mask=live_i)
+        plt.store(own_rank_ref.at[jnp.where(live_i, row * cap + slot_i, trash)], rank, mask=live_i)
 
 
 def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref, out_ids_ref,
@@ -1062,34 +1050,26 @@ def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref,
         _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
 
 
-def block_rank_select(codes, ids, counts, top_k, *, scores=None, bi=16, bj=512, num_warps=4):
+def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, num_warps=4):
     """:func:`rank_select` in two launches with fewer compares: each candidate is ranked
     inside its block of ``bj`` slots (T·cap·bj compares) and its code written at that
     rank into a sorted copy of the block; then its rank in the row is that plus a
     binary search in each other sorted block (T·cap·(cap / bj) probes of log2(bj)
-    steps). Same inputs, outputs and tie rule as :func:`rank_select`; with ``scores``
-    (dense rows [T, S], ``codes`` None) the first launch reads each candidate's score
-    itself, in place of :func:`gathered_codes`' launch."""
+    steps). Same inputs, outputs and tie rule as :func:`rank_select`."""
     t, cap = ids.shape
     if bj % bi:
         raise ValueError(f"block_rank_select: bj={bj} must be a multiple of bi={bi}")
-    if (codes is None) == (scores is None):
-        raise ValueError("block_rank_select: pass exactly one of codes and scores")
-    dense, interpret = scores is not None, backend.is_interpret()
+    flat, interpret = codes.reshape(-1), backend.is_interpret()
     compiler = plt.CompilerParams(num_warps=num_warps, num_stages=1)
     slots = jax.ShapeDtypeStruct((t * cap,), jnp.int32)
-    flat_ids = ids.reshape(-1)
-    # no init: nothing reads a slot past its row's count
-    ranked = pl.pallas_call(
-        functools.partial(_within_block_rank_kernel, cap=cap, bi=bi, bj=bj, dense=dense),
+    sorted_codes, own_rank = pl.pallas_call(
+        functools.partial(_within_block_rank_kernel, cap=cap, bi=bi, bj=bj),
         grid=(t, -(-cap // bi)),
-        out_shape=(slots,) * (3 if dense else 2),
+        out_shape=(slots, slots),  # no init: a slot past the count is never read
         compiler_params=compiler,
         interpret=interpret,
         name="jsparse_topk_block_rank",
-    )(*((scores, flat_ids) if dense else (codes.reshape(-1),)), counts)
-    sorted_codes, own_rank = ranked[:2]
-    flat_codes = ranked[2] if dense else codes.reshape(-1)
+    )(flat, counts)
     out_ids, out_scores = pl.pallas_call(
         functools.partial(_merged_rank_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj),
         grid=(t, -(-max(cap, top_k) // bi)),
@@ -1100,18 +1080,16 @@ def block_rank_select(codes, ids, counts, top_k, *, scores=None, bi=16, bj=512, 
         compiler_params=compiler,
         interpret=interpret,
         name="jsparse_topk_merged_rank",
-    )(flat_codes, flat_ids, counts, sorted_codes, own_rank)
+    )(flat, ids.reshape(-1), counts, sorted_codes, own_rank)
     return out_ids.reshape(t, top_k), out_scores.reshape(t, top_k)
 
 
-def select_by_rank(scores, ids, counts, top_k):
-    """Decode's selection from the compaction's candidates in dense rows ``scores``:
-    :func:`rank_select` on their gathered codes, or :func:`block_rank_select` (which
-    reads the scores itself) from ``BLOCK_RANK_MIN_ROWS`` rows."""
+def select_by_rank(codes, ids, counts, top_k):
+    """:func:`rank_select`, or :func:`block_rank_select` from ``BLOCK_RANK_MIN_ROWS`` rows."""
     rows = ids.shape[0]
     if BLOCK_RANK_MIN_ROWS is not None and rows >= BLOCK_RANK_MIN_ROWS:
-        return block_rank_select(None, ids, counts, top_k, scores=scores)
-    return rank_select(gathered_codes(scores, ids, counts), ids, counts, top_k)
+        return block_rank_select(codes, ids, counts, top_k)
+    return rank_select(codes, ids, counts, top_k)
 
 
 def rank_selects(rows: int, cap: int) -> bool:
