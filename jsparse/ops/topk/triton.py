@@ -126,14 +126,15 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
     return jnp.where(c_lo == rank, smallest_ge(lo), lo)
 
 
-def _kth_code(codes, ok, rank):
-    """The rank-th largest of the codes where ``ok`` (1 ≤ rank ≤ their count), held in
+def _kth_code(codes, rank):
+    """The rank-th largest of the live codes (1 ≤ rank ≤ their count), held in
     registers: :func:`_search_kth` between the smallest and the largest code.
 
-    Entries outside ``ok`` must hold EMPTY_CODE (both callers' entries do): every trial
-    lies above the smallest live code, so the counts need no mask (run 63: the mask was
-    1.7-2.5 µs of a decode compaction's θ search).
+    EMPTY_CODE marks a dead entry. Every trial lies above the smallest live code, so
+    the counts need no mask (run 63: a mask there was 1.7-2.5 µs of a decode
+    compaction's θ search).
     """
+    ok = codes != EMPTY_CODE
 
     def count_ge(th):
         return jnp.sum((codes >= th).astype(jnp.int32))
@@ -324,7 +325,8 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
     whole = length <= n_sample
     k = jnp.arange(n_sample, dtype=jnp.int32)
     spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
-    sample, _, sampled = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
+    # past a short row's end the sample holds EMPTY, which _kth_code skips
+    sample, _, _ = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
     f32 = jnp.float32
     if top_k * n_sample * 13 < 2**30:  # ⌈1.3·K·n / L⌉ + 8, exact in int32
         spaced = (top_k * n_sample * 13 + 10 * length - 1) // (10 * jnp.maximum(length, 1)) + 8
@@ -342,7 +344,7 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
         ranks.append(jnp.clip(rescaled, 1, n_sample))
     thetas = jax.lax.cond(
         length > cap,
-        lambda: tuple(_kth_code(sample, sampled, r) for r in ranks),
+        lambda: tuple(_kth_code(sample, r) for r in ranks),
         lambda: tuple(length * 0 + EMPTY_CODE for _ in ranks),  # the row fits: keep all
     )
     return thetas if missed is not None else thetas[0]
@@ -712,7 +714,7 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
             return jnp.sum(((c != EMPTY_CODE) & pred(c, i)).astype(jnp.int32))
 
         def threshold():
-            kth = _kth_code(c, c != EMPTY_CODE, top_k)
+            kth = _kth_code(c, top_k)
             return kth, tie_cut(count, kth)
 
         kth, cut = jax.lax.cond(n >= top_k, threshold, all_live)
