@@ -876,15 +876,42 @@ def rank_order(codes, ids, *, id_ordered=False, tile=16384):
 RANK_SELECT_PAIRS = 1 << 28
 
 
+def _row_part(count_ref, cap, bi):
+    """(row, first slot, live count) of a rank kernel's program (row, part of ``bi``
+    slots) over a [T·cap] candidate buffer."""
+    row = pl.program_id(0)
+    return row, pl.program_id(1) * bi, jnp.minimum(plt.load(count_ref.at[row]), cap)
+
+
+def _slot_codes(codes_ref, row, cap, slots, n):
+    """Codes at ``slots`` of a [T·cap] buffer row with ``n`` live entries; a dead slot
+    loads EMPTY, ahead of nothing (live codes are above)."""
+    live = slots < n
+    return plt.load(
+        codes_ref.at[row * cap + jnp.where(live, slots, 0)], mask=live, other=EMPTY_CODE
+    )
+
+
 def _ranked_slots(codes_ref, ids_ref, row, first, n, cap, bi):
     """(slots, live, storage index, codes, ids) of the ``bi`` slots from ``first`` of a
     [T·cap] candidate buffer row with ``n`` live entries (dead: EMPTY / -1)."""
     slot_i = first + jnp.arange(bi, dtype=jnp.int32)
     live_i = slot_i < n
     at_i = row * cap + jnp.where(live_i, slot_i, 0)
-    c_i = plt.load(codes_ref.at[at_i], mask=live_i, other=EMPTY_CODE)
+    c_i = _slot_codes(codes_ref, row, cap, slot_i, n)
     id_i = plt.load(ids_ref.at[at_i], mask=live_i, other=-1)
     return slot_i, live_i, at_i, c_i, id_i
+
+
+def _own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj):
+    """[bi, bj]: whether each slot of the ranked slots' own block of ``bj`` is ahead of
+    each ranked slot (slots ``first`` on; bi divides bj, so they share one block): a
+    higher code, or an equal one in an earlier slot. The candidates are in id order, so
+    that is the tie rule by id. c_i > EMPTY: the offset cannot wrap."""
+    slot_j = first // bj * bj + jnp.arange(bj, dtype=jnp.int32)
+    c_j = _slot_codes(codes_ref, row, cap, slot_j, n)
+    earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
+    return (c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32)
 
 
 def _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, rows):
@@ -908,23 +935,15 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
     so the row comes out selected and ordered at once. Slots between the live count and
     K are the padding (-1 / -inf). The candidates are in id order (slot order), so an
     entry ranks behind an equal code exactly when that code sits in an earlier slot."""
-    row, part = pl.program_id(0), pl.program_id(1)
-    n = jnp.minimum(plt.load(count_ref.at[row]), cap)
-    first = part * bi
+    row, first, n = _row_part(count_ref, cap, bi)
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
     def _():
         slot_i, live_i, _, c_i, id_i = _ranked_slots(codes_ref, ids_ref, row, first, n, cap, bi)
 
-        def block(j):  # a dead slot loads EMPTY, ahead of nothing (live codes are above)
-            slot_j = j * bj + jnp.arange(bj, dtype=jnp.int32)
-            live_j = slot_j < n
-            at_j = row * cap + jnp.where(live_j, slot_j, 0)
-            return slot_j, plt.load(codes_ref.at[at_j], mask=live_j, other=EMPTY_CODE)
-
         def count_above(bar):  # adds, per (i, lane), the block's c_j > bar_i
             def body(j, ahead):
-                _, c_j = block(j)
+                c_j = _slot_codes(codes_ref, row, cap, j * bj + jnp.arange(bj, dtype=jnp.int32), n)
                 return ahead + (c_j[None, :] > bar[:, None]).astype(jnp.int32)
 
             return body
@@ -935,9 +954,7 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
         # counts stay per lane until the end: one cross-thread sum, not one a block.
         n_blocks = (n + bj - 1) // bj
         own = first // bj  # bi divides bj: i's slots lie in one block
-        slot_j, c_j = block(own)
-        earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
-        ahead = (c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32)
+        ahead = _own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj)
         ahead = jax.lax.fori_loop(0, own, count_above(c_i - 1), ahead)
         ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
         rank = jnp.sum(ahead, axis=1)
@@ -987,25 +1004,15 @@ def _within_block_rank_kernel(codes_ref, count_ref, sorted_ref, own_rank_ref, *,
     """Program (row, part): each live slot's rank inside its own block of ``bj`` slots
     (ahead: a higher code, or an equal one in an earlier slot); its code is written at
     that rank in the block's sorted copy (descending), the rank beside its slot."""
-    row, part = pl.program_id(0), pl.program_id(1)
-    n = jnp.minimum(plt.load(count_ref.at[row]), cap)
-    first = part * bi
+    row, first, n = _row_part(count_ref, cap, bi)
 
     @pl.when(first < n)  # parts of dead slots write nothing
     def _():
         slot_i = first + jnp.arange(bi, dtype=jnp.int32)
         live_i = slot_i < n
-        c_i = plt.load(
-            codes_ref.at[row * cap + jnp.where(live_i, slot_i, 0)], mask=live_i, other=EMPTY_CODE
-        )
+        c_i = _slot_codes(codes_ref, row, cap, slot_i, n)
         own = first // bj  # bi divides bj: the part's slots lie in one block
-        slot_j = own * bj + jnp.arange(bj, dtype=jnp.int32)
-        live_j = slot_j < n
-        c_j = plt.load(
-            codes_ref.at[row * cap + jnp.where(live_j, slot_j, 0)], mask=live_j, other=EMPTY_CODE
-        )
-        earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
-        rank = jnp.sum((c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32), axis=1)
+        rank = jnp.sum(_own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj), axis=1)
         trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
         plt.store(
             sorted_ref.at[jnp.where(live_i, row * cap + own * bj + rank, trash)], c_i, mask=live_i
@@ -1019,9 +1026,7 @@ def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref,
     plus, for every other block, how many of the block's sorted codes are ahead of it
     (a code ≥ its own in earlier blocks, > in later ones), found by binary search; then
     written at that rank when below K, as :func:`rank_select` does."""
-    row, part = pl.program_id(0), pl.program_id(1)
-    n = jnp.minimum(plt.load(count_ref.at[row]), cap)
-    first = part * bi
+    row, first, n = _row_part(count_ref, cap, bi)
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
     def _():
