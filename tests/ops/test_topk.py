@@ -238,8 +238,11 @@ def test_gpu_slow_path_flags_compiled(check):
 
 
 _RANK_SELECTS = pytest.mark.parametrize(
-    "rank_select", [select.rank_select, select.block_rank_select], ids=["pairs", "blocks"]
-)
+    "rank_select",
+    [select.rank_select, select.block_rank_select,
+     functools.partial(select.block_rank_select, stride=4)],
+    ids=["pairs", "blocks", "blocks-splitters"],
+)  # fmt: skip
 
 
 @_RANK_SELECTS
@@ -282,6 +285,16 @@ def test_rank_select_on_tied_records_of_every_count(cap, rank_select, kernel_imp
     codes[np.arange(cap)[None, :] >= counts[:, None]] = hi
     got = rank_select(jnp.asarray(codes), jnp.asarray(ids), jnp.asarray(counts), top_k, bj=32)
     _assert_top_k_of_live(got, codes, ids, counts, top_k)
+
+
+def test_select_by_rank_takes_the_block_form_from_its_row_count(monkeypatch):
+    # one row: one launch of pairs (lower latency); from BLOCK_RANK_MIN_ROWS: the blocks
+    taken = []
+    monkeypatch.setattr(select, "rank_select", lambda *a: taken.append("pairs"))
+    monkeypatch.setattr(select, "block_rank_select", lambda *a: taken.append("blocks"))
+    for rows in (1, select.BLOCK_RANK_MIN_ROWS - 1, select.BLOCK_RANK_MIN_ROWS, 16):
+        select.select_by_rank(None, jnp.zeros((rows, 8), jnp.int32), None, 4)
+    assert taken == ["pairs", "pairs", "blocks", "blocks"]
 
 
 @pytest.mark.gpu

@@ -995,9 +995,10 @@ def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512, num_warps=4, num_
 
 
 # From this many rows, rank_select's T·cap² compares become two launches of ~T·cap·bj
-# compares and T·cap·(cap / bj) binary-search probes (:func:`block_rank_select`). None:
-# off. Not yet measured on a GPU (WORKSPACE.md, prepared for run 65): off until it is.
-BLOCK_RANK_MIN_ROWS: int | None = None
+# compares and T·cap·(cap / bj) binary-search probes (:func:`block_rank_select`): at
+# 4 / 8 / 16 rows × 64K 8.5 / 13.8 / 24.2 µs against 10.0 / 17.5 / 33.9; at one row
+# 5.7 against 4.4, two launches of latency (WORKSPACE.md, run 65). None: off.
+BLOCK_RANK_MIN_ROWS: int | None = 4
 
 
 def _within_block_rank_kernel(codes_ref, count_ref, sorted_ref, own_rank_ref, *, cap, bi, bj):
@@ -1021,11 +1022,16 @@ def _within_block_rank_kernel(codes_ref, count_ref, sorted_ref, own_rank_ref, *,
 
 
 def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref, out_ids_ref,
-                        out_scores_ref, *, top_k, cap, bi, bj):  # fmt: skip
+                        out_scores_ref, *, top_k, cap, bi, bj, stride):  # fmt: skip
     """Program (row, part): each live slot's rank in its row is its rank in its own block
     plus, for every other block, how many of the block's sorted codes are ahead of it
     (a code ≥ its own in earlier blocks, > in later ones), found by binary search; then
-    written at that rank when below K, as :func:`rank_select` does."""
+    written at that rank when below K, as :func:`rank_select` does.
+
+    ``stride`` > 1: the search starts from splitters, every stride-th sorted code of each
+    block loaded once per program (they do not depend on the slots); counting those
+    ahead narrows each search to stride - 1 codes, so log2(stride) dependent probes
+    remain of log2(bj)."""
     row, first, n = _row_part(count_ref, cap, bi)
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
@@ -1036,8 +1042,9 @@ def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref,
         width = 1 << (n_blocks - 1).bit_length()  # Triton tiles are powers of two
         block = jnp.arange(width, dtype=jnp.int32)
         own = first // bj
-        length = jnp.clip(n - block * bj, 0, bj)  # live codes in each block
-        length = jnp.where(block == own, 0, length)[None, :]  # own block: counted above
+        block_len = jnp.clip(n - block * bj, 0, bj)  # live codes in each block
+        block_len = jnp.where(block == own, 0, block_len)  # own block: counted above
+        length = block_len[None, :]
         bar = c_i[:, None] - (block[None, :] < own).astype(jnp.int32)  # c_i > EMPTY: no wrap
         base = row * cap + block[None, :] * bj
 
@@ -1050,22 +1057,42 @@ def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref,
             return jnp.where(active & ahead, mid + 1, lo), jnp.where(active & ~ahead, mid, hi)
 
         zero = jnp.zeros((bi, width), jnp.int32)
-        steps = bj.bit_length()  # ⌈log2(bj + 1)⌉ halvings close any [0, ≤ bj]
-        lo, _ = jax.lax.fori_loop(0, steps, probe, (zero, zero + length))
+        if stride > 1:
+            # splitter m of a block is its code at stride·m + stride - 1; past the block's
+            # length it loads EMPTY, ahead of nothing. m splitters ahead put the count in
+            # [stride·m, stride·m + stride - 1].
+            at = (stride * jnp.arange(bj // stride, dtype=jnp.int32) + stride - 1)[None, :]
+            real = at < block_len[:, None]  # [width, bj / stride]
+            pos = jnp.where(real, row * cap + block[:, None] * bj + at, 0)
+            splitters = plt.load(sorted_ref.at[pos], mask=real, other=EMPTY_CODE)
+            ahead = (splitters[None, :, :] > bar[:, :, None]).astype(jnp.int32)
+            lo = stride * jnp.sum(ahead, axis=2)
+            bounds = (lo, jnp.minimum(lo + stride - 1, length))
+            steps = (stride - 1).bit_length()
+        else:
+            bounds = (zero, zero + length)
+            steps = bj.bit_length()  # ⌈log2(bj + 1)⌉ halvings close any [0, ≤ bj]
+        lo, _ = jax.lax.fori_loop(0, steps, probe, bounds)
         rank = rank + jnp.sum(lo, axis=1)
         outs = (out_ids_ref, out_scores_ref)
         _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
 
 
-def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, num_warps=4):
+def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, stride=1, num_warps=4):
     """:func:`rank_select` in two launches with fewer compares: each candidate is ranked
     inside its block of ``bj`` slots (T·cap·bj compares) and its code written at that
     rank into a sorted copy of the block; then its rank in the row is that plus a
     binary search in each other sorted block (T·cap·(cap / bj) probes of log2(bj)
-    steps). Same inputs, outputs and tie rule as :func:`rank_select`."""
+    steps; ``stride`` > 1 starts them from every stride-th code of the block, see
+    :func:`_merged_rank_kernel`). Same inputs, outputs and tie rule as
+    :func:`rank_select`."""
     t, cap = ids.shape
     if bj % bi:
         raise ValueError(f"block_rank_select: bj={bj} must be a multiple of bi={bi}")
+    if stride < 1 or stride & (stride - 1) or bj % stride:
+        raise ValueError(
+            f"block_rank_select: stride={stride} must be a power of two dividing bj={bj}"
+        )
     flat, interpret = codes.reshape(-1), backend.is_interpret()
     compiler = plt.CompilerParams(num_warps=num_warps, num_stages=1)
     slots = jax.ShapeDtypeStruct((t * cap,), jnp.int32)
@@ -1078,7 +1105,7 @@ def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, num_warps=4):
         name="jsparse_topk_block_rank",
     )(flat, counts)
     out_ids, out_scores = pl.pallas_call(
-        functools.partial(_merged_rank_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj),
+        functools.partial(_merged_rank_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj, stride=stride),
         grid=(t, -(-max(cap, top_k) // bi)),
         out_shape=(
             jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
