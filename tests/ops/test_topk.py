@@ -238,11 +238,8 @@ def test_gpu_slow_path_flags_compiled(check):
 
 
 _RANK_SELECTS = pytest.mark.parametrize(
-    "rank_select",
-    [select.rank_select, select.block_rank_select,
-     functools.partial(select.block_rank_select, stride=4)],
-    ids=["pairs", "blocks", "blocks-splitters"],
-)  # fmt: skip
+    "rank_select", [select.rank_select, select.block_rank_select], ids=["pairs", "blocks"]
+)
 
 
 @_RANK_SELECTS

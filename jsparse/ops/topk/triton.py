@@ -446,10 +446,13 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given):
 
 def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     """Program (row, chunk): copies segment (row, chunk) to its place in the row's buffer,
-    after the segments before it, or (chunk 0) flags the row for the exact kernel.
+    after the segments before it; when the row's total missed [min(K, length), cap], no
+    program copies and chunk 0 runs the row's slow path (:func:`_exact_row`) itself.
 
     One program per segment: a program per row copied the segments one after another,
-    a chain of dependent loads and stores (run 33: 6.5-11.6 µs of a decode step)."""
+    a chain of dependent loads and stores (run 33: 6.5-11.6 µs of a decode step). The
+    slow path here, not in a kernel of its own: that launch cost ~1 µs of every decode
+    step for rows that almost never take it (run 66)."""
     source = refs[:3]
     n_segment_refs = (1 if dense else 2) + 1  # (codes,) ids, counts: after the source
     seg_codes_ref, seg_ids_ref, seg_count_ref, _ = _buffer_refs(
@@ -486,15 +489,20 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
         plt.store(ids_ref.at[dst], vi, mask=ok)
         return carry
 
-    # A missed total copies nothing (the exact kernel rewrites the row) and is stored as
-    # the row's count: it steers the retry.
+    # A missed total copies nothing: chunk 0 writes the whole row, and the total steers
+    # its retry.
     n_copies = jnp.where(fast_ok, (n + blk - 1) // blk, 0)
     jax.lax.fori_loop(0, n_copies, copy, 0)
 
-    @pl.when(chunk == 0)
+    @pl.when((chunk == 0) & fast_ok)
     def _():
         plt.store(count_ref.at[row], total)
-        plt.store(slow_ref.at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
+        plt.store(slow_ref.at[row], FAST)
+
+    @pl.when((chunk == 0) & ~fast_ok)
+    def _():
+        outs = (codes_ref, ids_ref, count_ref, slow_ref)
+        _exact_row(source, dense, row, total, outs, top_k=top_k, cap=cap, cfg=cfg)
 
 
 def _ladder(lo, hi):
@@ -505,9 +513,9 @@ def _ladder(lo, hi):
     return jnp.clip(jnp.clip(at, -(2.0**31) + 256, 2.0**31 - 256).astype(jnp.int32), lo, hi)
 
 
-def _exact_kernel(*refs, dense, top_k, cap, cfg):
-    """Program (row): the slow path of a row flagged by the compaction kernels; other rows
-    return at once and keep their buffers (aliased in and out).
+def _exact_row(source, dense, row, missed, outs, *, top_k, cap, cfg):
+    """The slow path of a row whose first count ``missed`` [min(K, length), cap]; writes
+    the row's buffer, count and path flag (``outs``: codes or None, ids, count, flag refs).
 
     First one retry: θ from the same sample at a rank rescaled by the count the first θ
     gave, one compaction pass (run 24: 3 of 8192 i.i.d. rows at 128K miss [K, cap], and
@@ -517,53 +525,62 @@ def _exact_kernel(*refs, dense, top_k, cap, cfg):
     spaced between the two θ and compaction takes the highest that lands in [K, cap].
     Otherwise (massive ties), the exact radix search.
     """
+    codes_ref, ids_ref, count_ref, slow_ref = outs
+    blk = cfg.block
+    entries, block, lo, hi = _row_source(source, dense, row, blk)
+    count, count_many, compact = _streaming(block, *_aligned_blocks(lo, hi, blk), blk)
+    trash = count_ref.shape[0] * cap
+    length = hi - lo
+
+    def into_row(theta):  # compacts the entries ≥ θ; returns their count
+        keep = _at_least(theta, dense)
+        return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, raw=dense, peel=False)
+
+    first, theta = _sample_threshold(entries, length, top_k, cap, missed=missed)
+    stored = into_row(theta)
+
+    def search():
+        kth, cut = _exact_cut(count, count_many, top_k)
+        return kth, cut, stored * 0 + SEARCHED
+
+    def ladder():
+        trial = _ladder(jnp.minimum(theta, first), jnp.maximum(theta, first))
+        counts = count_many(lambda c, i: c[None, :] >= trial[:, None])
+        good = _fits(counts, top_k, length, cap)
+        best = jnp.max(jnp.where(good, trial, _INT_MIN))  # the fewest candidates
+        found = jnp.sum(good.astype(jnp.int32)) > 0
+        ladder_cut = lambda: (best, best * 0 + _INT_MAX, best * 0 + RETRIED)  # noqa: E731
+        return jax.lax.cond(found, ladder_cut, search)
+
+    def recompact():
+        # Ladder or search: one compaction on codes, as they counted (a ladder code
+        # need not be a score's code: it can fall among subnormals, which a float
+        # compare may flush to zero). One call site keeps the kernel's code small.
+        bracketed = (stored > cap) != (missed > cap)
+        kth, cut, path = jax.lax.cond(bracketed, ladder, search)
+        keep = lambda c, i: (c > kth) | ((c == kth) & (i <= cut))  # noqa: E731
+        return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, peel=False), path
+
+    final, path = jax.lax.cond(
+        _fits(stored, top_k, length, cap), lambda: (stored, stored * 0 + RETRIED), recompact
+    )
+    plt.store(slow_ref.at[row], path)
+    plt.store(count_ref.at[row], jnp.minimum(final, cap))
+
+
+def _exact_kernel(*refs, dense, top_k, cap, cfg):
+    """Program (row): the slow path (:func:`_exact_row`) of a row flagged by the
+    compaction kernel of whole rows; other rows return at once and keep their buffers
+    (aliased in and out). Rows split over chunks take it inside the merge kernel."""
     source = refs[:3]
     codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, dense, 1)  # aliased in/out
     row = pl.program_id(0)
-    blk = cfg.block
 
     @pl.when(plt.load(slow_ref.at[row]) != 0)
     def _():
-        entries, block, lo, hi = _row_source(source, dense, row, blk)
-        count, count_many, compact = _streaming(block, *_aligned_blocks(lo, hi, blk), blk)
-        trash = count_ref.shape[0] * cap
-        length = hi - lo
-
-        def into_row(theta):  # compacts the entries ≥ θ; returns their count
-            keep = _at_least(theta, dense)
-            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, raw=dense, peel=False)
-
         missed = plt.load(count_ref.at[row])
-        first, theta = _sample_threshold(entries, length, top_k, cap, missed=missed)
-        stored = into_row(theta)
-
-        def search():
-            kth, cut = _exact_cut(count, count_many, top_k)
-            return kth, cut, stored * 0 + SEARCHED
-
-        def ladder():
-            trial = _ladder(jnp.minimum(theta, first), jnp.maximum(theta, first))
-            counts = count_many(lambda c, i: c[None, :] >= trial[:, None])
-            good = _fits(counts, top_k, length, cap)
-            best = jnp.max(jnp.where(good, trial, _INT_MIN))  # the fewest candidates
-            found = jnp.sum(good.astype(jnp.int32)) > 0
-            ladder_cut = lambda: (best, best * 0 + _INT_MAX, best * 0 + RETRIED)  # noqa: E731
-            return jax.lax.cond(found, ladder_cut, search)
-
-        def recompact():
-            # Ladder or search: one compaction on codes, as they counted (a ladder code
-            # need not be a score's code: it can fall among subnormals, which a float
-            # compare may flush to zero). One call site keeps the kernel's code small.
-            bracketed = (stored > cap) != (missed > cap)
-            kth, cut, path = jax.lax.cond(bracketed, ladder, search)
-            keep = lambda c, i: (c > kth) | ((c == kth) & (i <= cut))  # noqa: E731
-            return compact(keep, codes_ref, ids_ref, row * cap, cap, trash, peel=False), path
-
-        final, path = jax.lax.cond(
-            _fits(stored, top_k, length, cap), lambda: (stored, stored * 0 + RETRIED), recompact
-        )
-        plt.store(slow_ref.at[row], path)
-        plt.store(count_ref.at[row], jnp.minimum(final, cap))
+        _exact_row(source, dense, row, missed, (codes_ref, ids_ref, count_ref, slow_ref),
+                   top_k=top_k, cap=cap, cfg=cfg)  # fmt: skip
 
 
 def default_chunks(rows: int, length: int) -> int:
@@ -605,7 +622,17 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
             interpret=interpret,
             name="jsparse_topk_compact",
         )(*inputs, theta)
-    else:
+        n_out = len(bufs) + 1  # flagged rows: the slow path, in place
+        *bufs, slow = pl.pallas_call(
+            functools.partial(_exact_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
+            grid=(t,),
+            out_shape=(*buffers(t), flag),
+            input_output_aliases={3 + k: k for k in range(n_out)},
+            compiler_params=compiler,
+            interpret=interpret,
+            name="jsparse_topk_exact",
+        )(*inputs, *bufs, slow)
+    else:  # the merge kernel takes flagged rows' slow path itself
         n_seg = t * chunks
         segments = pl.pallas_call(
             functools.partial(_chunk_kernel, **statics, theta_given=False),
@@ -625,16 +652,6 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
             interpret=interpret,
             name="jsparse_topk_merge",
         )(*inputs, *segments)
-    n_out = len(bufs) + 1
-    *bufs, slow = pl.pallas_call(
-        functools.partial(_exact_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
-        grid=(t,),
-        out_shape=(*buffers(t), flag),
-        input_output_aliases={3 + k: k for k in range(n_out)},
-        compiler_params=compiler,
-        interpret=interpret,
-        name="jsparse_topk_exact",
-    )(*inputs, *bufs, slow)
     *slots, count = bufs
     return (*(x.reshape(t, cap) for x in slots), count, slow)
 
@@ -1022,16 +1039,11 @@ def _within_block_rank_kernel(codes_ref, count_ref, sorted_ref, own_rank_ref, *,
 
 
 def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref, out_ids_ref,
-                        out_scores_ref, *, top_k, cap, bi, bj, stride):  # fmt: skip
+                        out_scores_ref, *, top_k, cap, bi, bj):  # fmt: skip
     """Program (row, part): each live slot's rank in its row is its rank in its own block
     plus, for every other block, how many of the block's sorted codes are ahead of it
     (a code ≥ its own in earlier blocks, > in later ones), found by binary search; then
-    written at that rank when below K, as :func:`rank_select` does.
-
-    ``stride`` > 1: the search starts from splitters, every stride-th sorted code of each
-    block loaded once per program (they do not depend on the slots); counting those
-    ahead narrows each search to stride - 1 codes, so log2(stride) dependent probes
-    remain of log2(bj)."""
+    written at that rank when below K, as :func:`rank_select` does."""
     row, first, n = _row_part(count_ref, cap, bi)
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
@@ -1042,9 +1054,8 @@ def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref,
         width = 1 << (n_blocks - 1).bit_length()  # Triton tiles are powers of two
         block = jnp.arange(width, dtype=jnp.int32)
         own = first // bj
-        block_len = jnp.clip(n - block * bj, 0, bj)  # live codes in each block
-        block_len = jnp.where(block == own, 0, block_len)  # own block: counted above
-        length = block_len[None, :]
+        length = jnp.clip(n - block * bj, 0, bj)  # live codes in each block
+        length = jnp.where(block == own, 0, length)[None, :]  # own block: counted above
         bar = c_i[:, None] - (block[None, :] < own).astype(jnp.int32)  # c_i > EMPTY: no wrap
         base = row * cap + block[None, :] * bj
 
@@ -1057,42 +1068,22 @@ def _merged_rank_kernel(codes_ref, ids_ref, count_ref, sorted_ref, own_rank_ref,
             return jnp.where(active & ahead, mid + 1, lo), jnp.where(active & ~ahead, mid, hi)
 
         zero = jnp.zeros((bi, width), jnp.int32)
-        if stride > 1:
-            # splitter m of a block is its code at stride·m + stride - 1; past the block's
-            # length it loads EMPTY, ahead of nothing. m splitters ahead put the count in
-            # [stride·m, stride·m + stride - 1].
-            at = (stride * jnp.arange(bj // stride, dtype=jnp.int32) + stride - 1)[None, :]
-            real = at < block_len[:, None]  # [width, bj / stride]
-            pos = jnp.where(real, row * cap + block[:, None] * bj + at, 0)
-            splitters = plt.load(sorted_ref.at[pos], mask=real, other=EMPTY_CODE)
-            ahead = (splitters[None, :, :] > bar[:, :, None]).astype(jnp.int32)
-            lo = stride * jnp.sum(ahead, axis=2)
-            bounds = (lo, jnp.minimum(lo + stride - 1, length))
-            steps = (stride - 1).bit_length()
-        else:
-            bounds = (zero, zero + length)
-            steps = bj.bit_length()  # ⌈log2(bj + 1)⌉ halvings close any [0, ≤ bj]
-        lo, _ = jax.lax.fori_loop(0, steps, probe, bounds)
+        steps = bj.bit_length()  # ⌈log2(bj + 1)⌉ halvings close any [0, ≤ bj]
+        lo, _ = jax.lax.fori_loop(0, steps, probe, (zero, zero + length))
         rank = rank + jnp.sum(lo, axis=1)
         outs = (out_ids_ref, out_scores_ref)
         _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
 
 
-def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, stride=1, num_warps=4):
+def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, num_warps=4):
     """:func:`rank_select` in two launches with fewer compares: each candidate is ranked
     inside its block of ``bj`` slots (T·cap·bj compares) and its code written at that
     rank into a sorted copy of the block; then its rank in the row is that plus a
     binary search in each other sorted block (T·cap·(cap / bj) probes of log2(bj)
-    steps; ``stride`` > 1 starts them from every stride-th code of the block, see
-    :func:`_merged_rank_kernel`). Same inputs, outputs and tie rule as
-    :func:`rank_select`."""
+    steps). Same inputs, outputs and tie rule as :func:`rank_select`."""
     t, cap = ids.shape
     if bj % bi:
         raise ValueError(f"block_rank_select: bj={bj} must be a multiple of bi={bi}")
-    if stride < 1 or stride & (stride - 1) or bj % stride:
-        raise ValueError(
-            f"block_rank_select: stride={stride} must be a power of two dividing bj={bj}"
-        )
     flat, interpret = codes.reshape(-1), backend.is_interpret()
     compiler = plt.CompilerParams(num_warps=num_warps, num_stages=1)
     slots = jax.ShapeDtypeStruct((t * cap,), jnp.int32)
@@ -1105,7 +1096,7 @@ def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, stride=1, num
         name="jsparse_topk_block_rank",
     )(flat, counts)
     out_ids, out_scores = pl.pallas_call(
-        functools.partial(_merged_rank_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj, stride=stride),
+        functools.partial(_merged_rank_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj),
         grid=(t, -(-max(cap, top_k) // bi)),
         out_shape=(
             jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
