@@ -57,7 +57,9 @@ def test_loaded_model_matches_numpy(gguf_path, weights):
     ref = numpy_llama.forward(stored, CFG.to_dict(), ids)
     model = load_model(gguf_path)
     logits, _ = forward_fn(model)(ids[None])
-    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], rtol=2e-5, atol=2e-5)
+    # f32 against the f64 numpy pass: ~3e-5 apart on some CPU builds; a wrong
+    # un-permutation moves them by units (26 on this model)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], rtol=1e-4, atol=1e-4)
     for layer, arrays in capture_qkv(model, ids):
         for name in ("q", "k", "v"):
             np.testing.assert_allclose(arrays[name], ref[name][layer], rtol=2e-5, atol=2e-5)
