@@ -178,6 +178,7 @@ def test_fp8_tiles_follow_where_the_widening_happens(monkeypatch):
     monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", 16)
     assert scorer.default_config(8192, 64, fp8_keys=True).block_t == 2
     assert scorer.default_config(8, 64, fp8_keys=True).block_t == 4
+    assert scorer.default_config(8, 64, fp8_keys=True).num_warps == 4  # decode: run 66
     assert scorer.default_config(8192, 64, fp8_keys=False).block_t == 2
     monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", None)
     assert scorer.default_config(8192, 64, fp8_keys=True).block_t == 4
@@ -190,6 +191,20 @@ def test_fp8_tiles_follow_where_the_widening_happens(monkeypatch):
     assert not scorer._widen_in_memory(8192, bf16, bf16, bf16, shared_keys=True)
     # Keys of one query each (a decode batch, a paged pool): never copied.
     assert not scorer._widen_in_memory(64, fp8, fp8, f16, shared_keys=False)
+
+
+def test_exhaustive_report_in_one_launch(kernel_impl):
+    from jsparse.ops.indexer.report import exhaustive_report
+
+    for t in (1, 3, 1500):  # one program, a partial one, two programs
+        start = jnp.asarray(np.arange(t, dtype=np.int32) % 7)
+        end = start + jnp.asarray(np.arange(t, dtype=np.int32) * 3)
+        visible, candidates, survivors, threshold, fallback = exhaustive_report(start, end)
+        for got in (visible, candidates, survivors):
+            assert got.dtype == jnp.int32
+            np.testing.assert_array_equal(got, np.asarray(end - start))
+        assert threshold.dtype == jnp.float32 and np.isneginf(np.asarray(threshold)).all()
+        assert fallback.dtype == jnp.bool_ and not np.asarray(fallback).any()
 
 
 @pytest.mark.parametrize("method", ["base", "full"])

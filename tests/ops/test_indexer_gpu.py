@@ -47,6 +47,16 @@ def test_base_and_full_are_exact(t, s, causal, dtype):
     assert not problems, problems[:5]
 
 
+def test_base_report_is_its_ranges():
+    # decode and a chunk past one report program (1024 queries): each report field
+    x = inputs(1100, 4096, jnp.bfloat16, causal=True)
+    got = jsparse.indexer_topk(**x, top_k=K, method="base", implementation="triton")
+    want = np.asarray(x["kv_end"] - x["kv_start"])
+    for field in (got.visible, got.candidates, got.survivors):
+        np.testing.assert_array_equal(np.asarray(field), want)
+    assert np.isneginf(np.asarray(got.threshold)).all() and not np.asarray(got.fallback).any()
+
+
 def test_scores_kernel_matches_reference():
     x = inputs(16, 8192, jnp.bfloat16, causal=True)
     got = np.asarray(jsparse.indexer_scores(**x, implementation="triton"))

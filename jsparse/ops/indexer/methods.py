@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse.ops.indexer import triton as scorer
+from jsparse.ops.indexer.report import exhaustive_report
 from jsparse.ops.indexer.result import IndexerTopK
 from jsparse.ops.topk import triton as select
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score
@@ -150,9 +151,8 @@ def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True)
 def topk_from_scores(scores, start, end, top_k, *, sort=True):
     """``base``'s second half: exact selection over dense [T, S] scores, and its report."""
     indices, values = select_dense(scores, start, end, top_k, sort)
-    t = scores.shape[0]
-    empty = jnp.full((t,), EMPTY_CODE, jnp.int32)
-    return _result(indices, values, start, end, end - start, empty, jnp.zeros((t,), bool))
+    visible, candidates, survivors, threshold, fallback = exhaustive_report(start, end)
+    return IndexerTopK(indices, values, visible, candidates, survivors, threshold, fallback)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "n_seeds", "capacity", "cfg", "sort"))

@@ -85,7 +85,10 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
     if num_queries == 1 or heads >= 128:
         return ScorerConfig(block_t=1)
     in_registers = fp8_keys and not widens_fp8_in_memory(num_queries)
-    return ScorerConfig(block_t=4 if in_registers and num_queries >= 4 else 2)
+    if in_registers and num_queries >= 4:
+        # decode-sized launches at 4 warps: 21.9 µs against 27.0 at 8 warps, 8 × 64K (run 66)
+        return ScorerConfig(block_t=4, num_warps=4 if num_queries < 16 else 8)
+    return ScorerConfig(block_t=2)
 
 
 def widens_fp8_in_memory(num_queries: int) -> bool:
