@@ -56,12 +56,13 @@ def test_selection_kernels_lower_to_cuda():
     scores = jax.ShapeDtypeStruct((t, s), jnp.float32)
     rng = jax.ShapeDtypeStruct((t,), i32)
     for chunks in (1, 8):
-        lower_for_h200(
-            lambda x, a, b, c=chunks: select.compact_rows(x, a, b, K, cap, chunks=c),
-            scores,
-            rng,
-            rng,
-        )
+        for codes in (False, True):
+            lower_for_h200(
+                lambda x, a, b, c=chunks, w=codes: select.compact_rows(
+                    x, a, b, K, cap, chunks=c, with_codes=w
+                ),
+                scores, rng, rng,
+            )  # fmt: skip
     for width in (n, 30720):  # gathered and aligned block loads
         rec = jax.ShapeDtypeStruct((t, width), i32)
         lower_for_h200(

@@ -119,6 +119,31 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
         np.testing.assert_array_equal(np.asarray(slow)[:2], select.SEARCHED)
 
 
+def _assert_codes_of_live_slots(codes, want, counts):
+    live = np.arange(codes.shape[1])[None, :] < np.asarray(counts)[:, None]
+    np.testing.assert_array_equal(np.asarray(codes)[live], np.asarray(want)[live])
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("kind", ["all-equal", "specials"])
+def test_compact_rows_writes_the_codes_it_keeps(kind, chunks, kernel_impl):
+    # the codes beside the ids, on the fast path, the slow one (all-equal: the exact
+    # search rewrites the row) and on -0 / NaN / ±inf
+    rng = np.random.default_rng(5)
+    s, top_k, cap = 9000, 40, 512
+    start_end = [(0, s), (100, 7000), (s - 10, s)]
+    scores = jnp.asarray(_adversarial_rows(kind, 3, s, start_end, rng))
+    start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
+    args = (scores, start, end, top_k, cap)
+    codes, ids, count, slow = select.compact_rows(*args, chunks=chunks, with_codes=True)
+    want_ids, want_count, want_slow = select.compact_rows(*args, chunks=chunks)
+    np.testing.assert_array_equal(count, want_count)
+    np.testing.assert_array_equal(slow, want_slow)
+    live = np.arange(cap)[None, :] < np.asarray(count)[:, None]
+    np.testing.assert_array_equal(np.asarray(ids)[live], np.asarray(want_ids)[live])
+    _assert_codes_of_live_slots(codes, select.gathered_codes(scores, ids, count), count)
+
+
 @pytest.mark.parametrize("width", [6000, 6144])
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_compact_records_then_select(chunks, width, kernel_impl):
@@ -256,8 +281,10 @@ def test_rank_select_after_compaction(kind, bi, bj, rank_select, kernel_impl):
     scores = _adversarial_rows(kind, len(start_end), s, start_end, rng)
     start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
     scores = jnp.asarray(scores)
-    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, chunks=3)
-    codes = select.gathered_codes(scores, ids, count)
+    codes, ids, count, _ = select.compact_rows(
+        scores, start, end, top_k, cap, chunks=3, with_codes=True
+    )
+    _assert_codes_of_live_slots(codes, select.gathered_codes(scores, ids, count), count)
     got = rank_select(codes, ids, count, top_k, bi=bi, bj=bj)
     vis = visible_key_ids(start, end, s)
     want = select_topk_reference(scores, vis, top_k)

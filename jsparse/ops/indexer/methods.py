@@ -125,9 +125,10 @@ def select_dense(scores, start, end, top_k, sort):
     """Exact Top-K of dense [T, S] score rows over [start, end): ``base``'s selection,
     and :func:`jsparse.topk`'s Triton implementation."""
     cap = candidate_capacity(top_k, scores.shape[1])
-    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
     if select.rank_selects(scores.shape[0], cap):  # decode: selected and ordered at once
-        return select.select_by_rank(select.gathered_codes(scores, ids, count), ids, count, top_k)
+        codes, ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, with_codes=True)
+        return select.select_by_rank(codes, ids, count, top_k)
+    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
     sel_codes, sel_ids, _ = select.select_rows(scores, ids, count, top_k)
     return _finish(sel_codes, sel_ids, id_ordered=True, sort=sort)
 

@@ -290,8 +290,8 @@ def _streaming(block, first, n_blocks, blk):
             pos = stored + jnp.cumsum(keep_i) - 1
             store = keep & (pos < cap)
             dst = jnp.where(store, base + pos, trash)
-            if out_codes is not None:
-                plt.store(out_codes.at[dst], c, mask=store)
+            if out_codes is not None:  # raw scores become codes only here
+                plt.store(out_codes.at[dst], score_code(c) if raw else c, mask=store)
             plt.store(out_ids.at[dst], i, mask=store)
             return stored + jnp.sum(keep_i)
 
@@ -386,14 +386,14 @@ def _at_least(theta, dense):
     return lambda c, i: c >= theta
 
 
-def _buffer_refs(refs, dense, n_flags):
+def _buffer_refs(refs, codes, n_flags):
     """(codes or None, ids, count, flags): the candidate buffer refs that end ``refs``
-    (slots, then a count per row or segment, then ``n_flags`` per-row flag refs). Dense
-    buffers hold no codes."""
-    n_slots = 1 if dense else 2
+    (slots, then a count per row or segment, then ``n_flags`` per-row flag refs).
+    ``codes``: the buffers hold codes beside the ids (always for records; for dense
+    rows when asked, see :func:`compact_rows`)."""
+    n_slots = 2 if codes else 1
     bufs = refs[len(refs) - (n_slots + 1 + n_flags) :]
-    codes = None if dense else bufs[0]
-    return codes, bufs[n_slots - 1], bufs[n_slots], bufs[n_slots + 1 :]
+    return bufs[0] if codes else None, bufs[n_slots - 1], bufs[n_slots], bufs[n_slots + 1 :]
 
 
 def _fits(n, top_k, length, cap):
@@ -409,7 +409,7 @@ def _theta_kernel(*refs, dense, top_k, cap, cfg):
     plt.store(theta_ref.at[row], _sample_threshold(entries, hi - lo, top_k, cap))
 
 
-def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given):
+def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     """Program (row, chunk): compacts entries ≥ θ of its chunk of the row.
 
     With one chunk it writes the final buffer and flags the row for the exact kernel when
@@ -419,7 +419,7 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given):
     :func:`_theta_kernel` (the 4th input) instead of this program's own sample.
     """
     source = refs[:3]
-    codes_ref, ids_ref, count_ref, flags = _buffer_refs(refs, dense, 1 if chunks == 1 else 0)
+    codes_ref, ids_ref, count_ref, flags = _buffer_refs(refs, codes, 1 if chunks == 1 else 0)
     row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
     entries, block, lo, hi = _row_source(source, dense, row, blk)
@@ -444,7 +444,7 @@ def _chunk_kernel(*refs, dense, top_k, cap, chunks, cfg, theta_given):
     plt.store(flags[0].at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
 
 
-def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
+def _merge_kernel(*refs, dense, codes, top_k, cap, chunks, cfg):
     """Program (row, chunk): copies segment (row, chunk) to its place in the row's buffer,
     after the segments before it; when the row's total missed [min(K, length), cap], no
     program copies and chunk 0 runs the row's slow path (:func:`_exact_row`) itself.
@@ -454,11 +454,11 @@ def _merge_kernel(*refs, dense, top_k, cap, chunks, cfg):
     slow path here, not in a kernel of its own: that launch cost ~1 µs of every decode
     step for rows that almost never take it (run 66)."""
     source = refs[:3]
-    n_segment_refs = (1 if dense else 2) + 1  # (codes,) ids, counts: after the source
+    n_segment_refs = (2 if codes else 1) + 1  # (codes,) ids, counts: after the source
     seg_codes_ref, seg_ids_ref, seg_count_ref, _ = _buffer_refs(
-        refs[: 3 + n_segment_refs], dense, 0
+        refs[: 3 + n_segment_refs], codes, 0
     )
-    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, dense, 1)
+    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, codes, 1)
     row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
     _, _, lo, hi = _row_source(source, dense, row, blk)
@@ -568,12 +568,12 @@ def _exact_row(source, dense, row, missed, outs, *, top_k, cap, cfg):
     plt.store(count_ref.at[row], jnp.minimum(final, cap))
 
 
-def _exact_kernel(*refs, dense, top_k, cap, cfg):
+def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
     """Program (row): the slow path (:func:`_exact_row`) of a row flagged by the
     compaction kernel of whole rows; other rows return at once and keep their buffers
     (aliased in and out). Rows split over chunks take it inside the merge kernel."""
     source = refs[:3]
-    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, dense, 1)  # aliased in/out
+    codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, codes, 1)  # aliased in/out
     row = pl.program_id(0)
 
     @pl.when(plt.load(slow_ref.at[row]) != 0)
@@ -588,16 +588,21 @@ def default_chunks(rows: int, length: int) -> int:
     return int(max(1, min(-(-4 * 132 // rows), length // 4096, 64)))
 
 
-def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
+_EXACT_STATICS = ("dense", "codes", "top_k", "cap", "cfg")
+
+
+def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes=None):
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
     i32 = jnp.int32
 
+    codes = not dense if codes is None else codes
+
     def buffers(n):  # (codes,) ids, count. No init: nothing reads a slot past its count.
         slots = jax.ShapeDtypeStruct((n * cap,), i32)
-        return (slots,) * (1 if dense else 2) + (jax.ShapeDtypeStruct((n,), i32),)
+        return (slots,) * (2 if codes else 1) + (jax.ShapeDtypeStruct((n,), i32),)
 
-    statics = dict(dense=dense, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
+    statics = dict(dense=dense, codes=codes, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
     flag = jax.ShapeDtypeStruct((t,), i32)
     if chunks == 1:
         # θ in a kernel of its own: its sample (4096 entries held in registers) would
@@ -624,7 +629,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
         )(*inputs, theta)
         n_out = len(bufs) + 1  # flagged rows: the slow path, in place
         *bufs, slow = pl.pallas_call(
-            functools.partial(_exact_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
+            functools.partial(_exact_kernel, **{k: statics[k] for k in _EXACT_STATICS}),
             grid=(t,),
             out_shape=(*buffers(t), flag),
             input_output_aliases={3 + k: k for k in range(n_out)},
@@ -656,7 +661,8 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks):
     return (*(x.reshape(t, cap) for x in slots), count, slow)
 
 
-def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None):
+def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None, *,
+                 with_codes=False):  # fmt: skip
     """Candidate ids [T, cap] (id order) holding each row's exact Top-K; no codes: the
     select gathers their scores back (:func:`select_rows`). Slots past a row's count
     are undefined.
@@ -666,11 +672,15 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
     for one retry at a rescaled rank, SEARCHED (2) for the exact radix search).
     ``cap ≥ top_k``. A row that a ladder of thresholds rescued also reports RETRIED.
     ``chunks`` programs share a row (default: :func:`default_chunks`),
-    for few rows.
+    for few rows. ``with_codes``: returns (codes, ids, count, slow), the candidates'
+    codes written as they are kept (what :func:`gathered_codes` would read back; for
+    decode rows, where that gather is its own launch: ~1.5 µs a step, run 67). Not by
+    default: many rows would pay one more store per kept entry (run 41).
     """
     t, s = scores.shape
     chunks = chunks or default_chunks(t, s)
-    return _compact_call((scores, start, end), t, top_k, cap, True, cfg, chunks)
+    inputs = (scores, start, end)
+    return _compact_call(inputs, t, top_k, cap, True, cfg, chunks, codes=with_codes)
 
 
 def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=None):
