@@ -207,6 +207,26 @@ def test_exhaustive_report_in_one_launch(kernel_impl):
         assert fallback.dtype == jnp.bool_ and not np.asarray(fallback).any()
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[6]], ids=str)
+def test_scorer_written_report_is_the_reports(case, kernel_impl, monkeypatch):
+    # base's report written by the scorer launch (one program per query block) equals
+    # the report kernel's: every field, a partial last query block included
+    from jsparse.ops.indexer import methods
+
+    x = {n: None if v is None else jnp.asarray(v) for n, v in make_inputs(case, FP8).items()}
+    args = (x["q"], x["weights"], x["k"], case.top_k, x["k_scale"], x["kv_start"], x["kv_end"])
+    monkeypatch.setattr(methods, "SCORER_WRITES_REPORT", False)
+    jax.clear_caches()
+    want = methods.topk_base(*args)
+    monkeypatch.setattr(methods, "SCORER_WRITES_REPORT", True)
+    jax.clear_caches()
+    got = methods.topk_base(*args)
+    jax.clear_caches()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("method", ["base", "full"])
 def test_unsorted_is_the_same_set(method, kernel_impl):
     case = CASES[2]

@@ -57,6 +57,24 @@ def test_base_report_is_its_ranges():
     assert np.isneginf(np.asarray(got.threshold)).all() and not np.asarray(got.fallback).any()
 
 
+@pytest.mark.parametrize("t", [1, 8])
+def test_scorer_written_report_is_the_same_result(t, monkeypatch, request):
+    from jsparse.ops.indexer import methods
+
+    x = inputs(t, 65536, jnp.float8_e4m3fn, causal=False)
+    x["kv_end"] = x["kv_end"].at[-1].set(1500)  # one row sees fewer keys than K
+    args = (x["q"], x["weights"], x["k"], K, x["k_scale"], x["kv_start"], x["kv_end"])
+    request.addfinalizer(jax.clear_caches)
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(methods, "SCORER_WRITES_REPORT", on)
+        jax.clear_caches()
+        results.append(jax.tree.leaves(methods.topk_base(*args)))
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_scores_kernel_matches_reference():
     x = inputs(16, 8192, jnp.bfloat16, causal=True)
     got = np.asarray(jsparse.indexer_scores(**x, implementation="triton"))

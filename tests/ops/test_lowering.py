@@ -40,6 +40,16 @@ def test_lowers_to_cuda(name, dtype, t):
     assert "triton" in lowered.as_text().lower() or "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
+@pytest.mark.parametrize("t", [1, T], ids=["decode", "chunk"])
+def test_base_with_the_scorer_written_report_lowers_to_cuda(t, monkeypatch):
+    monkeypatch.setattr(methods, "SCORER_WRITES_REPORT", True)
+    jax.clear_caches()
+    try:
+        lower_for_h200(KERNELS["base"], *_structs(jnp.float8_e4m3fn, t))
+    finally:
+        jax.clear_caches()
+
+
 def test_fp8_widened_in_memory_lowers_to_cuda(monkeypatch):
     monkeypatch.setattr(indexer_triton, "WIDEN_FP8_IN_MEMORY_FROM", 1)
     jax.clear_caches()

@@ -165,6 +165,9 @@ class _Plan:
     interpret: bool
     page_size: int = 0  # > 0: key id i lives at row pages[i // P]·P + i % P of k
     has_scale: bool = True  # keys carry a per-key scale (k_scale given)
+    # Dense launches may also write an exhaustive method's per-query report (see
+    # :mod:`jsparse.ops.indexer.report`), from each query block's first split.
+    report: bool = False
 
 
 def _optional_inputs(p):
@@ -276,7 +279,11 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             plt.store(count_ref.at[jnp.where(row_ok, rows, p.t)], written, mask=row_ok)
         return
 
-    out_ref = refs[-1]  # (the fill launch also sees the aliased scores before it)
+    if p.report:
+        out_ref, *report_refs = refs[-6:]
+        _write_report(report_refs, rows, row_ok, start, end, first_split=split == 0, t=p.t)
+    else:
+        out_ref = refs[-1]  # (the fill launch also sees the aliased scores before it)
 
     def dense_body(j, carry):
         ids = tile_ids(j)
@@ -308,6 +315,20 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             return carry
 
         jax.lax.fori_loop(split * per, jnp.minimum((split + 1) * per, outside), fill_body, 0)
+
+
+def _write_report(refs, rows, row_ok, start, end, *, first_split, t):
+    """visible, candidates, survivors (end - start), threshold (-inf), fallback (False)
+    of a query block's rows: the report of :func:`jsparse.ops.indexer.report.
+    exhaustive_report`, written here to spare its launch."""
+
+    @pl.when(first_split)
+    def _():
+        dst = jnp.where(row_ok, rows, t)  # one past the end: dropped or masked
+        for ref in refs[:3]:
+            plt.store(ref.at[dst], end - start, mask=row_ok)
+        plt.store(refs[3].at[dst], jnp.full(rows.shape, _NEG_INF, jnp.float32), mask=row_ok)
+        plt.store(refs[4].at[dst], jnp.zeros(rows.shape, jnp.bool_), mask=row_ok)
 
 
 def _pad_heads_dims(q, weights, k, block_t):
@@ -356,14 +377,17 @@ def _num_keys(k, page_table, page_size):
 def _launch(
     q, weights, k, k_scale, start, end, *,
     tau_codes=None, key_ids=None, key_counts=None, records_cap=None, fill=False, cfg=None,
-    splits=None, page_table=None, page_size=0, shared_keys=True,
+    splits=None, page_table=None, page_size=0, shared_keys=True, report=False,
 ):  # fmt: skip
     """One scorer launch. ``page_table`` [n_pages] int32 (-1: no page) with ``page_size``
     P: key ids run over n_pages·P virtual slots, id i stored at row
     page_table[i // P]·P + i % P of ``k`` (and of ``k_scale``). ``shared_keys`` False:
     each query sees keys of its own, which are then never widened in memory (see
-    :func:`_widen_in_memory`); a paged pool is always so."""
+    :func:`_widen_in_memory`); a paged pool is always so. ``report`` (dense, no fill):
+    also returns the exhaustive report's five [T] rows after the scores."""
     t, _, _ = q.shape
+    if report and (records_cap is not None or fill):
+        raise ValueError("_launch: report is for a dense launch without fill")
     s = _num_keys(k, page_table, page_size)
     cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
@@ -391,7 +415,7 @@ def _launch(
         t=t, s=s, heads=hp, dim=dp, cfg=cfg, compute=cdt, key_list=key_ids is not None,
         list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill_only=False,
         interpret=backend.is_interpret(), page_size=page_size if page_table is not None else 0,
-        has_scale=k_scale is not None,
+        has_scale=k_scale is not None, report=report,
     )  # fmt: skip
     pages = None if page_table is None else page_table.astype(jnp.int32)
     given = dict(scale=k_scale, tau=tau, ids=ids, n_ids=n_ids, pages=pages)
@@ -409,6 +433,10 @@ def _launch(
     else:
         out_shape = (jax.ShapeDtypeStruct((t, s), jnp.float32),)
         initial = ()
+        if report:
+            rows = jax.ShapeDtypeStruct((t,), jnp.int32)
+            flags = (jax.ShapeDtypeStruct((t,), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.bool_))
+            out_shape += (rows, rows, rows, *flags)
     inputs = (q, weights, k, start, end, *(given[n] for n in _optional_inputs(p)))
 
     def call(plan, initial, name):
