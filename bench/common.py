@@ -125,9 +125,10 @@ def time_fn(fn: Callable, input_sets: Sequence[tuple], *, budget_s: float = 1.0)
     return Timing(statistics.median(samples), q[0], q[-1], repeats * per_repeat)
 
 
-def device_busy_s(fn: Callable, input_sets: Sequence[tuple], *, calls: int = 30) -> float | None:
-    """GPU busy time per call: the summed durations of the kernels (and memsets) that
-    ``calls`` back-to-back calls ran, from a profiler trace, over ``calls``.
+def device_busy_by_kernel(fn: Callable, input_sets: Sequence[tuple], *,
+                         calls: int = 30) -> dict[str, float] | None:  # fmt: skip
+    """GPU busy seconds per call of each kernel (and memset), by name, over ``calls``
+    back-to-back calls, from a profiler trace: where a call's device time goes.
 
     Launch gaps and host dispatch are excluded, so at small shapes this is what a
     model's own jitted step would pay; ``time_fn`` measures what a Python caller pays.
@@ -144,11 +145,17 @@ def device_busy_s(fn: Callable, input_sets: Sequence[tuple], *, calls: int = 30)
         (path,) = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)
         with gzip.open(path) as f:
             events = json.load(f)["traceEvents"]
-    return busy_from_trace(events, calls)
+    return kernels_from_trace(events, calls)
 
 
-def busy_from_trace(events: list[dict], calls: int) -> float | None:
-    """Seconds per call of GPU activity in perfetto trace events (see device_busy_s)."""
+def device_busy_s(fn: Callable, input_sets: Sequence[tuple], *, calls: int = 30) -> float | None:
+    """GPU busy time per call: the kernels of :func:`device_busy_by_kernel`, summed."""
+    kernels = device_busy_by_kernel(fn, input_sets, calls=calls)
+    return None if kernels is None else sum(kernels.values())
+
+
+def _stream_kernels(events: list[dict]) -> list[dict]:
+    """The kernel and memset events of a perfetto trace's GPU stream lines."""
     meta = [e for e in events if e.get("ph") == "M"]
     gpus = {e["pid"] for e in meta if e.get("name") == "process_name"
             and "GPU" in e["args"].get("name", "")}  # fmt: skip
@@ -156,9 +163,22 @@ def busy_from_trace(events: list[dict], calls: int) -> float | None:
     lines = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in meta
              if e.get("name") == "thread_name" and e["pid"] in gpus}  # fmt: skip
     annotation = {key for key, name in lines.items() if name.startswith(("XLA", "Steps"))}
-    busy = [e["dur"] for e in events if e.get("ph") == "X" and e.get("pid") in gpus
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus
             and (e["pid"], e.get("tid")) not in annotation]  # fmt: skip
-    return 1e-6 * sum(busy) / calls if busy else None
+
+
+def kernels_from_trace(events: list[dict], calls: int) -> dict[str, float] | None:
+    """Seconds per call of each GPU kernel name in perfetto trace events, largest first."""
+    by_name: dict[str, float] = {}
+    for e in _stream_kernels(events):
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + 1e-6 * e["dur"] / calls
+    return dict(sorted(by_name.items(), key=lambda kv: -kv[1])) or None
+
+
+def busy_from_trace(events: list[dict], calls: int) -> float | None:
+    """Seconds per call of GPU activity in perfetto trace events (see device_busy_s)."""
+    kernels = kernels_from_trace(events, calls)
+    return None if kernels is None else sum(kernels.values())
 
 
 def check_then_time(row: dict, fn: Callable, sets: Sequence, check: Callable, *,
@@ -166,7 +186,8 @@ def check_then_time(row: dict, fn: Callable, sets: Sequence, check: Callable, *,
                     flops: float | None = None):  # fmt: skip
     """One benchmark row: run ``fn`` on ``sets[0]``, check the result, and only then time
     it over ``sets`` (rotating). ``check(result)`` returns a list of problems. Fills
-    ``row`` (status, times, rates) and returns the result (None when it did not run)."""
+    ``row`` (status, times, rates; with ``device_time`` also the GPU busy time, in all
+    and by kernel) and returns the result (None when it did not run)."""
     try:
         result = block(fn(sets[0]))
     except Exception as err:  # e.g. out of memory for a naive baseline
@@ -189,8 +210,9 @@ def check_then_time(row: dict, fn: Callable, sets: Sequence, check: Callable, *,
     if flops is not None:
         row["tflops"] = flops / timing.median_s / 1e12
     if device_time:
-        busy = device_busy_s(fn, args)
-        row["device_ms"] = None if busy is None else 1e3 * busy
+        kernels = device_busy_by_kernel(fn, args)
+        row["device_ms"] = None if kernels is None else 1e3 * sum(kernels.values())
+        row["kernels_us"] = {k: 1e6 * v for k, v in (kernels or {}).items()}
     return result
 
 
@@ -265,6 +287,21 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]):
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for b in body:
         print("  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)))
+
+
+def print_kernels(rows: list[dict], *, top: int = 8):
+    """Each timed row's largest kernels by GPU busy µs per call (``--device-time``):
+    where a case's time goes."""
+    rows = [r for r in rows if r.get("kernels_us")]
+    if not rows:
+        return
+    print("GPU busy by kernel, µs per call (largest first):")
+    for r in rows:
+        kernels = list(r["kernels_us"].items())
+        shown = ", ".join(f"{name} {us:.1f}" for name, us in kernels[:top])
+        rest = sum(us for _, us in kernels[top:])
+        more = f", {len(kernels) - top} more {rest:.1f}" if len(kernels) > top else ""
+        print(f"  {r['case']} {r['method']}: {shown}{more}")
 
 
 def write_json(path: str | None, payload: dict):

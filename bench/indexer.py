@@ -38,7 +38,7 @@ def add_arguments(parser):
     parser.add_argument(
         "--device-time", action="store_true",
         help="also the GPU busy time per call from a profiler trace (kernels only: no "
-        "host dispatch or launch gaps), and speedups on it",
+        "host dispatch or launch gaps), speedups on it, and its largest kernels",
     )  # fmt: skip
     common.add_widen_argument(parser)
     parser.add_argument(

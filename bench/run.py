@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     with backend.interpret_mode(args.backend == "interpret"):
         rows = module.run(args, floors, impl)
     common.print_table(rows, module.COLUMNS)
+    common.print_kernels(rows)
     common.write_json(
         args.json, {"env": env, "floors": floors.as_dict(), "args": vars(args), "rows": rows}
     )

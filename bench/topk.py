@@ -34,7 +34,7 @@ def add_arguments(parser):
     )  # fmt: skip
     parser.add_argument(
         "--device-time", action="store_true",
-        help="also the GPU busy time per call from a profiler trace (kernels only)",
+        help="also the GPU busy time per call from a profiler trace (kernels only), by kernel",
     )  # fmt: skip
 
 

@@ -29,3 +29,17 @@ def test_busy_counts_stream_kernels_only():
 def test_busy_is_none_without_gpu_activity():
     events = [e for e in _trace() if e.get("pid") != 7]
     assert common.busy_from_trace(events, calls=2) is None
+
+
+def test_kernels_are_summed_by_name_per_call():
+    kernels = common.kernels_from_trace(_trace(), calls=2)
+    assert list(kernels) == ["a", "b", "Memset"]  # largest first
+    assert kernels == pytest.approx({"a": 10e-6, "b": 5e-6, "Memset": 0.5e-6})
+    assert common.kernels_from_trace([e for e in _trace() if e.get("pid") != 7], 2) is None
+
+
+def test_print_kernels_names_the_largest(capsys):
+    rows = [{"case": "T8", "method": "base", "kernels_us": {"scorer": 21.3, "merge": 1.7}}]
+    common.print_kernels(rows, top=1)
+    out = capsys.readouterr().out
+    assert "T8 base: scorer 21.3, 1 more 1.7" in out
