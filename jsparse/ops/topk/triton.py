@@ -71,6 +71,12 @@ RADIX = 16  # trial thresholds per streaming pass of the exact path
 FAST, RETRIED, SEARCHED = np.int32(0), np.int32(1), np.int32(2)
 
 
+# Thresholds counted per round of a split row's θ search (one reduction of that many
+# sums). On the bench's decode rows, 4 a round take 6.1-6.9 rounds against 13.6-14.1
+# single counts (CPU replay, WORKSPACE.md). 1 (one count a step): until measured on a GPU.
+SPLIT_THETA_TRIALS = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class SelectConfig:
     """Measured on an H200 (WORKSPACE.md run 3): small blocks and 4 warps stream best."""
@@ -82,6 +88,9 @@ class SelectConfig:
     # sample counts, and 8 warps halve each count's work per thread (run 63: −2.6 to
     # −2.7 µs of a 13-16 µs compaction at 1 and 8 rows; 16 warps gave back half of it).
     split_num_warps: int = 8
+    # ... and their θ search counts this many thresholds a round (None:
+    # SPLIT_THETA_TRIALS).
+    split_theta_trials: int | None = None
 
 
 def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
@@ -126,9 +135,60 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
     return jnp.where(c_lo == rank, smallest_ge(lo), lo)
 
 
-def _kth_code(codes, rank):
+def _search_kth_rounds(count_many, smallest_ge, lo, hi, c_lo, rank, trials):
+    """:func:`_search_kth` with ``trials`` thresholds counted per round (one pass, one
+    reduction of ``trials`` sums): for a search whose counts are latency-bound, as in
+    a decode row's θ (a chain of 10-20 counts in one program), fewer and wider rounds.
+
+    Same invariant and answer: count(≥ lo) ≥ rank > count(≥ hi). A round places its
+    trials around the interpolated guess (a bracket of ±1/8 of the span, spread
+    evenly), or evenly over [lo, hi) when the last round did not shrink the span by
+    half or the span is huge; the new [lo, hi) is the pair of neighbouring trials (or
+    ends) whose counts straddle rank. ``count_many(ths [trials])`` gives the counts.
+    """
+    f32 = jnp.float32
+    slot = jnp.arange(trials, dtype=jnp.int32)
+    even = (slot + 1).astype(f32) / (trials + 1)  # fractions of an R-ary split
+    near = (slot.astype(f32) - (trials - 1) / 2) / (4 * max(trials - 1, 1))  # ±1/8
+
+    def half_span(lo, hi):
+        return (hi >> 1) - (lo >> 1)
+
+    def searching(state):
+        lo, hi, c_lo, _, _ = state
+        return (lo + 1 < hi) & (c_lo != rank)
+
+    def step(state):
+        lo, hi, c_lo, c_hi, spread = state
+        half = half_span(lo, hi)
+        small = half < 2**29  # hi - lo is exact in int32
+        frac = (c_lo - rank).astype(f32) / (c_lo - c_hi).astype(f32)
+        at = jnp.where((spread == 0) & small, jnp.clip(frac + near, 0.0, 1.0), even)
+        # small spans step from lo in codes; huge ones in halves of codes (no overflow:
+        # hi/2 - lo/2 fits, and twice a point inside it lies in [lo - 1, hi])
+        in_small = lo + ((hi - lo).astype(f32) * at).astype(jnp.int32)
+        lo2 = lo >> 1
+        off_huge = jnp.minimum(((hi >> 1) - lo2).astype(f32) * at, 2.0**31 - 256)
+        in_huge = 2 * (lo2 + off_huge.astype(jnp.int32))
+        trial = jnp.clip(jnp.where(small, in_small, in_huge), lo + 1, hi - 1)
+        counts = count_many(trial)  # descending as the trials ascend
+        up = counts >= rank  # a prefix of the trials
+        new_lo = jnp.max(jnp.where(up, trial, lo))
+        c_new_lo = jnp.min(jnp.where(up, counts, c_lo))
+        new_hi = jnp.min(jnp.where(up, hi, trial))
+        c_new_hi = jnp.max(jnp.where(up, c_hi, counts))
+        halved = 2 * half_span(new_lo, new_hi) <= half
+        return new_lo, new_hi, c_new_lo, c_new_hi, 1 - halved.astype(jnp.int32)
+
+    init = (lo, hi, c_lo, c_lo * 0, c_lo * 0)
+    lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, init)
+    return jnp.where(c_lo == rank, smallest_ge(lo), lo)
+
+
+def _kth_code(codes, rank, trials=1):
     """The rank-th largest of the live codes (1 ≤ rank ≤ their count), held in
-    registers: :func:`_search_kth` between the smallest and the largest code.
+    registers: :func:`_search_kth` between the smallest and the largest code, or
+    :func:`_search_kth_rounds` with ``trials`` > 1 thresholds counted at a time.
 
     EMPTY_CODE marks a dead entry. Every trial lies above the smallest live code, so
     the counts need no mask (run 63: a mask there was 1.7-2.5 µs of a decode
@@ -139,12 +199,18 @@ def _kth_code(codes, rank):
     def count_ge(th):
         return jnp.sum((codes >= th).astype(jnp.int32))
 
+    def count_many(ths):
+        return jnp.sum((codes[None, :] >= ths[:, None]).astype(jnp.int32), axis=1)
+
     def smallest_ge(th):
         return jnp.min(jnp.where(codes >= th, codes, _INT_MAX))
 
     lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
     hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
-    return _search_kth(count_ge, smallest_ge, lo, hi, jnp.sum(ok.astype(jnp.int32)), rank)
+    c_lo = jnp.sum(ok.astype(jnp.int32))
+    if trials > 1:
+        return _search_kth_rounds(count_many, smallest_ge, lo, hi, c_lo, rank, trials)
+    return _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank)
 
 
 def _id_cut(count_ties, need):
@@ -311,7 +377,7 @@ def _streaming(block, first, n_blocks, blk):
     return count, count_many, compact
 
 
-def _sample_threshold(entries, length, top_k, cap, missed=None):
+def _sample_threshold(entries, length, top_k, cap, missed=None, trials=1):
     """θ ≤ (probably a little below) the K-th code; EMPTY_CODE when the row fits in cap.
 
     The sample is the whole row when short (θ is then exactly the K-th code), else 512
@@ -319,7 +385,8 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
     expected count of entries ≥ θ over the row is about 1.3·K plus a few spacings.
     ``missed``: the row count that this rank gave, outside [K, cap]; then returns (θ,
     θ at the rank rescaled so the expected count lands mid-way between K and cap)
-    from the one sample (counts grow about linearly with the sample rank).
+    from the one sample (counts grow about linearly with the sample rank). ``trials``:
+    thresholds counted per round of the search (see :func:`_kth_code`).
     """
     n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
     whole = length <= n_sample
@@ -344,7 +411,7 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
         ranks.append(jnp.clip(rescaled, 1, n_sample))
     thetas = jax.lax.cond(
         length > cap,
-        lambda: tuple(_kth_code(sample, r) for r in ranks),
+        lambda: tuple(_kth_code(sample, r, trials) for r in ranks),
         lambda: tuple(length * 0 + EMPTY_CODE for _ in ranks),  # the row fits: keep all
     )
     return thetas if missed is not None else thetas[0]
@@ -431,7 +498,8 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     if theta_given:
         theta = plt.load(refs[3].at[row])  # the 4th input, after the row source
     else:
-        theta = _sample_threshold(entries, length, top_k, cap)
+        trials = cfg.split_theta_trials or SPLIT_THETA_TRIALS
+        theta = _sample_threshold(entries, length, top_k, cap, trials=trials)
     segment = row * chunks + chunk
     trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
     keep = _at_least(theta, dense)
