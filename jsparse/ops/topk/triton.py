@@ -93,6 +93,31 @@ class SelectConfig:
     split_theta_trials: int | None = None
 
 
+def _half_span(lo, hi):  # ⌊hi/2⌋ - ⌊lo/2⌋: within 1 of (hi - lo)/2, never overflows
+    return (hi >> 1) - (lo >> 1)
+
+
+def _bracket_search(narrow, smallest_ge, lo, hi, c_lo, rank):
+    """The loop the K-th code searches share: keeps count(≥ lo) = c_lo ≥ rank > c_hi =
+    count(≥ hi) while ``narrow(lo, hi, c_lo, c_hi, spread)`` shrinks [lo, hi) (its
+    counted trials lie strictly inside); ``spread`` is 1 after a step that did not halve
+    the span, telling ``narrow`` to stop guessing. Ends when lo + 1 = hi, or early when
+    c_lo is exactly rank: θ is then the smallest code ≥ lo."""
+
+    def searching(state):
+        lo, hi, c_lo, _, _ = state
+        return (lo + 1 < hi) & (c_lo != rank)
+
+    def step(state):
+        lo, hi, c_lo, c_hi, spread = state
+        new_lo, new_hi, c_lo, c_hi = narrow(lo, hi, c_lo, c_hi, spread)
+        halved = 2 * _half_span(new_lo, new_hi) <= _half_span(lo, hi)
+        return new_lo, new_hi, c_lo, c_hi, 1 - halved.astype(jnp.int32)
+
+    lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, (lo, hi, c_lo, c_lo * 0, c_lo * 0))
+    return jnp.where(c_lo == rank, smallest_ge(lo), lo)
+
+
 def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
     """The largest code θ with count_ge(θ) ≥ rank, exactly, given count_ge(lo) = c_lo ≥
     rank and count_ge(hi) = 0 (lo < hi); ``smallest_ge(θ)`` is the smallest code ≥ θ.
@@ -107,32 +132,22 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
     """
     f32 = jnp.float32
 
-    def half_span(lo, hi):  # ⌊hi/2⌋ - ⌊lo/2⌋: within 1 of (hi - lo)/2, never overflows
-        return (hi >> 1) - (lo >> 1)
-
-    def searching(state):
-        lo, hi, c_lo, _, _ = state
-        return (lo + 1 < hi) & (c_lo != rank)
-
-    def step(state):
-        lo, hi, c_lo, c_hi, bisect = state
-        half = half_span(lo, hi)
+    def narrow(lo, hi, c_lo, c_hi, bisect):
         frac = (c_lo - rank).astype(f32) / (c_lo - c_hi).astype(f32)
         # hi - lo is exact (no wrap) unless the span is huge, where bisection is used;
         # the offset is in integers, so it stays exact where f32 codes would not be.
         offset = jnp.clip((hi - lo).astype(f32) * frac, 1.0, 2.0**30).astype(jnp.int32)
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # ⌊(lo + hi) / 2⌋ without overflow
-        interpolate = (bisect == 0) & (half < 2**29)
+        interpolate = (bisect == 0) & (_half_span(lo, hi) < 2**29)
         trial = jnp.clip(jnp.where(interpolate, lo + offset, mid), lo + 1, hi - 1)
         c_trial = count_ge(trial)
         up = c_trial >= rank
-        new_lo, c_lo = jnp.where(up, trial, lo), jnp.where(up, c_trial, c_lo)
-        new_hi, c_hi = jnp.where(up, hi, trial), jnp.where(up, c_hi, c_trial)
-        halved = 2 * half_span(new_lo, new_hi) <= half
-        return new_lo, new_hi, c_lo, c_hi, 1 - halved.astype(jnp.int32)
+        return (
+            jnp.where(up, trial, lo), jnp.where(up, hi, trial),
+            jnp.where(up, c_trial, c_lo), jnp.where(up, c_hi, c_trial),
+        )  # fmt: skip
 
-    lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, (lo, hi, c_lo, c_lo * 0, c_lo * 0))
-    return jnp.where(c_lo == rank, smallest_ge(lo), lo)
+    return _bracket_search(narrow, smallest_ge, lo, hi, c_lo, rank)
 
 
 def _search_kth_rounds(count_many, smallest_ge, lo, hi, c_lo, rank, trials):
@@ -140,10 +155,9 @@ def _search_kth_rounds(count_many, smallest_ge, lo, hi, c_lo, rank, trials):
     reduction of ``trials`` sums): for a search whose counts are latency-bound, as in
     a decode row's θ (a chain of 10-20 counts in one program), fewer and wider rounds.
 
-    Same invariant and answer: count(≥ lo) ≥ rank > count(≥ hi). A round places its
-    trials around the interpolated guess (a bracket of ±1/8 of the span, spread
-    evenly), or evenly over [lo, hi) when the last round did not shrink the span by
-    half or the span is huge; the new [lo, hi) is the pair of neighbouring trials (or
+    A round places its trials around the interpolated guess (a bracket of ±1/8 of the
+    span, spread evenly), or evenly over [lo, hi) when the last round did not halve the
+    span or the span is huge; the new [lo, hi) is the pair of neighbouring trials (or
     ends) whose counts straddle rank. ``count_many(ths [trials])`` gives the counts.
     """
     f32 = jnp.float32
@@ -151,17 +165,8 @@ def _search_kth_rounds(count_many, smallest_ge, lo, hi, c_lo, rank, trials):
     even = (slot + 1).astype(f32) / (trials + 1)  # fractions of an R-ary split
     near = (slot.astype(f32) - (trials - 1) / 2) / (4 * max(trials - 1, 1))  # ±1/8
 
-    def half_span(lo, hi):
-        return (hi >> 1) - (lo >> 1)
-
-    def searching(state):
-        lo, hi, c_lo, _, _ = state
-        return (lo + 1 < hi) & (c_lo != rank)
-
-    def step(state):
-        lo, hi, c_lo, c_hi, spread = state
-        half = half_span(lo, hi)
-        small = half < 2**29  # hi - lo is exact in int32
+    def narrow(lo, hi, c_lo, c_hi, spread):
+        small = _half_span(lo, hi) < 2**29  # hi - lo is exact in int32
         frac = (c_lo - rank).astype(f32) / (c_lo - c_hi).astype(f32)
         at = jnp.where((spread == 0) & small, jnp.clip(frac + near, 0.0, 1.0), even)
         # small spans step from lo in codes; huge ones in halves of codes (no overflow:
@@ -173,16 +178,12 @@ def _search_kth_rounds(count_many, smallest_ge, lo, hi, c_lo, rank, trials):
         trial = jnp.clip(jnp.where(small, in_small, in_huge), lo + 1, hi - 1)
         counts = count_many(trial)  # descending as the trials ascend
         up = counts >= rank  # a prefix of the trials
-        new_lo = jnp.max(jnp.where(up, trial, lo))
-        c_new_lo = jnp.min(jnp.where(up, counts, c_lo))
-        new_hi = jnp.min(jnp.where(up, hi, trial))
-        c_new_hi = jnp.max(jnp.where(up, c_hi, counts))
-        halved = 2 * half_span(new_lo, new_hi) <= half
-        return new_lo, new_hi, c_new_lo, c_new_hi, 1 - halved.astype(jnp.int32)
+        return (
+            jnp.max(jnp.where(up, trial, lo)), jnp.min(jnp.where(up, hi, trial)),
+            jnp.min(jnp.where(up, counts, c_lo)), jnp.max(jnp.where(up, c_hi, counts)),
+        )  # fmt: skip
 
-    init = (lo, hi, c_lo, c_lo * 0, c_lo * 0)
-    lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, init)
-    return jnp.where(c_lo == rank, smallest_ge(lo), lo)
+    return _bracket_search(narrow, smallest_ge, lo, hi, c_lo, rank)
 
 
 def _kth_code(codes, rank, trials=1):
