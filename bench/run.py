@@ -6,6 +6,8 @@
     python bench/run.py --op topk --preset selection --unsorted --device-time   # selection alone
     python bench/run.py --op dosa --prefill --keys 131072       # DoSA (bench/dosa.py)
     python bench/run.py --op model throughput --context 2048    # the real model (bench/model.py)
+    python bench/run.py --set jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=4 --op indexer \
+        --preset decode --method base --device-time             # a module switch, for A/B
 
 Every case is checked against the jnp reference before it is timed; a red check is
 reported and not timed. Times are medians over repeats of back-to-back calls with
@@ -16,6 +18,7 @@ bytes at the copy bandwidth, both measured at the start of the run on this devic
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import sys
 from pathlib import Path
@@ -27,8 +30,39 @@ OPS = {"indexer": "bench.indexer", "topk": "bench.topk"}
 CLIS = {"dosa": "bench.dosa", "model": "bench.model", "recall": "bench.recall"}
 
 
+def apply_settings(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Takes every ``--set MODULE.NAME=VALUE`` out of ``argv`` and sets that module
+    constant (a Python literal) before anything is traced: an A/B of a switch such as
+    ``jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=4`` from the command line. Returns the
+    rest of argv and the settings applied."""
+    rest, applied = [], []
+    it = iter(argv)
+    for arg in it:
+        if arg != "--set" and not arg.startswith("--set="):
+            rest.append(arg)
+            continue
+        spec = arg[len("--set=") :] if arg.startswith("--set=") else next(it, "")
+        target, eq, text = spec.partition("=")
+        module_name, _, name = target.rpartition(".")
+        if not eq or not module_name:
+            raise SystemExit(f"--set: expected MODULE.NAME=VALUE, got {spec!r}")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            raise SystemExit(f"--set: {module_name} has no {name}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--set: {text!r} is not a Python literal") from None
+        setattr(module, name, value)
+        applied.append(f"{target}={value!r}")
+    return rest, applied
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv, settings = apply_settings(argv)
+    if settings:  # (the ops with a command line of their own print no header here)
+        print("settings: " + ", ".join(settings))
     if "--op" in argv and argv.index("--op") + 1 < len(argv):
         at = argv.index("--op")
         if argv[at + 1] in CLIS:
@@ -67,6 +101,8 @@ def main(argv=None) -> int:
         parser.error("--backend pallas-gpu needs an NVIDIA GPU; use --backend interpret or xla")
 
     env = common.environment()
+    if settings:
+        env["settings"] = ", ".join(settings)
     print(" | ".join(f"{k} {v}" for k, v in env.items()))
     methods = " ".join(args.method)
     print(f"op {args.op} | preset {args.preset} | backend {args.backend} | methods {methods}")

@@ -44,3 +44,23 @@ def test_op_help_lists_the_ops_own_flags(capsys):
     with pytest.raises(SystemExit):
         main(["--op", "indexer", "--help"])
     assert "--widen-fp8-from" in capsys.readouterr().out
+
+
+def test_set_flag_sets_module_constants_and_rejects_the_rest(monkeypatch):
+    from bench import run
+    from jsparse.ops.topk import triton as select
+
+    monkeypatch.setattr(select, "SPLIT_THETA_TRIALS", select.SPLIT_THETA_TRIALS)
+    rest, applied = run.apply_settings(
+        ["--op", "indexer", "--set", "jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=4", "--quiet"]
+    )
+    assert rest == ["--op", "indexer", "--quiet"]
+    assert applied == ["jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=4"]
+    assert select.SPLIT_THETA_TRIALS == 4
+    run.apply_settings(["--set=jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=2"])
+    assert select.SPLIT_THETA_TRIALS == 2
+    name = "jsparse.ops.topk.triton.SPLIT_THETA_TRIALS"
+    for bad in ("jsparse.ops.topk.triton.NO_SUCH=1", "SPLIT_THETA_TRIALS=4", name, name + "=a b"):
+        with pytest.raises(SystemExit):
+            run.apply_settings(["--set", bad])
+    assert select.SPLIT_THETA_TRIALS == 2
