@@ -21,18 +21,22 @@ from jsparse import backend
 _BLOCK = 1024  # queries per program
 
 
-def _report_kernel(start_ref, end_ref, visible_ref, candidates_ref, survivors_ref,
-                   threshold_ref, fallback_ref, *, t):  # fmt: skip
+def store_report(refs, rows, ok, visible, t):
+    """Inside a kernel: the report of ``rows`` (those with ``ok``) into its five [T] refs
+    (visible, candidates, survivors, threshold, fallback), given their visible counts."""
+    dst = jnp.where(ok, rows, t)  # one past the end: dropped when interpreted, masked on GPU
+    for ref in refs[:3]:
+        plt.store(ref.at[dst], visible, mask=ok)
+    plt.store(refs[3].at[dst], jnp.full(rows.shape, -jnp.inf, jnp.float32), mask=ok)
+    plt.store(refs[4].at[dst], jnp.zeros(rows.shape, jnp.bool_), mask=ok)
+
+
+def _report_kernel(start_ref, end_ref, *report_refs, t):
     rows = pl.program_id(0) * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)
     ok = rows < t
     at = jnp.where(ok, rows, 0)
     end = plt.load(end_ref.at[at], mask=ok, other=0)
-    visible = end - plt.load(start_ref.at[at], mask=ok, other=0)
-    dst = jnp.where(ok, rows, t)  # one past the end: dropped when interpreted, masked on GPU
-    for ref in (visible_ref, candidates_ref, survivors_ref):
-        plt.store(ref.at[dst], visible, mask=ok)
-    plt.store(threshold_ref.at[dst], jnp.full((_BLOCK,), -jnp.inf, jnp.float32), mask=ok)
-    plt.store(fallback_ref.at[dst], jnp.zeros((_BLOCK,), jnp.bool_), mask=ok)
+    store_report(report_refs, rows, ok, end - plt.load(start_ref.at[at], mask=ok, other=0), t)
 
 
 def exhaustive_report(start, end):

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse.ops.indexer.report import store_report
 from jsparse.ops.topk import codes as codes_lib
 
 _NEG_INF = float("-inf")
@@ -279,9 +280,9 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             plt.store(count_ref.at[jnp.where(row_ok, rows, p.t)], written, mask=row_ok)
         return
 
-    if p.report:
+    if p.report:  # the exhaustive report (jsparse.ops.indexer.report), by first splits
         out_ref, *report_refs = refs[-6:]
-        _write_report(report_refs, rows, row_ok, start, end, first_split=split == 0, t=p.t)
+        pl.when(split == 0)(lambda: store_report(report_refs, rows, row_ok, end - start, p.t))
     else:
         out_ref = refs[-1]  # (the fill launch also sees the aliased scores before it)
 
@@ -315,20 +316,6 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             return carry
 
         jax.lax.fori_loop(split * per, jnp.minimum((split + 1) * per, outside), fill_body, 0)
-
-
-def _write_report(refs, rows, row_ok, start, end, *, first_split, t):
-    """visible, candidates, survivors (end - start), threshold (-inf), fallback (False)
-    of a query block's rows: the report of :func:`jsparse.ops.indexer.report.
-    exhaustive_report`, written here to spare its launch."""
-
-    @pl.when(first_split)
-    def _():
-        dst = jnp.where(row_ok, rows, t)  # one past the end: dropped or masked
-        for ref in refs[:3]:
-            plt.store(ref.at[dst], end - start, mask=row_ok)
-        plt.store(refs[3].at[dst], jnp.full(rows.shape, _NEG_INF, jnp.float32), mask=row_ok)
-        plt.store(refs[4].at[dst], jnp.zeros(rows.shape, jnp.bool_), mask=row_ok)
 
 
 def _pad_heads_dims(q, weights, k, block_t):
