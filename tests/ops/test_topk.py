@@ -136,6 +136,14 @@ def test_split_rows_with_theta_rounds_keep_the_exact_top_k(kind, kernel_impl):
     np.testing.assert_array_equal(got[1], want[1])
 
 
+def _codes_of(scores, ids, counts):
+    """Codes [T, cap] of the candidate ids' scores in their dense rows (slots past a
+    row's count: whatever; their ids are clipped into the row)."""
+    live = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :] < counts[:, None]
+    at = jnp.where(live, jnp.clip(ids, 0, scores.shape[1] - 1), 0)
+    return codes_lib.score_code(jnp.take_along_axis(scores, at, axis=1))
+
+
 def _assert_codes_of_live_slots(codes, want, counts):
     live = np.arange(codes.shape[1])[None, :] < np.asarray(counts)[:, None]
     np.testing.assert_array_equal(np.asarray(codes)[live], np.asarray(want)[live])
@@ -158,7 +166,7 @@ def test_compact_rows_writes_the_codes_it_keeps(kind, chunks, kernel_impl):
     np.testing.assert_array_equal(slow, want_slow)
     live = np.arange(cap)[None, :] < np.asarray(count)[:, None]
     np.testing.assert_array_equal(np.asarray(ids)[live], np.asarray(want_ids)[live])
-    _assert_codes_of_live_slots(codes, select.gathered_codes(scores, ids, count), count)
+    _assert_codes_of_live_slots(codes, _codes_of(scores, ids, count), count)
 
 
 @pytest.mark.parametrize("width", [6000, 6144])
@@ -301,7 +309,7 @@ def test_rank_select_after_compaction(kind, bi, bj, rank_select, kernel_impl):
     codes, ids, count, _ = select.compact_rows(
         scores, start, end, top_k, cap, chunks=3, with_codes=True
     )
-    _assert_codes_of_live_slots(codes, select.gathered_codes(scores, ids, count), count)
+    _assert_codes_of_live_slots(codes, _codes_of(scores, ids, count), count)
     got = rank_select(codes, ids, count, top_k, bi=bi, bj=bj)
     vis = visible_key_ids(start, end, s)
     want = select_topk_reference(scores, vis, top_k)

@@ -657,15 +657,10 @@ def default_chunks(rows: int, length: int) -> int:
     return int(max(1, min(-(-4 * 132 // rows), length // 4096, 64)))
 
 
-_EXACT_STATICS = ("dense", "codes", "top_k", "cap", "cfg")
-
-
-def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes=None):
+def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
     i32 = jnp.int32
-
-    codes = not dense if codes is None else codes
 
     def buffers(n):  # (codes,) ids, count. No init: nothing reads a slot past its count.
         slots = jax.ShapeDtypeStruct((n * cap,), i32)
@@ -698,7 +693,9 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes=None):
         )(*inputs, theta)
         n_out = len(bufs) + 1  # flagged rows: the slow path, in place
         *bufs, slow = pl.pallas_call(
-            functools.partial(_exact_kernel, **{k: statics[k] for k in _EXACT_STATICS}),
+            functools.partial(
+                _exact_kernel, dense=dense, codes=codes, top_k=top_k, cap=cap, cfg=cfg
+            ),
             grid=(t,),
             out_shape=(*buffers(t), flag),
             input_output_aliases={3 + k: k for k in range(n_out)},
@@ -742,9 +739,9 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
     ``cap ≥ top_k``. A row that a ladder of thresholds rescued also reports RETRIED.
     ``chunks`` programs share a row (default: :func:`default_chunks`),
     for few rows. ``with_codes``: returns (codes, ids, count, slow), the candidates'
-    codes written as they are kept (what :func:`gathered_codes` would read back; for
-    decode rows, where that gather is its own launch: ~1.5 µs a step, run 67). Not by
-    default: many rows would pay one more store per kept entry (run 41).
+    codes written as they are kept (the codes of their scores; for decode rows, where
+    gathering them back was its own launch: ~1.5 µs a step, run 67). Not by default:
+    many rows would pay one more store per kept entry (run 41).
     """
     t, s = scores.shape
     chunks = chunks or default_chunks(t, s)
@@ -757,7 +754,7 @@ def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=N
     (codes, ids, count, slow)."""
     t, n = codes.shape
     chunks = chunks or default_chunks(t, n)
-    return _compact_call((codes, ids, counts), t, top_k, cap, False, cfg, chunks)
+    return _compact_call((codes, ids, counts), t, top_k, cap, False, cfg, chunks, codes=True)
 
 
 def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_ref,
@@ -1201,14 +1198,6 @@ def rank_selects(rows: int, cap: int) -> bool:
     interpreted, a grid runs program by program, and the search path gives the same
     answer; :func:`rank_select`'s own tests run it interpreted)."""
     return not backend.is_interpret() and rows * cap * cap <= RANK_SELECT_PAIRS
-
-
-def gathered_codes(scores, ids, counts):
-    """Codes [T, cap] of the candidate ids' scores in their dense rows [T, S] (slots
-    past a row's count hold whatever; their ids are clipped into the row)."""
-    live = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :] < counts[:, None]
-    at = jnp.where(live, jnp.clip(ids, 0, scores.shape[1] - 1), 0)
-    return score_code(jnp.take_along_axis(scores, at, axis=1))
 
 
 # From this many rows of at most BITONIC_MAX_K entries, a sorting network in
