@@ -148,12 +148,6 @@ def device_busy_by_kernel(fn: Callable, input_sets: Sequence[tuple], *,
     return kernels_from_trace(events, calls)
 
 
-def device_busy_s(fn: Callable, input_sets: Sequence[tuple], *, calls: int = 30) -> float | None:
-    """GPU busy time per call: the kernels of :func:`device_busy_by_kernel`, summed."""
-    kernels = device_busy_by_kernel(fn, input_sets, calls=calls)
-    return None if kernels is None else sum(kernels.values())
-
-
 def _stream_kernels(events: list[dict]) -> list[dict]:
     """The kernel and memset events of a perfetto trace's GPU stream lines."""
     meta = [e for e in events if e.get("ph") == "M"]
@@ -173,12 +167,6 @@ def kernels_from_trace(events: list[dict], calls: int) -> dict[str, float] | Non
     for e in _stream_kernels(events):
         by_name[e["name"]] = by_name.get(e["name"], 0.0) + 1e-6 * e["dur"] / calls
     return dict(sorted(by_name.items(), key=lambda kv: -kv[1])) or None
-
-
-def busy_from_trace(events: list[dict], calls: int) -> float | None:
-    """Seconds per call of GPU activity in perfetto trace events (see device_busy_s)."""
-    kernels = kernels_from_trace(events, calls)
-    return None if kernels is None else sum(kernels.values())
 
 
 def check_then_time(row: dict, fn: Callable, sets: Sequence, check: Callable, *,
