@@ -150,16 +150,15 @@ SCORER_WRITES_REPORT = False
 @functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
 def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True):
     """Every visible score written, then exact selection."""
-    with_report = SCORER_WRITES_REPORT
     scores, *report = scorer._launch(
-        q, weights, k, k_scale, start, end, cfg=cfg, report=with_report
-    )
-    return topk_from_scores(scores, start, end, top_k, sort=sort, report=report or None)
+        q, weights, k, k_scale, start, end, cfg=cfg, report=SCORER_WRITES_REPORT
+    )  # report: the five rows, or none
+    return topk_from_scores(scores, start, end, top_k, sort=sort, report=report)
 
 
 def topk_from_scores(scores, start, end, top_k, *, sort=True, report=None):
     """``base``'s second half: exact selection over dense [T, S] scores, and its report
-    (``report``: the five rows already written, else :func:`exhaustive_report`)."""
+    (``report``: the five rows already written; when empty, :func:`exhaustive_report`)."""
     indices, values = select_dense(scores, start, end, top_k, sort)
     visible, candidates, survivors, threshold, fallback = report or exhaustive_report(start, end)
     return IndexerTopK(indices, values, visible, candidates, survivors, threshold, fallback)
