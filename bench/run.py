@@ -6,7 +6,7 @@
     python bench/run.py --op topk --preset selection --unsorted --device-time   # selection alone
     python bench/run.py --op dosa --prefill --keys 131072       # DoSA (bench/dosa.py)
     python bench/run.py --op model throughput --context 2048    # the real model (bench/model.py)
-    python bench/run.py --set jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=4 --op indexer \
+    python bench/run.py --set jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS=8 --op indexer \
         --preset decode --method base --device-time             # a module switch, for A/B
 
 Every case is checked against the jnp reference before it is timed; a red check is
@@ -33,7 +33,7 @@ CLIS = {"dosa": "bench.dosa", "model": "bench.model", "recall": "bench.recall"}
 def apply_settings(argv: list[str]) -> tuple[list[str], list[str]]:
     """Takes every ``--set MODULE.NAME=VALUE`` out of ``argv`` and sets that module
     constant (a Python literal) before anything is traced: an A/B of a switch such as
-    ``jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=4`` from the command line. Returns the
+    ``jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS=8`` from the command line. Returns the
     rest of argv and the settings applied."""
     rest, applied = [], []
     it = iter(argv)

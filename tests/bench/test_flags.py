@@ -50,17 +50,17 @@ def test_set_flag_sets_module_constants_and_rejects_the_rest(monkeypatch):
     from bench import run
     from jsparse.ops.topk import triton as select
 
-    monkeypatch.setattr(select, "SPLIT_THETA_TRIALS", select.SPLIT_THETA_TRIALS)
+    monkeypatch.setattr(select, "BLOCK_RANK_MIN_ROWS", select.BLOCK_RANK_MIN_ROWS)
     rest, applied = run.apply_settings(
-        ["--op", "indexer", "--set", "jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=4", "--quiet"]
+        ["--op", "indexer", "--set", "jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS=8", "--quiet"]
     )
     assert rest == ["--op", "indexer", "--quiet"]
-    assert applied == ["jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=4"]
-    assert select.SPLIT_THETA_TRIALS == 4
-    run.apply_settings(["--set=jsparse.ops.topk.triton.SPLIT_THETA_TRIALS=2"])
-    assert select.SPLIT_THETA_TRIALS == 2
-    name = "jsparse.ops.topk.triton.SPLIT_THETA_TRIALS"
-    for bad in ("jsparse.ops.topk.triton.NO_SUCH=1", "SPLIT_THETA_TRIALS=4", name, name + "=a b"):
+    assert applied == ["jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS=8"]
+    assert select.BLOCK_RANK_MIN_ROWS == 8
+    run.apply_settings(["--set=jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS=16"])
+    assert select.BLOCK_RANK_MIN_ROWS == 16
+    name = "jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS"
+    for bad in ("jsparse.ops.topk.triton.NO_SUCH=1", "BLOCK_RANK_MIN_ROWS=8", name, name + "=a b"):
         with pytest.raises(SystemExit):
             run.apply_settings(["--set", bad])
-    assert select.SPLIT_THETA_TRIALS == 2
+    assert select.BLOCK_RANK_MIN_ROWS == 16

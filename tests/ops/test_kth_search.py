@@ -1,8 +1,6 @@
 """The exact K-th code search that the selection kernels run in registers
 (:func:`jsparse.ops.topk.triton._kth_code`), as plain JAX against numpy."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +13,9 @@ N = 4096
 I32 = np.iinfo(np.int32)
 
 
-@functools.partial(jax.jit, static_argnames="trials")
-def kth(codes, rank, trials=1):
-    return select._kth_code(codes, rank, trials)
+@jax.jit
+def kth(codes, rank):
+    return select._kth_code(codes, rank)
 
 
 def rows(rng):
@@ -39,9 +37,8 @@ def rows(rng):
     yield "specials", np.asarray(score_code(jnp.asarray(specials)))
 
 
-@pytest.mark.parametrize("trials", [1, 2, 4], ids=["one-count", "rounds-of-2", "rounds-of-4"])
 @pytest.mark.parametrize("seed", range(3))
-def test_kth_code_is_the_exact_rank_th_largest(seed, trials):
+def test_kth_code_is_the_exact_rank_th_largest(seed):
     rng = np.random.default_rng(seed)
     for name, codes in rows(rng):
         codes = np.asarray(codes, np.int32)
@@ -55,5 +52,5 @@ def test_kth_code_is_the_exact_rank_th_largest(seed, trials):
             for rank in (1, 2, 2048, len(live) // 2 + 1, len(live), *ends):
                 rank = int(min(max(rank, 1), len(live)))
                 dead_empty = np.where(ok, codes, EMPTY_CODE)  # what the kernels hold
-                got = int(kth(jnp.asarray(dead_empty), jnp.int32(rank), trials))
+                got = int(kth(jnp.asarray(dead_empty), jnp.int32(rank)))
                 assert got == live[rank - 1], (name, ok_fraction, rank)

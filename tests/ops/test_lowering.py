@@ -73,11 +73,6 @@ def test_selection_kernels_lower_to_cuda():
                 ),
                 scores, rng, rng,
             )  # fmt: skip
-    rounds = select.SelectConfig(split_theta_trials=4)
-    lower_for_h200(
-        lambda x, a, b: select.compact_rows(x, a, b, K, cap, cfg=rounds, chunks=8),
-        scores, rng, rng,
-    )  # fmt: skip
     for width in (n, 30720):  # gathered and aligned block loads
         rec = jax.ShapeDtypeStruct((t, width), i32)
         lower_for_h200(

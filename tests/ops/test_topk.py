@@ -119,23 +119,6 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
         np.testing.assert_array_equal(np.asarray(slow)[:2], select.SEARCHED)
 
 
-@pytest.mark.parametrize("kind", ["gauss", "all-equal", "specials"])
-def test_split_rows_with_theta_rounds_keep_the_exact_top_k(kind, kernel_impl):
-    # rows split over chunks, each chunk's θ search counting 4 thresholds a round
-    rng = np.random.default_rng(6)
-    s, top_k, cap = 9000, 40, 512
-    start_end = [(0, s), (100, 7000), (s - 10, s)]
-    scores = jnp.asarray(_adversarial_rows(kind, 3, s, start_end, rng))
-    start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
-    cfg = select.SelectConfig(split_theta_trials=4)
-    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, cfg=cfg, chunks=3)
-    sc, si, _ = select.select_rows(scores, ids, count, top_k)
-    got = select.order_topk(sc, si, id_ordered=True)
-    want = select_topk_reference(scores, visible_key_ids(start, end, s), top_k)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-
-
 def _codes_of(scores, ids, counts):
     """Codes [T, cap] of the candidate ids' scores in their dense rows (slots past a
     row's count: whatever; their ids are clipped into the row)."""

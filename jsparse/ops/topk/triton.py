@@ -71,12 +71,6 @@ RADIX = 16  # trial thresholds per streaming pass of the exact path
 FAST, RETRIED, SEARCHED = np.int32(0), np.int32(1), np.int32(2)
 
 
-# Thresholds counted per round of a split row's θ search (one reduction of that many
-# sums). On the bench's decode rows, 4 a round take 6.1-6.9 rounds against 13.6-14.1
-# single counts (CPU replay, WORKSPACE.md). 1 (one count a step): until measured on a GPU.
-SPLIT_THETA_TRIALS = 1
-
-
 @dataclasses.dataclass(frozen=True)
 class SelectConfig:
     """Measured on an H200 (WORKSPACE.md run 3): small blocks and 4 warps stream best."""
@@ -88,9 +82,6 @@ class SelectConfig:
     # sample counts, and 8 warps halve each count's work per thread (run 63: −2.6 to
     # −2.7 µs of a 13-16 µs compaction at 1 and 8 rows; 16 warps gave back half of it).
     split_num_warps: int = 8
-    # ... and their θ search counts this many thresholds a round (None:
-    # SPLIT_THETA_TRIALS).
-    split_theta_trials: int | None = None
 
 
 def _half_span(lo, hi):  # ⌊hi/2⌋ - ⌊lo/2⌋: within 1 of (hi - lo)/2, never overflows
@@ -98,7 +89,7 @@ def _half_span(lo, hi):  # ⌊hi/2⌋ - ⌊lo/2⌋: within 1 of (hi - lo)/2, nev
 
 
 def _bracket_search(narrow, smallest_ge, lo, hi, c_lo, rank):
-    """The loop the K-th code searches share: keeps count(≥ lo) = c_lo ≥ rank > c_hi =
+    """The K-th code search's loop: keeps count(≥ lo) = c_lo ≥ rank > c_hi =
     count(≥ hi) while ``narrow(lo, hi, c_lo, c_hi, spread)`` shrinks [lo, hi) (its
     counted trials lie strictly inside); ``spread`` is 1 after a step that did not halve
     the span, telling ``narrow`` to stop guessing. Ends when lo + 1 = hi, or early when
@@ -150,46 +141,9 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
     return _bracket_search(narrow, smallest_ge, lo, hi, c_lo, rank)
 
 
-def _search_kth_rounds(count_many, smallest_ge, lo, hi, c_lo, rank, trials):
-    """:func:`_search_kth` with ``trials`` thresholds counted per round (one pass, one
-    reduction of ``trials`` sums): for a search whose counts are latency-bound, as in
-    a decode row's θ (a chain of 10-20 counts in one program), fewer and wider rounds.
-
-    A round places its trials around the interpolated guess (a bracket of ±1/8 of the
-    span, spread evenly), or evenly over [lo, hi) when the last round did not halve the
-    span or the span is huge; the new [lo, hi) is the pair of neighbouring trials (or
-    ends) whose counts straddle rank. ``count_many(ths [trials])`` gives the counts.
-    """
-    f32 = jnp.float32
-    slot = jnp.arange(trials, dtype=jnp.int32)
-    even = (slot + 1).astype(f32) / (trials + 1)  # fractions of an R-ary split
-    near = (slot.astype(f32) - (trials - 1) / 2) / (4 * max(trials - 1, 1))  # ±1/8
-
-    def narrow(lo, hi, c_lo, c_hi, spread):
-        small = _half_span(lo, hi) < 2**29  # hi - lo is exact in int32
-        frac = (c_lo - rank).astype(f32) / (c_lo - c_hi).astype(f32)
-        at = jnp.where((spread == 0) & small, jnp.clip(frac + near, 0.0, 1.0), even)
-        # small spans step from lo in codes; huge ones in halves of codes (no overflow:
-        # hi/2 - lo/2 fits, and twice a point inside it lies in [lo - 1, hi])
-        in_small = lo + ((hi - lo).astype(f32) * at).astype(jnp.int32)
-        lo2 = lo >> 1
-        off_huge = jnp.minimum(((hi >> 1) - lo2).astype(f32) * at, 2.0**31 - 256)
-        in_huge = 2 * (lo2 + off_huge.astype(jnp.int32))
-        trial = jnp.clip(jnp.where(small, in_small, in_huge), lo + 1, hi - 1)
-        counts = count_many(trial)  # descending as the trials ascend
-        up = counts >= rank  # a prefix of the trials
-        return (
-            jnp.max(jnp.where(up, trial, lo)), jnp.min(jnp.where(up, hi, trial)),
-            jnp.min(jnp.where(up, counts, c_lo)), jnp.max(jnp.where(up, c_hi, counts)),
-        )  # fmt: skip
-
-    return _bracket_search(narrow, smallest_ge, lo, hi, c_lo, rank)
-
-
-def _kth_code(codes, rank, trials=1):
+def _kth_code(codes, rank):
     """The rank-th largest of the live codes (1 ≤ rank ≤ their count), held in
-    registers: :func:`_search_kth` between the smallest and the largest code, or
-    :func:`_search_kth_rounds` with ``trials`` > 1 thresholds counted at a time.
+    registers: :func:`_search_kth` between the smallest and the largest code.
 
     EMPTY_CODE marks a dead entry. Every trial lies above the smallest live code, so
     the counts need no mask (run 63: a mask there was 1.7-2.5 µs of a decode
@@ -200,17 +154,12 @@ def _kth_code(codes, rank, trials=1):
     def count_ge(th):
         return jnp.sum((codes >= th).astype(jnp.int32))
 
-    def count_many(ths):
-        return jnp.sum((codes[None, :] >= ths[:, None]).astype(jnp.int32), axis=1)
-
     def smallest_ge(th):
         return jnp.min(jnp.where(codes >= th, codes, _INT_MAX))
 
     lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
     hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
     c_lo = jnp.sum(ok.astype(jnp.int32))
-    if trials > 1:
-        return _search_kth_rounds(count_many, smallest_ge, lo, hi, c_lo, rank, trials)
     return _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank)
 
 
@@ -378,7 +327,7 @@ def _streaming(block, first, n_blocks, blk):
     return count, count_many, compact
 
 
-def _sample_threshold(entries, length, top_k, cap, missed=None, trials=1):
+def _sample_threshold(entries, length, top_k, cap, missed=None):
     """θ ≤ (probably a little below) the K-th code; EMPTY_CODE when the row fits in cap.
 
     The sample is the whole row when short (θ is then exactly the K-th code), else 512
@@ -386,8 +335,7 @@ def _sample_threshold(entries, length, top_k, cap, missed=None, trials=1):
     expected count of entries ≥ θ over the row is about 1.3·K plus a few spacings.
     ``missed``: the row count that this rank gave, outside [K, cap]; then returns (θ,
     θ at the rank rescaled so the expected count lands mid-way between K and cap)
-    from the one sample (counts grow about linearly with the sample rank). ``trials``:
-    thresholds counted per round of the search (see :func:`_kth_code`).
+    from the one sample (counts grow about linearly with the sample rank).
     """
     n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
     whole = length <= n_sample
@@ -412,7 +360,7 @@ def _sample_threshold(entries, length, top_k, cap, missed=None, trials=1):
         ranks.append(jnp.clip(rescaled, 1, n_sample))
     thetas = jax.lax.cond(
         length > cap,
-        lambda: tuple(_kth_code(sample, r, trials) for r in ranks),
+        lambda: tuple(_kth_code(sample, r) for r in ranks),
         lambda: tuple(length * 0 + EMPTY_CODE for _ in ranks),  # the row fits: keep all
     )
     return thetas if missed is not None else thetas[0]
@@ -499,8 +447,7 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     if theta_given:
         theta = plt.load(refs[3].at[row])  # the 4th input, after the row source
     else:
-        trials = cfg.split_theta_trials or SPLIT_THETA_TRIALS
-        theta = _sample_threshold(entries, length, top_k, cap, trials=trials)
+        theta = _sample_threshold(entries, length, top_k, cap)
     segment = row * chunks + chunk
     trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
     keep = _at_least(theta, dense)
