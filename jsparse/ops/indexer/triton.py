@@ -74,21 +74,29 @@ class ScorerConfig:
 
 
 def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> ScorerConfig:
-    """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3 and 45, H=64, D=128).
+    """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3, 45, 66 and 70, H=64, D=128).
 
     Queries share each key tile (N = block_t·H of the dot): two for bf16 keys and for
     fp8 keys widened in memory; four for fp8 keys widened in registers, where more reuse
-    per widened tile pays. The tiles follow the query count alone, not whether a launch
-    actually widens (see :func:`_widen_in_memory`), so that every launch over the same
-    queries, whatever its keys, runs one config: one config is what keeps methods
-    identical id for id.
+    per widened tile pays, and for bf16 decode batches. The tiles follow the query count
+    alone, not whether a launch actually widens (see :func:`_widen_in_memory`), so that
+    every launch over the same queries, whatever its keys, runs one config: one config is
+    what keeps methods identical id for id.
     """
-    if num_queries == 1 or heads >= 128:
+    if heads >= 128:
         return ScorerConfig(block_t=1)
+    # One query runs a block of two, the second masked off: a dot of N = 64 streamed keys
+    # at 1.4 TB/s, one of N = 128 at 2.3 (run 70, 1 × 64K bf16: 10.9 → 6.9 µs; 128K:
+    # 20.1 → 10.7; fp8 at 4 warps 11.2 → 7.3, 20.8 → 11.4).
     in_registers = fp8_keys and not widens_fp8_in_memory(num_queries)
-    if in_registers and num_queries >= 4:
+    if in_registers:
+        if num_queries < 4:
+            return ScorerConfig(block_t=2, num_warps=4, num_stages=3)
         # decode-sized launches at 4 warps: 21.9 µs against 27.0 at 8 warps, 8 × 64K (run 66)
         return ScorerConfig(block_t=4, num_warps=4 if num_queries < 16 else 8)
+    if 4 <= num_queries < 16:
+        # bf16 decode batches: 8 × 64K 21.3 → 20.1 µs, 8 × 128K 39.2 → 36.7 (run 70)
+        return ScorerConfig(block_t=4, block_s=64, num_warps=4, num_stages=3)
     return ScorerConfig(block_t=2)
 
 
