@@ -60,7 +60,7 @@ def test_fp8_widened_in_memory_lowers_to_cuda(monkeypatch):
     assert sum("xf8E4M3FN>) -> tensor<" in c and "xf16>" in c for c in converts) == 2
 
 
-def test_selection_kernels_lower_to_cuda():
+def test_selection_kernels_lower_to_cuda(monkeypatch):
     i32 = jnp.int32
     t, s, cap, n = 256, 65536, 4608, 30000
     scores = jax.ShapeDtypeStruct((t, s), jnp.float32)
@@ -73,6 +73,11 @@ def test_selection_kernels_lower_to_cuda():
                 ),
                 scores, rng, rng,
             )  # fmt: skip
+    monkeypatch.setattr(select, "MERGE_WRITES_CODES", True)  # codes from the merge
+    lower_for_h200(
+        lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=8, with_codes=True),
+        scores, rng, rng,
+    )  # fmt: skip
     for width in (n, 30720):  # gathered and aligned block loads
         rec = jax.ShapeDtypeStruct((t, width), i32)
         lower_for_h200(

@@ -132,11 +132,17 @@ def _assert_codes_of_live_slots(codes, want, counts):
     np.testing.assert_array_equal(np.asarray(codes)[live], np.asarray(want)[live])
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize(
+    ("chunks", "merge_writes"), [(1, False), (3, False), (3, True)],
+    ids=["whole-rows", "chunks", "chunks-merge-writes"],
+)  # fmt: skip
 @pytest.mark.parametrize("kind", ["all-equal", "specials"])
-def test_compact_rows_writes_the_codes_it_keeps(kind, chunks, kernel_impl):
+def test_compact_rows_writes_the_codes_it_keeps(kind, chunks, merge_writes, kernel_impl,
+                                                monkeypatch):  # fmt: skip
     # the codes beside the ids, on the fast path, the slow one (all-equal: the exact
-    # search rewrites the row) and on -0 / NaN / ±inf
+    # search rewrites the row) and on -0 / NaN / ±inf; written as kept, or by the merge
+    # from the copied ids' scores
+    monkeypatch.setattr(select, "MERGE_WRITES_CODES", merge_writes)
     rng = np.random.default_rng(5)
     s, top_k, cap = 9000, 40, 512
     start_end = [(0, s), (100, 7000), (s - 10, s)]

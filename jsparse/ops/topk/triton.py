@@ -460,19 +460,21 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     plt.store(flags[0].at[row], jnp.where(fast_ok, FAST, RETRIED))  # flagged: exact kernel
 
 
-def _merge_kernel(*refs, dense, codes, top_k, cap, chunks, cfg):
+def _merge_kernel(*refs, dense, codes, seg_codes, top_k, cap, chunks, cfg):
     """Program (row, chunk): copies segment (row, chunk) to its place in the row's buffer,
     after the segments before it; when the row's total missed [min(K, length), cap], no
     program copies and chunk 0 runs the row's slow path (:func:`_exact_row`) itself.
+    ``codes`` without ``seg_codes`` (dense rows): the segments hold ids only, and each
+    copied id's code comes from its score in the row (see ``MERGE_WRITES_CODES``).
 
     One program per segment: a program per row copied the segments one after another,
     a chain of dependent loads and stores (run 33: 6.5-11.6 µs of a decode step). The
     slow path here, not in a kernel of its own: that launch cost ~1 µs of every decode
     step for rows that almost never take it (run 66)."""
     source = refs[:3]
-    n_segment_refs = (2 if codes else 1) + 1  # (codes,) ids, counts: after the source
+    n_segment_refs = (2 if seg_codes else 1) + 1  # (codes,) ids, counts: after the source
     seg_codes_ref, seg_ids_ref, seg_count_ref, _ = _buffer_refs(
-        refs[: 3 + n_segment_refs], codes, 0
+        refs[: 3 + n_segment_refs], seg_codes, 0
     )
     codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, codes, 1)
     row, chunk = pl.program_id(0), pl.program_id(1)
@@ -498,11 +500,14 @@ def _merge_kernel(*refs, dense, codes, top_k, cap, chunks, cfg):
         ok = pos < n
         safe = src + jnp.where(ok, pos, 0)
         dst = jnp.where(ok, row * cap + offset + pos, trash)
-        if codes_ref is not None:
-            vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
-            plt.store(codes_ref.at[dst], vc, mask=ok)
         vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
         plt.store(ids_ref.at[dst], vi, mask=ok)
+        if seg_codes_ref is not None:
+            vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
+            plt.store(codes_ref.at[dst], vc, mask=ok)
+        elif codes_ref is not None:  # a dense row's id is its column
+            x = plt.load(source[0].at[row, jnp.where(ok, vi, 0)], mask=ok, other=0.0)
+            plt.store(codes_ref.at[dst], score_code(x), mask=ok)
         return carry
 
     # A missed total copies nothing: chunk 0 writes the whole row, and the total steers
@@ -599,6 +604,12 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
                    top_k=top_k, cap=cap, cfg=cfg)  # fmt: skip
 
 
+# Dense rows split over chunks, with codes asked for (decode): the merge kernel writes
+# the codes, from each copied id's score, instead of the chunk programs as they keep
+# entries (there they cost +0.7-1.1 µs of a decode step, run 68). Off until measured.
+MERGE_WRITES_CODES = False
+
+
 def default_chunks(rows: int, length: int) -> int:
     """Programs per row: enough rows × chunks to fill an H200, chunks ≥ 4096 entries."""
     return int(max(1, min(-(-4 * 132 // rows), length // 4096, 64)))
@@ -609,9 +620,10 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
     interpret = backend.is_interpret()
     i32 = jnp.int32
 
-    def buffers(n):  # (codes,) ids, count. No init: nothing reads a slot past its count.
+    def buffers(n, with_codes=codes):
+        # (codes,) ids, count. No init: nothing reads a slot past its count.
         slots = jax.ShapeDtypeStruct((n * cap,), i32)
-        return (slots,) * (2 if codes else 1) + (jax.ShapeDtypeStruct((n,), i32),)
+        return (slots,) * (2 if with_codes else 1) + (jax.ShapeDtypeStruct((n,), i32),)
 
     statics = dict(dense=dense, codes=codes, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
     flag = jax.ShapeDtypeStruct((t,), i32)
@@ -652,10 +664,11 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
         )(*inputs, *bufs, slow)
     else:  # the merge kernel takes flagged rows' slow path itself
         n_seg = t * chunks
+        seg_codes = codes and not (dense and MERGE_WRITES_CODES)
         segments = pl.pallas_call(
-            functools.partial(_chunk_kernel, **statics, theta_given=False),
+            functools.partial(_chunk_kernel, **statics | dict(codes=seg_codes), theta_given=False),
             grid=(t, chunks),
-            out_shape=buffers(n_seg),
+            out_shape=buffers(n_seg, seg_codes),
             compiler_params=plt.CompilerParams(
                 num_warps=cfg.split_num_warps, num_stages=cfg.num_stages
             ),
@@ -663,7 +676,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
             name="jsparse_topk_compact_chunks",
         )(*inputs)
         *bufs, slow = pl.pallas_call(
-            functools.partial(_merge_kernel, **statics),
+            functools.partial(_merge_kernel, **statics, seg_codes=seg_codes),
             grid=(t, chunks),
             out_shape=(*buffers(t), flag),
             compiler_params=compiler,
