@@ -606,8 +606,9 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 
 # Dense rows split over chunks, with codes asked for (decode): the merge kernel writes
 # the codes, from each copied id's score, instead of the chunk programs as they keep
-# entries (there they cost +0.7-1.1 µs of a decode step, run 68). Off until measured.
-MERGE_WRITES_CODES = False
+# entries: −0.4 to −1.9 µs a decode step at 1 and 8 rows (run 71; written as kept, they
+# cost the chunk kernel 0.8-1.1 µs, and the merge's gathers next to nothing).
+MERGE_WRITES_CODES = True
 
 
 def default_chunks(rows: int, length: int) -> int:
@@ -698,10 +699,11 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
     for one retry at a rescaled rank, SEARCHED (2) for the exact radix search).
     ``cap ≥ top_k``. A row that a ladder of thresholds rescued also reports RETRIED.
     ``chunks`` programs share a row (default: :func:`default_chunks`),
-    for few rows. ``with_codes``: returns (codes, ids, count, slow), the candidates'
-    codes written as they are kept (the codes of their scores; for decode rows, where
-    gathering them back was its own launch: ~1.5 µs a step, run 67). Not by default:
-    many rows would pay one more store per kept entry (run 41).
+    for few rows. ``with_codes``: returns (codes, ids, count, slow), the codes of the
+    candidates' scores, written by the compaction (as kept, or by the merge of split
+    rows: ``MERGE_WRITES_CODES``) for decode rows, where gathering them back was its
+    own launch (~1.5 µs a step, run 67). Not by default: many rows would pay one more
+    store per kept entry (run 41).
     """
     t, s = scores.shape
     chunks = chunks or default_chunks(t, s)
