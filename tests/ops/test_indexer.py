@@ -180,10 +180,11 @@ def test_fp8_tiles_follow_where_the_widening_happens(monkeypatch):
     assert scorer.default_config(8, 64, fp8_keys=True).block_t == 4
     assert scorer.default_config(8, 64, fp8_keys=True).num_warps == 4  # decode: run 66
     assert scorer.default_config(8192, 64, fp8_keys=False).block_t == 2
-    # one query: a block of two (run 70); bf16 decode batches share tiles four ways
-    assert scorer.default_config(1, 64, fp8_keys=False).block_t == 2
-    assert scorer.default_config(1, 64, fp8_keys=True).num_warps == 4
-    assert scorer.default_config(8, 64, fp8_keys=False).block_s == 64
+    # decode: one query in a block of two, 4-15 in blocks of four, 64-key tiles (run 72)
+    for fp8_keys in (False, True):
+        assert scorer.default_config(1, 64, fp8_keys=fp8_keys).block_t == 2
+        assert scorer.default_config(8, 64, fp8_keys=fp8_keys).block_t == 4
+        assert scorer.default_config(8, 64, fp8_keys=fp8_keys).block_s == 64
     assert scorer.default_config(1, 128, fp8_keys=False).block_t == 1
     monkeypatch.setattr(scorer, "WIDEN_FP8_IN_MEMORY_FROM", None)
     assert scorer.default_config(8192, 64, fp8_keys=True).block_t == 4

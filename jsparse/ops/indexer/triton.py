@@ -85,18 +85,18 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
     """
     if heads >= 128:
         return ScorerConfig(block_t=1)
-    # One query runs a block of two, the second masked off: a dot of N = 64 streamed keys
-    # at 1.4 TB/s, one of N = 128 at 2.3 (run 70, 1 × 64K bf16: 10.9 → 6.9 µs; 128K:
-    # 20.1 → 10.7; fp8 at 4 warps 11.2 → 7.3, 20.8 → 11.4).
     in_registers = fp8_keys and not widens_fp8_in_memory(num_queries)
+    if num_queries < 16 and (in_registers or not fp8_keys):
+        # Decode: 64-key tiles, 4 warps, 3 stages, with keys streamed from HBM (run 72,
+        # inputs rotated; µs, 64K / 128K): one query bf16 12.4 / 21.7 at bt 1 → 8.3 /
+        # 12.7, fp8 11.2 / 21.7 → 7.1 / 12.6; 8 queries bf16 (bt 2) 23.0 / 43.0 → 21.0 /
+        # 37.6, fp8 (bt 4, 128-key tiles) 22.3 / 43.5 → 21.8 / 39.4. One query runs a
+        # block of two, the second masked off: the dot's N = 64 at bt 1 streamed keys
+        # 1.5-1.7× slower.
+        return ScorerConfig(block_t=2 if num_queries < 4 else 4, block_s=64, num_warps=4,
+                            num_stages=3)  # fmt: skip
     if in_registers:
-        if num_queries < 4:
-            return ScorerConfig(block_t=2, num_warps=4, num_stages=3)
-        # decode-sized launches at 4 warps: 21.9 µs against 27.0 at 8 warps, 8 × 64K (run 66)
-        return ScorerConfig(block_t=4, num_warps=4 if num_queries < 16 else 8)
-    if 4 <= num_queries < 16:
-        # bf16 decode batches: 8 × 64K 21.3 → 20.1 µs, 8 × 128K 39.2 → 36.7 (run 70)
-        return ScorerConfig(block_t=4, block_s=64, num_warps=4, num_stages=3)
+        return ScorerConfig(block_t=4)
     return ScorerConfig(block_t=2)
 
 
