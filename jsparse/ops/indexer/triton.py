@@ -74,14 +74,15 @@ class ScorerConfig:
 
 
 def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> ScorerConfig:
-    """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3, 45, 66 and 70, H=64, D=128).
+    """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3, 45, 66 and 72, H=64, D=128).
 
-    Queries share each key tile (N = block_t·H of the dot): two for bf16 keys and for
-    fp8 keys widened in memory; four for fp8 keys widened in registers, where more reuse
-    per widened tile pays, and for bf16 decode batches. The tiles follow the query count
-    alone, not whether a launch actually widens (see :func:`_widen_in_memory`), so that
-    every launch over the same queries, whatever its keys, runs one config: one config is
-    what keeps methods identical id for id.
+    Queries share each key tile (N = block_t·H of the dot). From 16 queries: two for
+    bf16 keys and for fp8 keys widened in memory, four for fp8 keys widened in registers
+    (where more reuse per widened tile pays). Decode (fewer than 16): one small-tile
+    config for both dtypes, below. The tiles follow the query count alone, not whether
+    a launch actually widens (see :func:`_widen_in_memory`), so that every launch over
+    the same queries, whatever its keys, runs one config: one config is what keeps
+    methods identical id for id.
     """
     if heads >= 128:
         return ScorerConfig(block_t=1)
