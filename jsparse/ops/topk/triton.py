@@ -611,9 +611,17 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 MERGE_WRITES_CODES = True
 
 
+# Entries a chunk program streams at least (decode: 16 chunks of a 64K row). Each chunk
+# program also runs the row's θ search, ~2/3 of its time; shorter chunks are not yet
+# measured (`bench/run.py --set jsparse.ops.topk.triton.MIN_CHUNK_ENTRIES=1024`).
+MIN_CHUNK_ENTRIES = 4096
+MAX_CHUNKS = 64
+
+
 def default_chunks(rows: int, length: int) -> int:
-    """Programs per row: enough rows × chunks to fill an H200, chunks ≥ 4096 entries."""
-    return int(max(1, min(-(-4 * 132 // rows), length // 4096, 64)))
+    """Programs per row: enough rows × chunks to fill an H200 (four per SM), each chunk
+    at least ``MIN_CHUNK_ENTRIES`` long, at most ``MAX_CHUNKS`` of them."""
+    return int(max(1, min(-(-4 * 132 // rows), length // MIN_CHUNK_ENTRIES, MAX_CHUNKS)))
 
 
 def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
