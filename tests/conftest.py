@@ -9,7 +9,13 @@
 
 from __future__ import annotations
 
-import jax
+import os
+
+# Parallel workers (`pytest -n`) may share one GPU: none may claim 75% of it up front.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # after the allocator setting (it is read when a backend starts)
 import pytest
 
 from jsparse import assets, backend
