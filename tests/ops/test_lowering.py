@@ -41,8 +41,10 @@ def test_lowers_to_cuda(name, dtype, t):
 
 
 @pytest.mark.parametrize("t", [1, T], ids=["decode", "chunk"])
-def test_base_with_the_scorer_written_report_lowers_to_cuda(t, monkeypatch):
-    monkeypatch.setattr(methods, "SCORER_WRITES_REPORT", True)
+def test_base_with_the_report_kernel_lowers_to_cuda(t, monkeypatch):
+    # the scorer writes base's report by default (KERNELS above): the report's own
+    # kernel, which the switch and the Mosaic base use, lowers here
+    monkeypatch.setattr(methods, "SCORER_WRITES_REPORT", False)
     jax.clear_caches()
     try:
         lower_for_h200(KERNELS["base"], *_structs(jnp.float8_e4m3fn, t))
@@ -73,7 +75,8 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
                 ),
                 scores, rng, rng,
             )  # fmt: skip
-    monkeypatch.setattr(select, "MERGE_WRITES_CODES", True)  # codes from the merge
+    # codes from the merge by default (above); written as kept, in the chunk kernel
+    monkeypatch.setattr(select, "MERGE_WRITES_CODES", False)
     lower_for_h200(
         lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=8, with_codes=True),
         scores, rng, rng,
