@@ -84,31 +84,6 @@ class SelectConfig:
     split_num_warps: int = 8
 
 
-def _half_span(lo, hi):  # ⌊hi/2⌋ - ⌊lo/2⌋: within 1 of (hi - lo)/2, never overflows
-    return (hi >> 1) - (lo >> 1)
-
-
-def _bracket_search(narrow, smallest_ge, lo, hi, c_lo, rank):
-    """The K-th code search's loop: keeps count(≥ lo) = c_lo ≥ rank > c_hi =
-    count(≥ hi) while ``narrow(lo, hi, c_lo, c_hi, spread)`` shrinks [lo, hi) (its
-    counted trials lie strictly inside); ``spread`` is 1 after a step that did not halve
-    the span, telling ``narrow`` to stop guessing. Ends when lo + 1 = hi, or early when
-    c_lo is exactly rank: θ is then the smallest code ≥ lo."""
-
-    def searching(state):
-        lo, hi, c_lo, _, _ = state
-        return (lo + 1 < hi) & (c_lo != rank)
-
-    def step(state):
-        lo, hi, c_lo, c_hi, spread = state
-        new_lo, new_hi, c_lo, c_hi = narrow(lo, hi, c_lo, c_hi, spread)
-        halved = 2 * _half_span(new_lo, new_hi) <= _half_span(lo, hi)
-        return new_lo, new_hi, c_lo, c_hi, 1 - halved.astype(jnp.int32)
-
-    lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, (lo, hi, c_lo, c_lo * 0, c_lo * 0))
-    return jnp.where(c_lo == rank, smallest_ge(lo), lo)
-
-
 def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
     """The largest code θ with count_ge(θ) ≥ rank, exactly, given count_ge(lo) = c_lo ≥
     rank and count_ge(hi) = 0 (lo < hi); ``smallest_ge(θ)`` is the smallest code ≥ θ.
@@ -123,22 +98,32 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
     """
     f32 = jnp.float32
 
-    def narrow(lo, hi, c_lo, c_hi, bisect):
+    def half_span(lo, hi):  # ⌊hi/2⌋ - ⌊lo/2⌋: within 1 of (hi - lo)/2, never overflows
+        return (hi >> 1) - (lo >> 1)
+
+    def searching(state):
+        lo, hi, c_lo, _, _ = state
+        return (lo + 1 < hi) & (c_lo != rank)
+
+    def step(state):
+        lo, hi, c_lo, c_hi, bisect = state
+        half = half_span(lo, hi)
         frac = (c_lo - rank).astype(f32) / (c_lo - c_hi).astype(f32)
         # hi - lo is exact (no wrap) unless the span is huge, where bisection is used;
         # the offset is in integers, so it stays exact where f32 codes would not be.
         offset = jnp.clip((hi - lo).astype(f32) * frac, 1.0, 2.0**30).astype(jnp.int32)
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # ⌊(lo + hi) / 2⌋ without overflow
-        interpolate = (bisect == 0) & (_half_span(lo, hi) < 2**29)
+        interpolate = (bisect == 0) & (half < 2**29)
         trial = jnp.clip(jnp.where(interpolate, lo + offset, mid), lo + 1, hi - 1)
         c_trial = count_ge(trial)
         up = c_trial >= rank
-        return (
-            jnp.where(up, trial, lo), jnp.where(up, hi, trial),
-            jnp.where(up, c_trial, c_lo), jnp.where(up, c_hi, c_trial),
-        )  # fmt: skip
+        new_lo, c_lo = jnp.where(up, trial, lo), jnp.where(up, c_trial, c_lo)
+        new_hi, c_hi = jnp.where(up, hi, trial), jnp.where(up, c_hi, c_trial)
+        halved = 2 * half_span(new_lo, new_hi) <= half
+        return new_lo, new_hi, c_lo, c_hi, 1 - halved.astype(jnp.int32)
 
-    return _bracket_search(narrow, smallest_ge, lo, hi, c_lo, rank)
+    lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, (lo, hi, c_lo, c_lo * 0, c_lo * 0))
+    return jnp.where(c_lo == rank, smallest_ge(lo), lo)
 
 
 def _kth_code(codes, rank):
@@ -159,8 +144,7 @@ def _kth_code(codes, rank):
 
     lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
     hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
-    c_lo = jnp.sum(ok.astype(jnp.int32))
-    return _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank)
+    return _search_kth(count_ge, smallest_ge, lo, hi, jnp.sum(ok.astype(jnp.int32)), rank)
 
 
 def _id_cut(count_ties, need):
