@@ -84,17 +84,50 @@ class SelectConfig:
     split_num_warps: int = 8
 
 
-def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
+# The K-th code search's first trials are in score space (see _search_kth). It steps in
+# code space for good (where a bisection safeguard bounds it to ~64 more counts) after
+# SCORE_STEPS of them, or after SCORE_STALLS in a row that did not halve the count gap.
+SCORE_STEPS = 16
+SCORE_STALLS = 3
+# The sampled θ accepts a code whose sample count is up to this far above its rank: the
+# compaction only needs a count in [K, cap], and the last few counts of an exact search
+# only pin one code among a handful (8 sample entries ≈ 8 spacings of the row).
+SAMPLE_RANK_SLACK = 8
+
+
+def _upper_normal_quantile(p):
+    """z with P(N(0,1) > z) = p, 0 < p < 1: Abramowitz & Stegun 26.2.23 (|error| <
+    4.5e-4), enough for a first guess."""
+    tail = jnp.minimum(p, 1.0 - p)
+    t = jnp.sqrt(-2.0 * jnp.log(jnp.maximum(tail, 1e-30)))
+    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (
+        1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308))
+    )
+    return jnp.where(p <= 0.5, z, -z)
+
+
+def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, *, guess=None, slack=0):
     """The largest code θ with count_ge(θ) ≥ rank, exactly, given count_ge(lo) = c_lo ≥
     rank and count_ge(hi) = 0 (lo < hi); ``smallest_ge(θ)`` is the smallest code ≥ θ.
+    Returns (θ, counts taken).
 
-    A search over code values keeping lo (count ≥ rank) and hi (count < rank). Each
-    step guesses by linear interpolation of the two counts, or bisects when the
-    previous step did not halve [lo, hi) or the interval spans more than 2^30 codes
-    (there hi - lo may not fit int32, and bisection is as good a guess), so it never
-    takes more than ~64 counts; on the score distributions tried (normal, exponential,
-    uniform, log-normal, Cauchy tails) it takes ~5-20 against bisection's 32. It stops
-    early when count(≥ lo) is exactly rank: θ is then the smallest code ≥ lo.
+    A search keeping lo (count ≥ rank) and hi (count < rank). The first trial is the
+    score ``guess`` when given (the caller's estimate of the rank-th largest score);
+    then false position on the scores with the Illinois rule (the end kept twice in a
+    row has its count gap halved, so one end cannot stall). Score steps follow the
+    distribution where code steps follow its exponent: on the θ sample of normal-like
+    rows the search took ~13 counts in code space, ~3 with the guess and score steps
+    (WORKSPACE.md, thirteenth session). They end for good after SCORE_STEPS, after
+    SCORE_STALLS in a row that did not halve the count gap (a point mass or a gap in
+    the scores, whose edge code steps find in ~30 counts and score steps may never),
+    or at a trial that is not a finite score (an end at ±inf or NaN, an overflowing
+    guess). Then it steps in code space: interpolation of the counts, or bisection when
+    the previous step did not halve [lo, hi) or the interval spans more than 2^30 codes
+    (there hi - lo may not fit int32, and bisection is as good a guess), so the search
+    ends. It stops early when count(≥ lo) is exactly rank: θ is then the smallest code
+    ≥ lo. ``slack`` > 0 (an estimate suffices): it stops as soon as count(≥ lo) ≤ rank
+    + slack and returns lo, a code whose count is in [rank, rank + slack] (or the exact
+    θ, when ties make that window empty).
     """
     f32 = jnp.float32
 
@@ -102,39 +135,71 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank):
         return (hi >> 1) - (lo >> 1)
 
     def searching(state):
-        lo, hi, c_lo, _, _ = state
-        return (lo + 1 < hi) & (c_lo != rank)
+        lo, hi, c_lo = state[:3]
+        return (lo + 1 < hi) & (c_lo > rank + slack)
 
     def step(state):
-        lo, hi, c_lo, c_hi, bisect = state
-        half = half_span(lo, hi)
-        frac = (c_lo - rank).astype(f32) / (c_lo - c_hi).astype(f32)
-        # hi - lo is exact (no wrap) unless the span is huge, where bisection is used;
-        # the offset is in integers, so it stays exact where f32 codes would not be.
+        lo, hi, c_lo, c_hi, scoring, stalls, bisect, w_lo, w_hi, side, n = state
+        half, gap = half_span(lo, hi), c_lo - c_hi
+        gap_lo, gap_hi = w_lo * (c_lo - rank).astype(f32), w_hi * (rank - c_hi).astype(f32)
+        frac = gap_lo / (gap_lo + gap_hi)  # c_hi < rank ≤ c_lo: the sum is > 0
+        # score space: between the scores of the two ends
+        s_lo, s_hi = code_to_score(lo), code_to_score(hi - 1)
+        s_trial = s_lo + (s_hi - s_lo) * frac
+        if guess is not None:
+            s_trial = jnp.where(n == 0, guess, s_trial)
+        finite = jnp.abs(s_trial) < jnp.inf
+        by_score = (scoring == 1) & (stalls < SCORE_STALLS) & (n < SCORE_STEPS) & finite
+        # code space: hi - lo is exact (no wrap) unless the span is huge, where bisection
+        # is used; the offset is in integers, so it stays exact where f32 codes would not
         offset = jnp.clip((hi - lo).astype(f32) * frac, 1.0, 2.0**30).astype(jnp.int32)
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # ⌊(lo + hi) / 2⌋ without overflow
         interpolate = (bisect == 0) & (half < 2**29)
-        trial = jnp.clip(jnp.where(interpolate, lo + offset, mid), lo + 1, hi - 1)
+        by_code = jnp.where(interpolate, lo + offset, mid)
+        trial = jnp.where(by_score, score_code(jnp.where(by_score, s_trial, 0.0)), by_code)
+        trial = jnp.clip(trial, lo + 1, hi - 1)
         c_trial = count_ge(trial)
         up = c_trial >= rank
         new_lo, c_lo = jnp.where(up, trial, lo), jnp.where(up, c_trial, c_lo)
         new_hi, c_hi = jnp.where(up, hi, trial), jnp.where(up, c_hi, c_trial)
-        halved = 2 * half_span(new_lo, new_hi) <= half
-        return new_lo, new_hi, c_lo, c_hi, 1 - halved.astype(jnp.int32)
+        # Illinois: the end not moved has its weight halved when it stayed last time too
+        w_lo = jnp.where(up, 1.0, jnp.where(side < 0, w_lo * 0.5, 1.0))
+        w_hi = jnp.where(up, jnp.where(side > 0, w_hi * 0.5, 1.0), 1.0)
+        side = jnp.where(up, np.int32(1), np.int32(-1))
+        stalls = jnp.where(2 * (c_lo - c_hi) <= gap, 0, stalls + 1)
+        # a code step that did not halve [lo, hi) makes the next one a bisection
+        halved = (2 * half_span(new_lo, new_hi) <= half).astype(jnp.int32)
+        bisect = jnp.where(by_score, bisect, 1 - halved)
+        scoring = by_score.astype(jnp.int32)  # the first code step ends score steps
+        return new_lo, new_hi, c_lo, c_hi, scoring, stalls, bisect, w_lo, w_hi, side, n + 1
 
-    lo, _, c_lo, _, _ = jax.lax.while_loop(searching, step, (lo, hi, c_lo, c_lo * 0, c_lo * 0))
-    return jnp.where(c_lo == rank, smallest_ge(lo), lo)
+    zero = c_lo * 0
+    one = zero.astype(f32) + 1.0
+    state = (lo, hi, c_lo, zero, zero + 1, zero, zero, one, one, zero, zero)
+    lo, _, c_lo, *_, n = jax.lax.while_loop(searching, step, state)
+    if slack:
+        return lo, n
+    return jnp.where(c_lo == rank, smallest_ge(lo), lo), n
 
 
-def _kth_code(codes, rank):
+def _kth_code(codes, rank, slack=0):
     """The rank-th largest of the live codes (1 ≤ rank ≤ their count), held in
-    registers: :func:`_search_kth` between the smallest and the largest code.
+    registers: :func:`_search_kth` between the smallest and the largest code, first
+    guessing the score at that rank from the live scores' mean and deviation as if
+    they were normal. ``slack``: a code whose count is in [rank, rank + slack] will do.
 
     EMPTY_CODE marks a dead entry. Every trial lies above the smallest live code, so
     the counts need no mask (run 63: a mask there was 1.7-2.5 µs of a decode
     compaction's θ search).
     """
+    return _kth_code_counted(codes, rank, slack)[0]
+
+
+def _kth_code_counted(codes, rank, slack=0):
+    """:func:`_kth_code` and the number of counts its search took."""
+    f32 = jnp.float32
     ok = codes != EMPTY_CODE
+    n_live = jnp.sum(ok.astype(jnp.int32))
 
     def count_ge(th):
         return jnp.sum((codes >= th).astype(jnp.int32))
@@ -142,9 +207,15 @@ def _kth_code(codes, rank):
     def smallest_ge(th):
         return jnp.min(jnp.where(codes >= th, codes, _INT_MAX))
 
+    x = jnp.where(ok, code_to_score(codes), 0.0)
+    n_f = jnp.maximum(n_live, 1).astype(f32)
+    mean = jnp.sum(x) / n_f
+    deviation = jnp.sqrt(jnp.maximum(jnp.sum(x * x) / n_f - mean * mean, 0.0))
+    p = (rank - 0.5) / n_f  # the rank-th of n sits at upper quantile ~(r - ½)/n
+    guess = mean + _upper_normal_quantile(p) * deviation  # non-finite: ignored
     lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
     hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
-    return _search_kth(count_ge, smallest_ge, lo, hi, jnp.sum(ok.astype(jnp.int32)), rank)
+    return _search_kth(count_ge, smallest_ge, lo, hi, n_live, rank, guess=guess, slack=slack)
 
 
 def _id_cut(count_ties, need):
@@ -344,7 +415,7 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
         ranks.append(jnp.clip(rescaled, 1, n_sample))
     thetas = jax.lax.cond(
         length > cap,
-        lambda: tuple(_kth_code(sample, r) for r in ranks),
+        lambda: tuple(_kth_code(sample, r, SAMPLE_RANK_SLACK) for r in ranks),
         lambda: tuple(length * 0 + EMPTY_CODE for _ in ranks),  # the row fits: keep all
     )
     return thetas if missed is not None else thetas[0]
