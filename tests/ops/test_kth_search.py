@@ -15,9 +15,9 @@ N = 4096
 I32 = np.iinfo(np.int32)
 
 
-@jax.jit
-def kth(codes, rank):
-    return select._kth_code(codes, rank)
+@functools.partial(jax.jit, static_argnums=2)
+def kth(codes, rank, guess=True):
+    return select._kth_code(codes, rank, guess=guess)
 
 
 def rows(rng):
@@ -39,8 +39,9 @@ def rows(rng):
     yield "specials", np.asarray(score_code(jnp.asarray(specials)))
 
 
+@pytest.mark.parametrize("guess", [True, False], ids=["guess", "no-guess"])
 @pytest.mark.parametrize("seed", range(3))
-def test_kth_code_is_the_exact_rank_th_largest(seed):
+def test_kth_code_is_the_exact_rank_th_largest(seed, guess):
     rng = np.random.default_rng(seed)
     for name, codes in rows(rng):
         codes = np.asarray(codes, np.int32)
@@ -54,7 +55,7 @@ def test_kth_code_is_the_exact_rank_th_largest(seed):
             for rank in (1, 2, 2048, len(live) // 2 + 1, len(live), *ends):
                 rank = int(min(max(rank, 1), len(live)))
                 dead_empty = np.where(ok, codes, EMPTY_CODE)  # what the kernels hold
-                got = int(kth(jnp.asarray(dead_empty), jnp.int32(rank)))
+                got = int(kth(jnp.asarray(dead_empty), jnp.int32(rank), guess))
                 assert got == live[rank - 1], (name, ok_fraction, rank)
 
 
@@ -90,10 +91,10 @@ def test_guess_and_score_steps_keep_the_search_short():
         x = rng.standard_normal(N).astype(np.float32) * rng.uniform(1e-3, 1e3)
         codes = score_code(jnp.asarray(x))
         for rank in (175, 2048):
-            taken.append(int(kth_counted(codes, jnp.int32(rank), 0)[1]))
+            taken.append(int(kth_counted(codes, jnp.int32(rank), None)[1]))
             taken.append(int(kth_counted(codes, jnp.int32(rank), 8)[1]))
     assert np.mean(taken) <= 6 and max(taken) <= 16, taken
     for name, codes in rows(rng):
         for rank in (1, 175, 2048, N):
-            n = int(kth_counted(jnp.asarray(codes, jnp.int32), jnp.int32(rank), 0)[1])
+            n = int(kth_counted(jnp.asarray(codes, jnp.int32), jnp.int32(rank), None)[1])
             assert n <= select.SCORE_STEPS + 64, (name, rank, n)

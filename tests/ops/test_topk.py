@@ -243,7 +243,7 @@ def _check_ladder(chunks):
     rng = np.random.default_rng(5)
     sampled = _sampled_positions(s)
     n = sampled.size
-    rank = (top_k * n * 13 + 10 * s - 1) // (10 * s) + 8  # the kernel's first sample rank
+    rank = int(select.sample_rank(top_k, s))  # the kernel's first sample rank
     row = np.zeros(s, np.float32)
     row[sampled] = 1.0 + rng.random(n).astype(np.float32)  # one binade: codes linear
     values = np.sort(row[sampled])[::-1]
@@ -264,15 +264,18 @@ _SLOW_PATHS = [_check_missed_sample, _check_ladder]
 
 @pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("check", _SLOW_PATHS, ids=["retry-then-search", "ladder"])
-def test_slow_paths(check, chunks, kernel_impl):
+def test_slow_paths(check, chunks, kernel_impl, monkeypatch):
+    # θ exactly at the sample rank (no slack): the constructions place it there
+    monkeypatch.setattr(select, "SAMPLE_SLACK_DIVISOR", 1 << 30)
     check(chunks)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("check", _SLOW_PATHS, ids=["retry-then-search", "ladder"])
-def test_gpu_slow_path_flags_compiled(check):
+def test_gpu_slow_path_flags_compiled(check, monkeypatch):
     # The path flags come from scalar selects, which Pallas Triton once lowered wrongly
     # for Python-int branches (2 stored as 0); interpret mode cannot see that.
+    monkeypatch.setattr(select, "SAMPLE_SLACK_DIVISOR", 1 << 30)
     check(1)
 
 

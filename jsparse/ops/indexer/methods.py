@@ -26,7 +26,9 @@ def _round_up(x: int, m: int) -> int:
 
 
 def candidate_capacity(top_k: int, num_keys: int) -> int:
-    """Slots per row for compact_rows: 2·K plus room for the sample's granularity.
+    """Slots per row for compact_rows: 2·K plus room for the sample's granularity, or
+    more where the θ sample's rank can overshoot that (rows past 128K at K = 2048:
+    :func:`jsparse.ops.topk.triton.sample_capacity_floor`).
 
     Not a power of two on purpose: at 8192 × 128K i.i.d. scores the largest row count was
     4076 for K = 2048 (WORKSPACE.md run 22), so a 4096-slot buffer sent 5 rows off the
@@ -34,7 +36,8 @@ def candidate_capacity(top_k: int, num_keys: int) -> int:
     still a second pass over the row).
     """
     spacing = -(-num_keys // (select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK))
-    return _round_up(2 * top_k + 16 * spacing, 256)
+    floor = select.sample_capacity_floor(top_k, num_keys) if spacing > 1 else 0
+    return _round_up(max(2 * top_k + 16 * spacing, floor), 256)
 
 
 def default_seed_count(top_k: int, num_keys: int) -> int:

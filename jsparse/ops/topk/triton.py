@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -89,10 +90,41 @@ class SelectConfig:
 # SCORE_STEPS of them, or after SCORE_STALLS in a row that did not halve the count gap.
 SCORE_STEPS = 16
 SCORE_STALLS = 3
-# The sampled θ accepts a code whose sample count is up to this far above its rank: the
-# compaction only needs a count in [K, cap], and the last few counts of an exact search
-# only pin one code among a handful (8 sample entries ≈ 8 spacings of the row).
-SAMPLE_RANK_SLACK = 8
+# The sampled θ accepts a code whose sample count is up to rank / SAMPLE_SLACK_DIVISOR
+# above its rank (≤ 5% more candidates): the compaction only needs a count in [K, cap],
+# and an exact search's last counts only pin one code among a handful.
+SAMPLE_SLACK_DIVISOR = 20
+# The select kernel's K-th search starts from the normal guess too. Its rows live in
+# registers (up to 8192 candidates), and the guess's two reductions cost more than the
+# ~3 counts they save there (run 75: +2.3 µs at 64 decode rows, +8-12 µs at 8192 rows).
+SELECT_GUESS = False
+# The count of row entries ≥ the sample's rank-th code is about rank · L/n, give or
+# take a relative ~1/√rank (a binomial draw; measured a little wider, run 75's rows):
+# the rank puts K SAMPLE_MARGIN such spreads below, and the capacity sits
+# CAPACITY_MARGIN above.
+SAMPLE_MARGIN = 3.5
+CAPACITY_MARGIN = 4.5
+
+
+def sample_rank(top_k, length):
+    """The θ sample's rank in a row of ``length`` > 4096 entries: the r with
+    r − SAMPLE_MARGIN·√r = K·n/L, so a count below K is ~3.5 spreads away. At 64 × 128K
+    the former rank ⌈1.3·K·n/L⌉ + 8 = 92 gave counts down to 2005 < K on the bench's
+    rows (CPU replay of run 75's inputs, `diag/theta_miss_sim.py`); this one gives 99,
+    counts 2204-4568. Works on Python ints (host) and traced int32."""
+    xp = np if isinstance(length, (int, np.integer)) else jnp  # numpy: no tracing on host
+    n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
+    expected = top_k * n_sample / xp.maximum(length, 1).astype(xp.float32)
+    root = (SAMPLE_MARGIN + xp.sqrt(SAMPLE_MARGIN**2 + 4.0 * expected)) / 2.0
+    return xp.clip(xp.ceil(root * root), 1, n_sample).astype(xp.int32)
+
+
+def sample_capacity_floor(top_k, length):
+    """The candidate count CAPACITY_MARGIN spreads above θ's rank (plus its slack), for
+    :func:`jsparse.ops.indexer.methods.candidate_capacity`."""
+    rank = int(sample_rank(top_k, length))
+    high = rank + CAPACITY_MARGIN * math.sqrt(rank) + rank // SAMPLE_SLACK_DIVISOR
+    return math.ceil(high * length / (SAMPLE_BLOCKS * SAMPLE_BLOCK))
 
 
 def _upper_normal_quantile(p):
@@ -106,7 +138,7 @@ def _upper_normal_quantile(p):
     return jnp.where(p <= 0.5, z, -z)
 
 
-def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, *, guess=None, slack=0):
+def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, *, guess=None, slack=None):
     """The largest code θ with count_ge(θ) ≥ rank, exactly, given count_ge(lo) = c_lo ≥
     rank and count_ge(hi) = 0 (lo < hi); ``smallest_ge(θ)`` is the smallest code ≥ θ.
     Returns (θ, counts taken).
@@ -125,9 +157,9 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, *, guess=None, slack=
     the previous step did not halve [lo, hi) or the interval spans more than 2^30 codes
     (there hi - lo may not fit int32, and bisection is as good a guess), so the search
     ends. It stops early when count(≥ lo) is exactly rank: θ is then the smallest code
-    ≥ lo. ``slack`` > 0 (an estimate suffices): it stops as soon as count(≥ lo) ≤ rank
-    + slack and returns lo, a code whose count is in [rank, rank + slack] (or the exact
-    θ, when ties make that window empty).
+    ≥ lo. With ``slack`` (≥ 0, maybe traced; an estimate suffices) it stops as soon as
+    count(≥ lo) ≤ rank + slack and returns lo, a code whose count is in [rank, rank +
+    slack] (or the exact θ, when ties make that window empty).
     """
     f32 = jnp.float32
 
@@ -136,7 +168,7 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, *, guess=None, slack=
 
     def searching(state):
         lo, hi, c_lo = state[:3]
-        return (lo + 1 < hi) & (c_lo > rank + slack)
+        return (lo + 1 < hi) & (c_lo > rank + (0 if slack is None else slack))
 
     def step(state):
         lo, hi, c_lo, c_hi, scoring, stalls, bisect, w_lo, w_hi, side, n = state
@@ -177,26 +209,28 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, *, guess=None, slack=
     one = zero.astype(f32) + 1.0
     state = (lo, hi, c_lo, zero, zero + 1, zero, zero, one, one, zero, zero)
     lo, _, c_lo, *_, n = jax.lax.while_loop(searching, step, state)
-    if slack:
+    if slack is not None:
         return lo, n
     return jnp.where(c_lo == rank, smallest_ge(lo), lo), n
 
 
-def _kth_code(codes, rank, slack=0):
+def _kth_code(codes, rank, slack=None, guess=True):
     """The rank-th largest of the live codes (1 ≤ rank ≤ their count), held in
     registers: :func:`_search_kth` between the smallest and the largest code, first
     guessing the score at that rank from the live scores' mean and deviation as if
-    they were normal. ``slack``: a code whose count is in [rank, rank + slack] will do.
+    they were normal. ``slack``: a code whose count is in [rank, rank + slack] will do
+    (see :func:`_search_kth`).
 
     EMPTY_CODE marks a dead entry. Every trial lies above the smallest live code, so
     the counts need no mask (run 63: a mask there was 1.7-2.5 µs of a decode
     compaction's θ search).
     """
-    return _kth_code_counted(codes, rank, slack)[0]
+    return _kth_code_counted(codes, rank, slack, guess)[0]
 
 
-def _kth_code_counted(codes, rank, slack=0):
-    """:func:`_kth_code` and the number of counts its search took."""
+def _kth_code_counted(codes, rank, slack=None, guess=True):
+    """:func:`_kth_code` and the number of counts its search took. ``guess=False``: no
+    first guess (it costs two more reductions over the codes)."""
     f32 = jnp.float32
     ok = codes != EMPTY_CODE
     n_live = jnp.sum(ok.astype(jnp.int32))
@@ -207,12 +241,15 @@ def _kth_code_counted(codes, rank, slack=0):
     def smallest_ge(th):
         return jnp.min(jnp.where(codes >= th, codes, _INT_MAX))
 
-    x = jnp.where(ok, code_to_score(codes), 0.0)
-    n_f = jnp.maximum(n_live, 1).astype(f32)
-    mean = jnp.sum(x) / n_f
-    deviation = jnp.sqrt(jnp.maximum(jnp.sum(x * x) / n_f - mean * mean, 0.0))
-    p = (rank - 0.5) / n_f  # the rank-th of n sits at upper quantile ~(r - ½)/n
-    guess = mean + _upper_normal_quantile(p) * deviation  # non-finite: ignored
+    if guess:
+        x = jnp.where(ok, code_to_score(codes), 0.0)
+        n_f = jnp.maximum(n_live, 1).astype(f32)
+        mean = jnp.sum(x) / n_f
+        deviation = jnp.sqrt(jnp.maximum(jnp.sum(x * x) / n_f - mean * mean, 0.0))
+        p = (rank - 0.5) / n_f  # the rank-th of n sits at upper quantile ~(r - ½)/n
+        guess = mean + _upper_normal_quantile(p) * deviation  # non-finite: ignored
+    else:
+        guess = None
     lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
     hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
     return _search_kth(count_ge, smallest_ge, lo, hi, n_live, rank, guess=guess, slack=slack)
@@ -344,18 +381,20 @@ def _streaming(block, first, n_blocks, blk):
 
         return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((RADIX,), jnp.int32))
 
-    def compact(keep_fn, out_codes, out_ids, base, cap, trash, raw=False, peel=True):
+    def compact(keep_fn, out_codes, out_ids, base, cap, trash, raw=False, peel=True,
+                first_loaded=None):  # fmt: skip
         """Stores the ids (and codes, unless out_codes is None) of the entries that
         keep_fn(value, id) selects, in row order, at out[base + n] for n < cap; returns
         how many it selected (which may exceed cap). ``raw``: values are dense scores.
+        ``first_loaded``: the first block, as ``block(first, True, raw)`` gave it.
 
         With ``peel``, only the first and last block are masked: interior blocks load
         unmasked (run 26: −0.25 ms of 1.85 at 8192 × 64K), for three copies of the loop
         body; the rare-path kernel does without (its code was 2.4× the size otherwise).
         """
 
-        def body(a, stored, masked):
-            c, i, ok = block(a, masked=masked, raw=raw)
+        def body(a, stored, masked, loaded=None):
+            c, i, ok = block(a, masked=masked, raw=raw) if loaded is None else loaded
             keep = keep_fn(c, i) if ok is None else keep_fn(c, i) & ok
             keep_i = keep.astype(jnp.int32)
             pos = stored + jnp.cumsum(keep_i) - 1
@@ -372,7 +411,7 @@ def _streaming(block, first, n_blocks, blk):
             )
         # n_blocks = 0 (an empty range or chunk) reads nothing: the first block is all
         # masked off then and the other two parts do not run.
-        stored = body(first, n_blocks * 0, True)
+        stored = body(first, n_blocks * 0, True, first_loaded)
         stored = jax.lax.fori_loop(
             1, n_blocks - 1, lambda j, s: body(first + j * blk, s, False), stored
         )
@@ -385,9 +424,10 @@ def _streaming(block, first, n_blocks, blk):
 def _sample_threshold(entries, length, top_k, cap, missed=None):
     """θ ≤ (probably a little below) the K-th code; EMPTY_CODE when the row fits in cap.
 
-    The sample is the whole row when short (θ is then exactly the K-th code), else 512
-    evenly spaced runs of 8 (the last ending at the row's end), ranked so that the
-    expected count of entries ≥ θ over the row is about 1.3·K plus a few spacings.
+    The sample is the whole row when short (θ is then about the K-th code), else 512
+    evenly spaced runs of 8 (the last ending at the row's end), ranked by
+    :func:`sample_rank`; the search accepts a count up to 1/SAMPLE_SLACK_DIVISOR above
+    the rank.
     ``missed``: the row count that this rank gave, outside [K, cap]; then returns (θ,
     θ at the rank rescaled so the expected count lands mid-way between K and cap)
     from the one sample (counts grow about linearly with the sample rank).
@@ -399,12 +439,7 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
     # past a short row's end the sample holds EMPTY, which _kth_code skips
     sample, _, _ = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
     f32 = jnp.float32
-    if top_k * n_sample * 13 < 2**30:  # ⌈1.3·K·n / L⌉ + 8, exact in int32
-        spaced = (top_k * n_sample * 13 + 10 * length - 1) // (10 * jnp.maximum(length, 1)) + 8
-    else:  # K in the tens of thousands: the same in f32, which cannot overflow
-        spaced = jnp.ceil(1.3 * top_k * n_sample / jnp.maximum(length, 1).astype(f32))
-        spaced = jnp.minimum(spaced, n_sample).astype(jnp.int32) + 8
-    ranks = [jnp.where(whole, top_k, jnp.minimum(spaced, n_sample))]
+    ranks = [jnp.where(whole, top_k, sample_rank(top_k, length))]
     if missed is not None:
         missed = jnp.maximum(missed, 1)
         if n_sample * (top_k + cap) < 2**31:
@@ -415,7 +450,7 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
         ranks.append(jnp.clip(rescaled, 1, n_sample))
     thetas = jax.lax.cond(
         length > cap,
-        lambda: tuple(_kth_code(sample, r, SAMPLE_RANK_SLACK) for r in ranks),
+        lambda: tuple(_kth_code(sample, r, r // SAMPLE_SLACK_DIVISOR) for r in ranks),
         lambda: tuple(length * 0 + EMPTY_CODE for _ in ranks),  # the row fits: keep all
     )
     return thetas if missed is not None else thetas[0]
@@ -498,15 +533,21 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     first, total = _aligned_blocks(lo, hi, blk)
     per_chunk = (total + chunks - 1) // chunks
     own = jnp.clip(total - chunk * per_chunk, 0, per_chunk)
-    _, _, compact = _streaming(block, first + chunk * per_chunk * blk, own, blk)
+    chunk_first = first + chunk * per_chunk * blk
+    _, _, compact = _streaming(block, chunk_first, own, blk)
+    first_loaded = None
     if theta_given:
         theta = plt.load(refs[3].at[row])  # the 4th input, after the row source
     else:
+        if PREFETCH_FIRST_BLOCK:  # its load flies while the θ search runs
+            first_loaded = block(chunk_first, masked=True, raw=dense)
         theta = _sample_threshold(entries, length, top_k, cap)
     segment = row * chunks + chunk
     trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
     keep = _at_least(theta, dense)
-    stored = compact(keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense)
+    stored = compact(
+        keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense, first_loaded=first_loaded
+    )
     if chunks > 1:
         plt.store(count_ref.at[segment], stored)
         return
@@ -664,6 +705,9 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 # entries: −0.4 to −1.9 µs a decode step at 1 and 8 rows (run 71; written as kept, they
 # cost the chunk kernel 0.8-1.1 µs, and the merge's gathers next to nothing).
 MERGE_WRITES_CODES = True
+# Split rows' chunk programs load their first block before the θ search, so its HBM
+# latency overlaps the sample's gather and the counts instead of following them.
+PREFETCH_FIRST_BLOCK = True
 
 
 # Entries a chunk program streams at least (decode: 16 chunks of a 64K row). Each chunk
@@ -832,7 +876,7 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
             return jnp.sum(((c != EMPTY_CODE) & pred(c, i)).astype(jnp.int32))
 
         def threshold():
-            kth = _kth_code(c, top_k)
+            kth = _kth_code(c, top_k, guess=SELECT_GUESS)
             return kth, tie_cut(count, kth)
 
         kth, cut = jax.lax.cond(n >= top_k, threshold, all_live)
