@@ -76,9 +76,8 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
                 scores, rng, rng,
             )  # fmt: skip
     # codes from the merge by default (above); written as kept, in the chunk kernel; the
-    # first block loaded after the θ search; the select's K-th search with its guess
+    # select's K-th search with its guess
     monkeypatch.setattr(select, "MERGE_WRITES_CODES", False)
-    monkeypatch.setattr(select, "PREFETCH_FIRST_BLOCK", False)
     monkeypatch.setattr(select, "SELECT_GUESS", not select.SELECT_GUESS)
     lower_for_h200(
         lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=8, with_codes=True),

@@ -469,11 +469,12 @@ def test_gpu_bitonic_order_compiled():
 
 
 def test_default_chunks_fill_the_device_and_follow_the_chunk_length(monkeypatch):
-    assert select.default_chunks(1, 65536) == 16  # 4096 entries a chunk
-    assert select.default_chunks(8, 65536) == 16
+    assert select.default_chunks(1, 65536) == 64  # one row: 1024 entries a chunk
+    assert select.default_chunks(1, 16384) == 16
+    assert select.default_chunks(8, 65536) == 16  # 4096 entries a chunk
     assert select.default_chunks(64, 65536) == 9  # four programs an SM: ⌈528 / 64⌉
     assert select.default_chunks(8192, 65536) == 1
     assert select.default_chunks(1, 1000) == 1
     monkeypatch.setattr(select, "MIN_CHUNK_ENTRIES", 1024)
-    assert select.default_chunks(1, 65536) == 64
+    assert select.default_chunks(8, 65536) == 64
     assert select.default_chunks(1, 1 << 20) == 64  # MAX_CHUNKS

@@ -381,20 +381,18 @@ def _streaming(block, first, n_blocks, blk):
 
         return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((RADIX,), jnp.int32))
 
-    def compact(keep_fn, out_codes, out_ids, base, cap, trash, raw=False, peel=True,
-                first_loaded=None):  # fmt: skip
+    def compact(keep_fn, out_codes, out_ids, base, cap, trash, raw=False, peel=True):
         """Stores the ids (and codes, unless out_codes is None) of the entries that
         keep_fn(value, id) selects, in row order, at out[base + n] for n < cap; returns
         how many it selected (which may exceed cap). ``raw``: values are dense scores.
-        ``first_loaded``: the first block, as ``block(first, True, raw)`` gave it.
 
         With ``peel``, only the first and last block are masked: interior blocks load
         unmasked (run 26: −0.25 ms of 1.85 at 8192 × 64K), for three copies of the loop
         body; the rare-path kernel does without (its code was 2.4× the size otherwise).
         """
 
-        def body(a, stored, masked, loaded=None):
-            c, i, ok = block(a, masked=masked, raw=raw) if loaded is None else loaded
+        def body(a, stored, masked):
+            c, i, ok = block(a, masked=masked, raw=raw)
             keep = keep_fn(c, i) if ok is None else keep_fn(c, i) & ok
             keep_i = keep.astype(jnp.int32)
             pos = stored + jnp.cumsum(keep_i) - 1
@@ -411,7 +409,7 @@ def _streaming(block, first, n_blocks, blk):
             )
         # n_blocks = 0 (an empty range or chunk) reads nothing: the first block is all
         # masked off then and the other two parts do not run.
-        stored = body(first, n_blocks * 0, True, first_loaded)
+        stored = body(first, n_blocks * 0, True)
         stored = jax.lax.fori_loop(
             1, n_blocks - 1, lambda j, s: body(first + j * blk, s, False), stored
         )
@@ -533,21 +531,15 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     first, total = _aligned_blocks(lo, hi, blk)
     per_chunk = (total + chunks - 1) // chunks
     own = jnp.clip(total - chunk * per_chunk, 0, per_chunk)
-    chunk_first = first + chunk * per_chunk * blk
-    _, _, compact = _streaming(block, chunk_first, own, blk)
-    first_loaded = None
+    _, _, compact = _streaming(block, first + chunk * per_chunk * blk, own, blk)
     if theta_given:
         theta = plt.load(refs[3].at[row])  # the 4th input, after the row source
     else:
-        if PREFETCH_FIRST_BLOCK:  # its load flies while the θ search runs
-            first_loaded = block(chunk_first, masked=True, raw=dense)
         theta = _sample_threshold(entries, length, top_k, cap)
     segment = row * chunks + chunk
     trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
     keep = _at_least(theta, dense)
-    stored = compact(
-        keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense, first_loaded=first_loaded
-    )
+    stored = compact(keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense)
     if chunks > 1:
         plt.store(count_ref.at[segment], stored)
         return
@@ -705,22 +697,23 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 # entries: −0.4 to −1.9 µs a decode step at 1 and 8 rows (run 71; written as kept, they
 # cost the chunk kernel 0.8-1.1 µs, and the merge's gathers next to nothing).
 MERGE_WRITES_CODES = True
-# Split rows' chunk programs load their first block before the θ search, so its HBM
-# latency overlaps the sample's gather and the counts instead of following them.
-PREFETCH_FIRST_BLOCK = True
 
 
-# Entries a chunk program streams at least (decode: 16 chunks of a 64K row). Each chunk
-# program also runs the row's θ search, ~2/3 of its time; shorter chunks are not yet
-# measured (`bench/run.py --set jsparse.ops.topk.triton.MIN_CHUNK_ENTRIES=1024`).
+# Entries a chunk program streams at least (decode: 16 chunks of a 64K row at 8 rows).
+# Each chunk program also runs the row's θ search, so more chunks means more searches:
+# one row gains from chunks of 1024 (64 chunks of a 64K row: −1.3 to −2.0 µs a step,
+# run 76), eight rows lose (+4 to +5 µs with 64 chunks a row, 512 programs).
 MIN_CHUNK_ENTRIES = 4096
+ONE_ROW_CHUNK_ENTRIES = 1024
 MAX_CHUNKS = 64
 
 
 def default_chunks(rows: int, length: int) -> int:
     """Programs per row: enough rows × chunks to fill an H200 (four per SM), each chunk
-    at least ``MIN_CHUNK_ENTRIES`` long, at most ``MAX_CHUNKS`` of them."""
-    return int(max(1, min(-(-4 * 132 // rows), length // MIN_CHUNK_ENTRIES, MAX_CHUNKS)))
+    at least ``MIN_CHUNK_ENTRIES`` long (``ONE_ROW_CHUNK_ENTRIES`` for a single row),
+    at most ``MAX_CHUNKS`` of them."""
+    entries = ONE_ROW_CHUNK_ENTRIES if rows == 1 else MIN_CHUNK_ENTRIES
+    return int(max(1, min(-(-4 * 132 // rows), length // entries, MAX_CHUNKS)))
 
 
 def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
