@@ -12,8 +12,8 @@ Two kernels:
 * :func:`compact_rows` / :func:`compact_records` (a long row → a short candidate
   buffer). A row is either a dense score row (ids are positions in ``[start, end)``)
   or a list of records (code, id). A sample of the row (the whole row when short, else
-  512 evenly spaced runs of 8) gives a threshold θ whose expected count of entries ≥ θ
-  is a little above K; one streaming pass compacts every entry ≥ θ, in row order, into
+  512 evenly spaced runs of 8) gives a threshold θ whose count of entries ≥ θ is
+  above K with ~3.5 spreads to spare (:func:`sample_rank`); one streaming pass compacts every entry ≥ θ, in row order, into
   ``cap`` slots. A dense row stores only ids (the select gathers their scores back):
   the second scattered store and the code of every entry cost more than the gather
   (WORKSPACE.md run 26). If the count lands outside [K, cap] (an unlucky sample, or
@@ -22,9 +22,10 @@ Two kernels:
   between the two; failing both, a radix-16 search over the whole row (8 passes) for
   the K-th code θ*, and one pass stores the entries above θ* plus the ties with the
   smallest ids: exactly K. Either way the buffer holds every entry of the exact Top-K.
-* :func:`select_candidates` / :func:`select_rows` (candidate buffer → Top-K set). An
-  interpolation search over codes, safeguarded by bisection, finds the K-th largest
-  code θ in ~10 block-wide counts instead of bisection's 32; every entry above θ
+* :func:`select_candidates` / :func:`select_rows` (candidate buffer → Top-K set). A
+  search by false position on the scores, handing over to interpolation over codes
+  safeguarded by bisection (:func:`_search_kth`), finds the K-th largest code θ in ~8
+  block-wide counts instead of bisection's 32; every entry above θ
   enters; ties at θ enter by ascending id (a bisection over ids finds the cut when
   ties straddle the boundary). Output keeps the input order. A row's candidates sit in
   registers (a 4096-lane tile), so an SM holds two rows at a time (ncu, run 35): its
