@@ -10,26 +10,27 @@ scores as floats where that is the same test (:func:`_at_least`).
 Two kernels:
 
 * :func:`compact_rows` / :func:`compact_records` (a long row → a short candidate
-  buffer). A row is either a dense score row (ids are positions in ``[start, end)``)
-  or a list of records (code, id). A sample of the row (the whole row when short, else
-  512 evenly spaced runs of 8) gives a threshold θ whose count of entries ≥ θ is
-  above K with ~3.5 spreads to spare (:func:`sample_rank`); one streaming pass compacts every entry ≥ θ, in row order, into
-  ``cap`` slots. A dense row stores only ids (the select gathers their scores back):
-  the second scattered store and the code of every entry cost more than the gather
-  (WORKSPACE.md run 26). If the count lands outside [K, cap] (an unlucky sample, or
-  massive ties), a separate kernel runs the row's slow path: one retry at a rescaled
-  rank; if that overshoots the other way, one pass counting a ladder of 16 thresholds
-  between the two; failing both, a radix-16 search over the whole row (8 passes) for
-  the K-th code θ*, and one pass stores the entries above θ* plus the ties with the
-  smallest ids: exactly K. Either way the buffer holds every entry of the exact Top-K.
+  buffer). A row is either a dense score row (ids are positions in ``[start, end)``) or
+  a list of records (code, id). A sample of the row (the whole row when short, else 512
+  evenly spaced runs of 8) gives a threshold θ whose count of entries ≥ θ is above K
+  with ~3.5 spreads to spare (:func:`sample_rank`); one streaming pass compacts every
+  entry ≥ θ, in row order, into ``cap`` slots. A dense row stores only ids (the select
+  gathers their scores back): the second scattered store and the code of every entry
+  cost more than the gather (WORKSPACE.md run 26). If the count lands outside [K, cap]
+  (an unlucky sample, or massive ties), a separate kernel runs the row's slow path: one
+  retry at a rescaled rank; if that overshoots the other way, one pass counting a ladder
+  of 16 thresholds between the two; failing both, a radix-16 search over the whole row
+  (8 passes) for the K-th code θ*, and one pass stores the entries above θ* plus the
+  ties with the smallest ids: exactly K. Either way the buffer holds every entry of the
+  exact Top-K.
 * :func:`select_candidates` / :func:`select_rows` (candidate buffer → Top-K set). A
   search by false position on the scores, handing over to interpolation over codes
   safeguarded by bisection (:func:`_search_kth`), finds the K-th largest code θ in ~8
-  block-wide counts instead of bisection's 32; every entry above θ
-  enters; ties at θ enter by ascending id (a bisection over ids finds the cut when
-  ties straddle the boundary). Output keeps the input order. A row's candidates sit in
-  registers (a 4096-lane tile), so an SM holds two rows at a time (ncu, run 35): its
-  latency, not its arithmetic, is the select's cost.
+  block-wide counts instead of bisection's 32; every entry above θ enters; ties at θ
+  enter by ascending id (a bisection over ids finds the cut when ties straddle the
+  boundary). Output keeps the input order. A row's candidates sit in registers (a
+  4096-lane tile), so an SM holds two rows at a time (ncu, run 35): its latency, not its
+  arithmetic, is the select's cost.
 
 Few rows (decode) take :func:`rank_select` instead of the select and the order: every
 candidate is ranked against its row in one launch and written at its rank.
@@ -95,9 +96,9 @@ SCORE_STALLS = 3
 # above its rank (≤ 5% more candidates): the compaction only needs a count in [K, cap],
 # and an exact search's last counts only pin one code among a handful.
 SAMPLE_SLACK_DIVISOR = 20
-# The select kernel's K-th search starts from the normal guess too. Its rows live in
-# registers (up to 8192 candidates), and the guess's two reductions cost more than the
-# ~3 counts they save there (run 75: +2.3 µs at 64 decode rows, +8-12 µs at 8192 rows).
+# Whether the select kernel's K-th search starts from the normal guess too. Its rows
+# live in registers (up to 8192 candidates), and the guess's two reductions cost more
+# than the counts they save there (run 76, 8192 rows: 3-8 µs slower with it).
 SELECT_GUESS = False
 # The count of row entries ≥ the sample's rank-th code is about rank · L/n, give or
 # take a relative ~1/√rank (a binomial draw; measured a little wider, run 75's rows):
@@ -218,9 +219,9 @@ def _search_kth(count_ge, smallest_ge, lo, hi, c_lo, rank, *, guess=None, slack=
 def _kth_code(codes, rank, slack=None, guess=True):
     """The rank-th largest of the live codes (1 ≤ rank ≤ their count), held in
     registers: :func:`_search_kth` between the smallest and the largest code, first
-    guessing the score at that rank from the live scores' mean and deviation as if
-    they were normal. ``slack``: a code whose count is in [rank, rank + slack] will do
-    (see :func:`_search_kth`).
+    guessing (``guess``) the score at that rank from the live scores' mean and
+    deviation as if they were normal. ``slack``: a code whose count is in [rank, rank
+    + slack] will do (see :func:`_search_kth`).
 
     EMPTY_CODE marks a dead entry. Every trial lies above the smallest live code, so
     the counts need no mask (run 63: a mask there was 1.7-2.5 µs of a decode
