@@ -91,7 +91,6 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
         lower_for_h200(
             lambda c, i, m: select.compact_records(c, i, m, K, cap, chunks=4), rec, rec, rng
         )
-    buf = jax.ShapeDtypeStruct((t, cap), i32)
     lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), buf, buf, rng)
     lower_for_h200(lambda x, i, m: select.select_rows(x, i, m, K), scores, buf, rng)
     big = jax.ShapeDtypeStruct((t, 3 * 8192), i32)  # too long to hold in registers

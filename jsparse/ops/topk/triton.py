@@ -112,7 +112,7 @@ def sample_rank(top_k, length):
     """The θ sample's rank in a row of ``length`` > 4096 entries: the r with
     r − SAMPLE_MARGIN·√r = K·n/L, so a count below K is ~3.5 spreads away. At 64 × 128K
     the former rank ⌈1.3·K·n/L⌉ + 8 = 92 gave counts down to 2005 < K on the bench's
-    rows (CPU replay of run 75's inputs, `diag/theta_miss_sim.py`); this one gives 99,
+    rows (a CPU replay of run 75's inputs, WORKSPACE.md); this one gives 99,
     counts 2204-4568. Works on Python ints (host) and traced int32."""
     xp = np if isinstance(length, (int, np.integer)) else jnp  # numpy: no tracing on host
     n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
@@ -243,18 +243,17 @@ def _kth_code_counted(codes, rank, slack=None, guess=True):
     def smallest_ge(th):
         return jnp.min(jnp.where(codes >= th, codes, _INT_MAX))
 
+    first = None
     if guess:
         x = jnp.where(ok, code_to_score(codes), 0.0)
         n_f = jnp.maximum(n_live, 1).astype(f32)
         mean = jnp.sum(x) / n_f
         deviation = jnp.sqrt(jnp.maximum(jnp.sum(x * x) / n_f - mean * mean, 0.0))
         p = (rank - 0.5) / n_f  # the rank-th of n sits at upper quantile ~(r - ½)/n
-        guess = mean + _upper_normal_quantile(p) * deviation  # non-finite: ignored
-    else:
-        guess = None
+        first = mean + _upper_normal_quantile(p) * deviation  # non-finite: ignored
     lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
     hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
-    return _search_kth(count_ge, smallest_ge, lo, hi, n_live, rank, guess=guess, slack=slack)
+    return _search_kth(count_ge, smallest_ge, lo, hi, n_live, rank, guess=first, slack=slack)
 
 
 def _id_cut(count_ties, need):
