@@ -447,11 +447,25 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
             rescaled = ranks[0].astype(f32) * ((top_k + cap) / 2) / missed.astype(f32)
             rescaled = jnp.minimum(rescaled, n_sample).astype(jnp.int32)
         ranks.append(jnp.clip(rescaled, 1, n_sample))
-    thetas = jax.lax.cond(
-        length > cap,
-        lambda: tuple(_kth_code(sample, r, r // SAMPLE_SLACK_DIVISOR) for r in ranks),
-        lambda: tuple(length * 0 + EMPTY_CODE for _ in ranks),  # the row fits: keep all
-    )
+
+    def search(rank):
+        return _kth_code(sample, rank, rank // SAMPLE_SLACK_DIVISOR)
+
+    def searches():
+        if len(ranks) == 1:
+            return (search(ranks[0]),)
+
+        # Both ranks through one loop body: one copy of the search in the kernel (the
+        # slow path's), which halves its compile in interpret mode; on the GPU the two
+        # searches ran one after the other anyway.
+        def body(j, found):
+            theta = search(jnp.where(j == 0, ranks[0], ranks[1]))
+            return tuple(jnp.where(j == n, theta, old) for n, old in enumerate(found))
+
+        return jax.lax.fori_loop(0, 2, body, (length * 0, length * 0))
+
+    empty = tuple(length * 0 + EMPTY_CODE for _ in ranks)
+    thetas = jax.lax.cond(length > cap, searches, lambda: empty)  # fits: keep all
     return thetas if missed is not None else thetas[0]
 
 
