@@ -209,35 +209,63 @@ def _relative(result, offset):
     return result.replace(indices=ids.astype(jnp.int32))
 
 
-def _carry_witnesses(top_ids, seed_ids, seed_codes, capacity, offset):
+def _block_lists(seeds, block_t):
+    """Per query block, its queries' seed lists one after another with the live ids
+    first, and their count. Sequences' ids are disjoint (each has its own range of the
+    flat cache) and each list is distinct (default seeds by construction, witnesses by
+    contract), so the concatenation is the union, without the sort that
+    :func:`jsparse.ops.indexer.methods.block_union_ids` needs for shared keys. (Were a
+    list not distinct, τ could only rise: the missed count then falls back, exactly.)"""
+    t, n = seeds.shape
+    pad = (-t) % block_t
+    ids = jnp.pad(seeds, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, block_t * n)
+    live = ids >= 0
+    return _to_front(ids, live, -1), jnp.sum(live, axis=1).astype(jnp.int32)
+
+
+def _to_front(values, keep, fill):
+    """Each row's kept values moved to its front, in order; ``fill`` after them."""
+    rows = jnp.arange(values.shape[0])[:, None]
+    slot = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, values.shape[1])  # past the end: dropped
+    return jnp.full_like(values, fill).at[rows, slot].set(values, mode="drop")
+
+
+def _best_seeds_reference(codes, ids, count, n):
+    """The ``n`` best-scoring of each row's first ``count`` (codes, ids), -1 padded."""
+    del count  # past it the codes are EMPTY
+    best, pos = jax.lax.top_k(codes, n)
+    return jnp.where(best == EMPTY_CODE, -1, jnp.take_along_axis(ids, pos, axis=1))
+
+
+def _carry_witnesses(top_ids, seed_ids, seed_codes, capacity, offset, s_max, best_seeds):
     """Next witnesses: this step's Top-K, then the best-scoring previous seeds (distinct).
 
-    top_ids [B, K] and seed_ids [B, N] are global ids (-1 empty); seed_codes [B, N] the
-    seeds' current score codes. Returns relative ids [B, capacity], -1 padded.
+    top_ids [B, K] and seed_ids [B, N] are global ids (-1 empty) of each sequence's
+    range [offset, offset + s_max); seed_codes [B, N] the seeds' current score codes.
+    ``best_seeds(codes, ids, count, n)``: the n best of each row's first ``count``
+    entries (-1 padded). A seed already in the Top-K is found through a per-sequence
+    bitmap of the Top-K's ids (a scatter and a gather; no sort). Returns relative ids
+    [B, capacity], -1 padded.
     """
-    int_max = jnp.iinfo(jnp.int32).max
-    ids = jnp.concatenate([top_ids, seed_ids], axis=1)
-    # Top-K first (above any score code), then seeds by their current score.
-    rank = jnp.concatenate(
-        [
-            jnp.where(top_ids >= 0, int_max, EMPTY_CODE),
-            jnp.where(seed_ids >= 0, seed_codes, EMPTY_CODE),
-        ],
-        axis=1,
-    ).astype(jnp.int32)
-    rank = jnp.where(ids >= 0, rank, EMPTY_CODE)
-    # Drop duplicates (a seed that is also in the Top-K): sort by id, keep the first.
-    key_ids = jnp.where(ids >= 0, ids, int_max)
-    s_ids, s_neg_rank = jax.lax.sort((key_ids, ~rank), dimension=1, num_keys=2)
-    dup = jnp.concatenate(
-        [jnp.zeros_like(s_ids[:, :1], bool), s_ids[:, 1:] == s_ids[:, :-1]], axis=1
-    )
-    s_rank = jnp.where(dup | (s_ids == int_max), EMPTY_CODE, ~s_neg_rank)
-    width = min(capacity, s_ids.shape[1])
-    best, pos = jax.lax.top_k(s_rank, width)
-    chosen = jnp.take_along_axis(s_ids, pos, axis=1)
-    chosen = jnp.where(best == EMPTY_CODE, -1, chosen - offset[:, None])
-    return jnp.pad(chosen, ((0, 0), (0, capacity - width)), constant_values=-1).astype(jnp.int32)
+    b, k = top_ids.shape
+    rows = jnp.arange(b)[:, None]
+    top_rel = jnp.where(top_ids >= 0, top_ids - offset[:, None], s_max)  # s_max: dropped
+    in_top = jnp.zeros((b, s_max), bool).at[rows, top_rel].set(True, mode="drop")
+    seed_rel = jnp.clip(seed_ids - offset[:, None], 0, s_max - 1)
+    fresh = (seed_ids >= 0) & ~jnp.take_along_axis(in_top, seed_rel, axis=1)
+    chosen = top_ids
+    if capacity > k:
+        codes = _to_front(jnp.where(fresh, seed_codes, EMPTY_CODE), fresh, EMPTY_CODE)
+        ids = _to_front(seed_ids, fresh, -1)
+        n = capacity - k
+        if ids.shape[1] < n:  # fewer seed slots than places: pad with empties
+            extra = ((0, 0), (0, n - ids.shape[1]))
+            codes = jnp.pad(codes, extra, constant_values=EMPTY_CODE)
+            ids = jnp.pad(ids, extra, constant_values=-1)
+        count = jnp.sum(fresh, axis=1).astype(jnp.int32)
+        chosen = jnp.concatenate([top_ids, best_seeds(codes, ids, count, n)], axis=1)
+    chosen = jnp.where(chosen >= 0, chosen - offset[:, None], -1)
+    return chosen[:, :capacity].astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "capacity"))
@@ -259,18 +287,25 @@ def _decode_reference(
     ids = jnp.where(rel < lengths[:, None], rel + start[:, None], -1)
     scores = scorer.score_keys_reference(q, weights, k, ids, scale)
     keep = (ids >= 0) & (score_code(scores) >= tau[:, None])
+    candidates = jnp.sum(keep, axis=1).astype(jnp.int32)
+    # Fewer candidates than min(K, visible): τ lies above the K-th score (seeds that
+    # were not distinct), so the sequence keeps every key, as the kernels' fallback does.
+    short = candidates < jnp.minimum(top_k, lengths)
+    keep = jnp.where(short[:, None], ids >= 0, keep)
     indices, values = select_topk_reference(scores, jnp.where(keep, ids, -1), top_k)
     result = IndexerTopK(
         indices=indices,
         scores=values,
         visible=lengths,
-        candidates=jnp.sum(keep, axis=1).astype(jnp.int32),
+        candidates=candidates,
         survivors=lengths,
         threshold=code_to_score(tau),
-        fallback=jnp.zeros(lengths.shape, bool),
+        fallback=short,
     )
     seed_codes = jnp.where(seeds >= 0, score_code(seed_scores), EMPTY_CODE)
-    new_witnesses = _carry_witnesses(indices, seeds, seed_codes, capacity, offset)
+    new_witnesses = _carry_witnesses(
+        indices, seeds, seed_codes, capacity, offset, s_max, _best_seeds_reference
+    )
     return _relative(result, offset), new_witnesses
 
 
@@ -294,17 +329,20 @@ def _decode_triton_jit(
         # Ids are the B·S_max virtual slots; the scorer reads each key in its page.
         key_layout.update(page_table=page_table.reshape(-1), page_size=k_cache.shape[1])
     seeds = _seeds(wit, start, end, top_k, b * s_max)
-    lists = methods.block_union_ids(seeds, cfg.block_t)
+    lists, listed = _block_lists(seeds, cfg.block_t)
     keep_all = jnp.full((b,), EMPTY_CODE, jnp.int32)
     seed_cap = methods._round_up(lists.shape[1], 128)
     seed_codes, seed_ids, seed_counts, _ = scorer_triton.score_records_triton(
-        q, weights, k, scale, start, end, keep_all, seed_cap, key_ids=lists, cfg=cfg, **key_layout
-    )
+        q, weights, k, scale, start, end, keep_all, seed_cap, key_ids=lists, key_counts=listed,
+        cfg=cfg, **key_layout,
+    )  # fmt: skip
     _, _, tau = select.select_candidates(seed_codes, seed_ids, seed_counts, top_k)
     codes, ids, counts, ordered = scorer_triton.score_records_triton(
         q, weights, k, scale, start, end, tau, capacity, cfg=cfg, **key_layout
     )
-    overflow = counts > capacity
+    # Fewer records than min(K, visible) would mean τ above the K-th score (seeds that
+    # were not distinct); more than the buffer, lost records. Either way: every key.
+    overflow = (counts > capacity) | (counts < jnp.minimum(top_k, lengths))
     indices, values = methods.select_records(
         codes, ids, jnp.minimum(counts, capacity), top_k, id_ordered=ordered
     )
@@ -333,7 +371,13 @@ def _decode_triton_jit(
         threshold=code_to_score(tau),
         fallback=overflow,
     )
-    new_witnesses = _carry_witnesses(indices, seed_ids, seed_codes, witness_capacity, offset)
+
+    def best_seeds(codes, ids, count, n):
+        return select.select_candidates(codes, ids, count, n)[1]
+
+    new_witnesses = _carry_witnesses(
+        indices, seed_ids, seed_codes, witness_capacity, offset, s_max, best_seeds
+    )
     return _relative(result, offset), new_witnesses
 
 

@@ -8,6 +8,7 @@ import pytest
 
 import jsparse
 from jsparse.certified import indexer_topk_decode
+from jsparse.ops.topk.codes import EMPTY_CODE
 
 B, S_MAX, H, D, K = 3, 160, 8, 16, 8
 
@@ -194,3 +195,49 @@ def test_fp8_decode_never_widens_the_cache_and_still_equals_base(interpret, fp8_
     assert fp8_widening.decisions and all(fp8_widening.decisions)
     np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
     np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(scores))
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_repeated_witnesses_fall_back_exactly(impl, request):
+    # Witnesses must be distinct; a list that repeats one key K times makes the seed
+    # threshold that key's score, which K - 1 other keys' scores lie above. The step
+    # must notice that the records fall short of K and score every key, not return
+    # fewer than K ids.
+    if impl == "triton":
+        request.getfixturevalue("interpret")
+    k_cache, scale, qs, ws, lengths0 = _sequence(steps=1)
+    lengths = jnp.asarray(lengths0, jnp.int32)
+    ids, scores = _base(qs[0], ws[0], k_cache, scale, lengths, impl)
+    witnesses = jnp.full((B, 2 * K), -1, jnp.int32).at[0, :K].set(ids[0, K // 2])
+    res, _ = indexer_topk_decode(
+        qs[0], ws[0], k_cache, K, k_scale=scale, lengths=lengths, witnesses=witnesses,
+        implementation=impl,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(scores))
+    np.testing.assert_array_equal(np.asarray(res.fallback), [True, False, False])
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_carried_witnesses_are_the_top_k_then_the_best_fresh_seeds(impl, request):
+    from jsparse.certified import decode
+    from jsparse.ops.topk import triton as select
+
+    if impl == "triton":
+        request.getfixturevalue("interpret")
+        best = lambda c, i, n, m: select.select_candidates(c, i, n, m)[1]  # noqa: E731
+    else:
+        best = decode._best_seeds_reference
+    # Two sequences of 20 slots; global ids. Row 1's Top-K is short (two visible keys).
+    offset = jnp.asarray([0, 20], jnp.int32)
+    top = jnp.asarray([[5, 3, 9], [21, 26, -1]], jnp.int32)
+    seeds = jnp.asarray([[3, 7, 1, 9, 4, 12], [26, 21, -1, -1, -1, -1]], jnp.int32)
+    codes = jnp.asarray([[50, 10, 30, 40, 20, 25], [9, 8, 0, 0, 0, 0]], jnp.int32)
+    codes = jnp.where(seeds >= 0, codes, EMPTY_CODE)
+    out = decode._carry_witnesses(top, seeds, codes, 6, offset, 20, best)
+    out = np.asarray(out)
+    # Row 0: the Top-K, then the best three of the fresh seeds 7 (10), 1 (30), 4 (20),
+    # 12 (25): 1, 12, 4 in any order. Row 1: both seeds are in the Top-K.
+    np.testing.assert_array_equal(out[0, :3], [5, 3, 9])
+    assert sorted(out[0, 3:].tolist()) == [1, 4, 12]
+    np.testing.assert_array_equal(out[1], [1, 6, -1, -1, -1, -1])

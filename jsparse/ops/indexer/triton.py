@@ -269,12 +269,19 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
                 base = written
             else:
                 # Splits share a query: reserve room with scalar fetch-and-add (vector int
-                # atomics are unreliable on this backend). Order is then arbitrary.
+                # atomics are unreliable on this backend). Order is then arbitrary. Only
+                # rows that keep something: each fetch-and-add's answer gates the tile's
+                # stores, and decode blocks pair sequences whose keys are disjoint (or a
+                # masked row), so about half the rows of a tile keep nothing.
                 base = jnp.zeros((bt,), jnp.int32)
                 for r in range(bt):
                     n_r = jnp.sum(jnp.where(row_iota[:, 0] == r, counts, 0))
-                    t_r = jnp.minimum(i * bt + r, p.t - 1)
-                    old = plt.atomic_add(count_ref, (t_r.astype(jnp.int32),), n_r)
+                    t_r = jnp.minimum(i * bt + r, p.t - 1).astype(jnp.int32)
+                    old = jax.lax.cond(
+                        n_r > 0,
+                        lambda t_r=t_r, n_r=n_r: plt.atomic_add(count_ref, (t_r,), n_r),
+                        lambda n_r=n_r: n_r * 0,  # a traced zero: a literal cannot be yielded
+                    )
                     base = jnp.where(row_iota[:, 0] == r, old, base)
             pos = base[:, None] + jnp.cumsum(keep_i, axis=1) - 1
             store = keep & (pos < p.cap)
