@@ -98,11 +98,8 @@ SCORE_STALLS = 3
 SAMPLE_SLACK_DIVISOR = 20
 # Whether the select kernel's K-th search starts from the normal guess too. Its rows
 # live in registers (up to 8192 candidates), and the guess's two reductions cost more
-# than the counts they save there (run 76, 8192 rows: 3-8 µs slower with it). Calls of
-# at most SELECT_GUESS_MAX_ROWS rows take it anyway: one program a row, so the
-# search's chain of counts is the launch's latency (decode's seed thresholds).
+# than the counts they save there (run 76, 8192 rows: 3-8 µs slower with it).
 SELECT_GUESS = False
-SELECT_GUESS_MAX_ROWS = 64
 # The count of row entries ≥ the sample's rank-th code is about rank · L/n, give or
 # take a relative ~1/√rank (a binomial draw; measured a little wider, run 75's rows):
 # the rank puts K SAMPLE_MARGIN such spreads below, and the capacity sits
@@ -838,7 +835,7 @@ def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=N
 
 
 def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_ref,
-                   *, top_k, cap, gather, cfg, guess):  # fmt: skip
+                   *, top_k, cap, gather, cfg):  # fmt: skip
     """Program (row). ``src_ref``: the candidates' codes [T·cap], or with ``gather`` the
     dense score rows [T, S] that the candidate ids index."""
     row = pl.program_id(0)
@@ -887,7 +884,7 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
             return jnp.sum(((c != EMPTY_CODE) & pred(c, i)).astype(jnp.int32))
 
         def threshold():
-            kth = _kth_code(c, top_k, guess=guess)
+            kth = _kth_code(c, top_k, guess=SELECT_GUESS)
             return kth, tie_cut(count, kth)
 
         kth, cut = jax.lax.cond(n >= top_k, threshold, all_live)
@@ -947,10 +944,7 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
 
 def _select_call(src, ids, counts, top_k, gather, cfg):
     t, cap = ids.shape
-    guess = SELECT_GUESS or t <= SELECT_GUESS_MAX_ROWS
-    kernel = functools.partial(
-        _select_kernel, top_k=top_k, cap=cap, gather=gather, cfg=cfg, guess=guess
-    )
+    kernel = functools.partial(_select_kernel, top_k=top_k, cap=cap, gather=gather, cfg=cfg)
     out_codes, out_ids, kth = pl.pallas_call(
         kernel,
         grid=(t,),
