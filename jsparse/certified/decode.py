@@ -15,8 +15,9 @@ half the set moving away (measured: about 5× fewer records at 32K keys on
 MATH.md §1.10's "distinct keys selected in recent steps".
 
 Sequences with fewer than K valid witnesses (the first step) use the default seed set
-(recent keys plus a strided sample) instead. A record buffer overflow falls back to
-scoring every key of that sequence; nothing is ever dropped.
+(recent keys plus a strided sample) instead. A record buffer overflow, or fewer
+records than min(K, visible) (only witnesses that were not distinct can do that), falls
+back to scoring every key of that sequence and reports it; nothing is ever dropped.
 
 The key cache is dense, [B, S_max, D], with ``lengths[b]`` valid keys per sequence, or
 paged: a pool [n_pages, P, D] and a page table [B, max_pages] (position i of sequence b
