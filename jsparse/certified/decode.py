@@ -256,7 +256,7 @@ def _carry_witnesses(top_ids, seed_ids, seed_codes, capacity, offset, s_max, bes
     fresh = (seed_ids >= 0) & ~jnp.take_along_axis(in_top, seed_rel, axis=1)
     chosen = top_ids
     if capacity > k:
-        codes = _to_front(jnp.where(fresh, seed_codes, EMPTY_CODE), fresh, EMPTY_CODE)
+        codes = _to_front(seed_codes, fresh, EMPTY_CODE)
         ids = _to_front(seed_ids, fresh, -1)
         n = capacity - k
         if ids.shape[1] < n:  # fewer seed slots than places: pad with empties
@@ -343,26 +343,26 @@ def _decode_triton_jit(
     )
     # Fewer records than min(K, visible) would mean τ above the K-th score (seeds that
     # were not distinct); more than the buffer, lost records. Either way: every key.
-    overflow = (counts > capacity) | (counts < jnp.minimum(top_k, lengths))
+    missed = (counts > capacity) | (counts < jnp.minimum(top_k, lengths))
     indices, values = methods.select_records(
         codes, ids, jnp.minimum(counts, capacity), top_k, id_ordered=ordered
     )
 
     def recover(iv):
-        # Overflowed sequences only (the others get empty ranges): every visible score
+        # Missed sequences only (the others get empty ranges): every visible score
         # as a record (τ = EMPTY) in a buffer as long as the cache, then exact selection.
-        fb_end = jnp.where(overflow, end, start)
+        fb_end = jnp.where(missed, end, start)
         full_cap = methods._round_up(s_max, 128)
         c2, i2, n2, ordered2 = scorer_triton.score_records_triton(
             q, weights, k, scale, start, fb_end, keep_all, full_cap, cfg=cfg, **key_layout
         )
         fb_idx, fb_val = methods.select_records(c2, i2, n2, top_k, id_ordered=ordered2)
         return (
-            jnp.where(overflow[:, None], fb_idx, iv[0]),
-            jnp.where(overflow[:, None], fb_val, iv[1]),
+            jnp.where(missed[:, None], fb_idx, iv[0]),
+            jnp.where(missed[:, None], fb_val, iv[1]),
         )
 
-    indices, values = jax.lax.cond(jnp.any(overflow), recover, lambda iv: iv, (indices, values))
+    indices, values = jax.lax.cond(jnp.any(missed), recover, lambda iv: iv, (indices, values))
     result = IndexerTopK(
         indices=indices,
         scores=values,
@@ -370,7 +370,7 @@ def _decode_triton_jit(
         candidates=counts.astype(jnp.int32),
         survivors=lengths,
         threshold=code_to_score(tau),
-        fallback=overflow,
+        fallback=missed,
     )
 
     def best_seeds(codes, ids, count, n):
