@@ -414,8 +414,9 @@ def test_order_kernels_match_sort(order, k, id_ordered, kernel_impl):
     _assert_order_is_sort(jnp.asarray(codes), jnp.asarray(ids), id_ordered, order)
 
 
+@pytest.mark.parametrize("network", ["reshaped", "bits"])
 @pytest.mark.parametrize("n", [2, 64, 512])
-def test_bitonic_network_sorts_pairs(n):
+def test_bitonic_network_sorts_pairs(n, network):
     """The network's layers, run op by op: ascending (key, id) on rows with heavy ties,
     the int32 extremes (the partner trick's sums wrap) and repeated empty pairs."""
     rng = np.random.default_rng(n)
@@ -425,7 +426,8 @@ def test_bitonic_network_sorts_pairs(n):
     ids = rng.permutation(4 * n)[:n].astype(np.int32)
     ids[rng.random(n) < 0.2] = -1  # empties: (INT_MAX, -1) after the kernel's mapping
     keys[ids == -1] = info.max
-    got_k, got_i = select.bitonic_sort(jnp.asarray(keys), jnp.asarray(ids))
+    sort = select.bitonic_sort if network == "reshaped" else select.bitonic_sort_bits
+    got_k, got_i = sort(jnp.asarray(keys), jnp.asarray(ids))
     order = np.lexsort((ids, keys))
     np.testing.assert_array_equal(got_k, keys[order])
     np.testing.assert_array_equal(got_i, ids[order])

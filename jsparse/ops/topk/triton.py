@@ -1321,6 +1321,45 @@ def bitonic_sort(keys, ids):
     return keys, ids
 
 
+def _bitonic_layer_bits(keys, ids, axis, descending_axis):
+    """:func:`_bitonic_layer` on a row viewed as (2,)*m, one axis per bit of the
+    position (axis 0 the highest): the pair's axis is the distance's bit and the
+    descending halves are those with the run size's bit set. Nothing is reshaped
+    between layers, and each mask is a 2-wide iota along one axis, so it costs no
+    per-element index arithmetic."""
+    m = keys.ndim
+
+    def along(axis):  # [0, 1] along ``axis``, broadcastable against the row
+        return jnp.arange(2, dtype=jnp.int32).reshape((1,) * axis + (2,) + (1,) * (m - 1 - axis))
+
+    partner_k = jnp.sum(keys, axis=axis, keepdims=True) - keys
+    partner_i = jnp.sum(ids, axis=axis, keepdims=True) - ids
+    is_first = along(axis) == 0
+    self_after = (keys > partner_k) | ((keys == partner_k) & (ids > partner_i))
+    take_partner = self_after == is_first
+    if descending_axis is not None:
+        take_partner = take_partner != (along(descending_axis) == 1)
+    return jnp.where(take_partner, partner_k, keys), jnp.where(take_partner, partner_i, ids)
+
+
+def bitonic_sort_bits(keys, ids):
+    """:func:`bitonic_sort` with the row held as (2,)*log2(n) throughout
+    (:func:`_bitonic_layer_bits`); the same network, so the same output."""
+    n = keys.shape[0]
+    m = n.bit_length() - 1
+    keys, ids = keys.reshape((2,) * m), ids.reshape((2,) * m)
+    for s in range(1, m + 1):  # runs of 2^(s-1) merge into runs of 2^s
+        descending_axis = m - 1 - s if s < m else None
+        for j in range(s - 1, -1, -1):  # distance 2^j
+            keys, ids = _bitonic_layer_bits(keys, ids, m - 1 - j, descending_axis)
+    return keys.reshape(n), ids.reshape(n)
+
+
+# The network's layout: False, each layer views the row as [n / 2d, 2, d] and back
+# (:func:`bitonic_sort`); True, the row stays (2,)*log2(n) (:func:`bitonic_sort_bits`).
+BITONIC_BITS = False
+
+
 def _bitonic_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k, n):
     """Program per row: the whole row in registers, sorted ascending by (~code, id),
     which is score descending, then id ascending, empty slots (id -1) last."""
@@ -1330,7 +1369,8 @@ def _bitonic_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k,
     at = jnp.where(ok, slot, 0)
     codes = plt.load(codes_ref.at[row, at], mask=ok, other=EMPTY_CODE)
     ids = plt.load(ids_ref.at[row, at], mask=ok, other=-1)
-    keys, ids = bitonic_sort(~codes, jnp.where(codes == EMPTY_CODE, -1, ids))
+    network = bitonic_sort_bits if BITONIC_BITS and n > 1 else bitonic_sort
+    keys, ids = network(~codes, jnp.where(codes == EMPTY_CODE, -1, ids))
     # every lane owns its slot of the n-wide output (the padding sorts last): no masked
     # duplicates, which interpret mode resolves arbitrarily
     plt.store(out_ids_ref.at[row, slot], ids)
