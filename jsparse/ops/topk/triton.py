@@ -1342,25 +1342,49 @@ def _bitonic_layer_bits(keys, ids, axis, descending_axis):
     return jnp.where(take_partner, partner_k, keys), jnp.where(take_partner, partner_i, ids)
 
 
-def bitonic_sort_bits(keys, ids):
+def bitonic_sort_bits(keys, ids, bit_of=None):
     """:func:`bitonic_sort` with the row held as (2,)*log2(n) throughout
-    (:func:`_bitonic_layer_bits`); the same network, so the same output."""
+    (:func:`_bitonic_layer_bits`): the same network, so the same output.
+
+    ``bit_of[j]``: the bit of an element's place in the row (its axis) that serves as
+    bit j of its position in the network (default j). Any bijection sorts; it decides
+    which layers pair elements a thread holds in registers, which across lanes, which
+    across warps. Returns the keys and ids in place order and each place's position
+    in the sorted row."""
     n = keys.shape[0]
     m = n.bit_length() - 1
+    bit_of = tuple(range(m)) if bit_of is None else tuple(bit_of)
+    axis = [m - 1 - b for b in bit_of]  # bit b of the place is axis m-1-b of (2,)*m
     keys, ids = keys.reshape((2,) * m), ids.reshape((2,) * m)
     for s in range(1, m + 1):  # runs of 2^(s-1) merge into runs of 2^s
-        descending_axis = m - 1 - s if s < m else None
+        descending_axis = axis[s] if s < m else None
         for j in range(s - 1, -1, -1):  # distance 2^j
-            keys, ids = _bitonic_layer_bits(keys, ids, m - 1 - j, descending_axis)
-    return keys.reshape(n), ids.reshape(n)
+            keys, ids = _bitonic_layer_bits(keys, ids, axis[j], descending_axis)
+    place = jnp.arange(n, dtype=jnp.int32)
+    position = sum(((place >> b) & 1) << j for j, b in enumerate(bit_of))
+    return keys.reshape(n), ids.reshape(n), position
+
+
+def lanes_first_bits(n: int, num_warps: int):
+    """A ``bit_of`` for a row of n spread as consecutive places over lanes, then warps,
+    then registers (a program's layout of a gathered row; an assumption, measured in
+    run 86): the network's lowest bits, used by the most layers, on the register bits,
+    the next five on the lanes, the highest (fewest layers) on the warps."""
+    m = n.bit_length() - 1
+    w = num_warps.bit_length() - 1
+    lanes, warps = list(range(min(5, m))), list(range(5, min(5 + w, m)))
+    registers = list(range(min(5 + w, m), m))
+    return tuple(registers + lanes + warps)
 
 
 # The network's layout: False, each layer views the row as [n / 2d, 2, d] and back
-# (:func:`bitonic_sort`); True, the row stays (2,)*log2(n) (:func:`bitonic_sort_bits`).
+# (:func:`bitonic_sort`); True, the row stays (2,)*log2(n) (:func:`bitonic_sort_bits`),
+# with BITONIC_BIT_ORDER "identity" or "lanes_first" (:func:`lanes_first_bits`).
 BITONIC_BITS = False
+BITONIC_BIT_ORDER = "identity"
 
 
-def _bitonic_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k, n):
+def _bitonic_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k, n, num_warps):
     """Program per row: the whole row in registers, sorted ascending by (~code, id),
     which is score descending, then id ascending, empty slots (id -1) last."""
     row = pl.program_id(0)
@@ -1369,12 +1393,16 @@ def _bitonic_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k,
     at = jnp.where(ok, slot, 0)
     codes = plt.load(codes_ref.at[row, at], mask=ok, other=EMPTY_CODE)
     ids = plt.load(ids_ref.at[row, at], mask=ok, other=-1)
-    network = bitonic_sort_bits if BITONIC_BITS and n > 1 else bitonic_sort
-    keys, ids = network(~codes, jnp.where(codes == EMPTY_CODE, -1, ids))
+    keys, ids = ~codes, jnp.where(codes == EMPTY_CODE, -1, ids)
+    if BITONIC_BITS and n > 1:
+        bit_of = lanes_first_bits(n, num_warps) if BITONIC_BIT_ORDER == "lanes_first" else None
+        keys, ids, position = bitonic_sort_bits(keys, ids, bit_of)
+    else:
+        (keys, ids), position = bitonic_sort(keys, ids), slot
     # every lane owns its slot of the n-wide output (the padding sorts last): no masked
     # duplicates, which interpret mode resolves arbitrarily
-    plt.store(out_ids_ref.at[row, slot], ids)
-    plt.store(out_scores_ref.at[row, slot], code_to_score(~keys))
+    plt.store(out_ids_ref.at[row, position], ids)
+    plt.store(out_scores_ref.at[row, position], code_to_score(~keys))
 
 
 def bitonic_order(codes, ids, *, num_warps=4):
@@ -1384,7 +1412,7 @@ def bitonic_order(codes, ids, *, num_warps=4):
     t, k = codes.shape
     n = 1 << (k - 1).bit_length()
     out_ids, out_scores = pl.pallas_call(
-        functools.partial(_bitonic_order_kernel, k=k, n=n),
+        functools.partial(_bitonic_order_kernel, k=k, n=n, num_warps=num_warps),
         grid=(t,),
         out_shape=(
             jax.ShapeDtypeStruct((t, n), jnp.int32),
