@@ -1280,53 +1280,23 @@ def rank_selects(rows: int, cap: int) -> bool:
 # From this many rows of at most BITONIC_MAX_K entries, a sorting network in
 # registers (:func:`bitonic_order`, one program per row) orders them instead of XLA's
 # sort. GPU busy at K = 2048 (WORKSPACE.md, run 53), network vs sort: 64 rows 26.1 vs
-# 24.4 µs, 256 rows 31.4 vs 45.2, 8192 rows 733 vs 1353. Measured at 2048 only.
+# 24.4 µs, 256 rows 31.4 vs 45.2, 8192 rows 733 vs 1353 (490 since run 87). Measured
+# at 2048 only.
 BITONIC_MIN_ROWS = 256
 BITONIC_MAX_K = 2048
 
 
-def _bitonic_layer(keys, ids, n, d, descending_bit):
-    """One compare-exchange layer over a row of ``n`` (key, id) pairs: element x and
-    x + d pair up inside groups of 2d; the smaller pair goes first, except in groups
-    whose offset has ``descending_bit`` set (the descending halves of the merge).
+def _bitonic_layer(keys, ids, axis, descending_axis):
+    """One compare-exchange layer over a row of (key, id) pairs held as (2,)*m, one
+    axis per bit of an element's position (axis 0 the highest). Elements that differ
+    only along ``axis`` pair up; the smaller pair goes first, except where the
+    position's bit along ``descending_axis`` is set (the descending runs of a merge).
 
-    Registers have no indexed access, so each element finds its partner by viewing the
-    row as [n / 2d, 2, d] and subtracting itself from the pair's sum (exact: int32
-    addition wraps)."""
-    shape = (n // (2 * d), 2, d)
-    k3, i3 = keys.reshape(shape), ids.reshape(shape)
-    partner_k = jnp.sum(k3, axis=1, keepdims=True) - k3
-    partner_i = jnp.sum(i3, axis=1, keepdims=True) - i3
-    is_first = (jnp.arange(2, dtype=jnp.int32) == 0)[None, :, None]
-    group_offset = jnp.arange(n // (2 * d), dtype=jnp.int32)[:, None, None] * (2 * d)
-    descending = (group_offset & descending_bit) != 0
-    self_after = (k3 > partner_k) | ((k3 == partner_k) & (i3 > partner_i))
-    take_partner = (self_after == is_first) != descending
-    keys = jnp.where(take_partner, partner_k, k3).reshape(n)
-    ids = jnp.where(take_partner, partner_i, i3).reshape(n)
-    return keys, ids
-
-
-def bitonic_sort(keys, ids):
-    """Sorts a power-of-two row of (key, id) pairs ascending, lexicographically, with
-    the layers of a bitonic network (plain jnp: the kernel's body, and testable as is)."""
-    n = keys.shape[0]
-    size = 2
-    while size <= n:  # merge sorted runs of size / 2 into runs of size
-        d = size // 2
-        while d >= 1:
-            keys, ids = _bitonic_layer(keys, ids, n, d, size if size < n else n)
-            d //= 2
-        size *= 2
-    return keys, ids
-
-
-def _bitonic_layer_bits(keys, ids, axis, descending_axis):
-    """:func:`_bitonic_layer` on a row viewed as (2,)*m, one axis per bit of the
-    position (axis 0 the highest): the pair's axis is the distance's bit and the
-    descending halves are those with the run size's bit set. Nothing is reshaped
-    between layers, and each mask is a 2-wide iota along one axis, so it costs no
-    per-element index arithmetic."""
+    Registers have no indexed access, so each element finds its partner by subtracting
+    itself from the pair's sum along the axis (exact: int32 addition wraps). The row
+    keeps its shape from the first layer to the last, and both masks are 2-wide iotas
+    along one axis: viewing it as [n / 2d, 2, d] and back at every layer, with masks
+    from an iota of group offsets, cost 1.5× the time (WORKSPACE.md, runs 85-87)."""
     m = keys.ndim
 
     def along(axis):  # [0, 1] along ``axis``, broadcastable against the row
@@ -1334,60 +1304,29 @@ def _bitonic_layer_bits(keys, ids, axis, descending_axis):
 
     partner_k = jnp.sum(keys, axis=axis, keepdims=True) - keys
     partner_i = jnp.sum(ids, axis=axis, keepdims=True) - ids
-    is_first = along(axis) == 0
     self_after = (keys > partner_k) | ((keys == partner_k) & (ids > partner_i))
-    take_partner = self_after == is_first
+    take_partner = self_after == (along(axis) == 0)
     if descending_axis is not None:
         take_partner = take_partner != (along(descending_axis) == 1)
     return jnp.where(take_partner, partner_k, keys), jnp.where(take_partner, partner_i, ids)
 
 
-def bitonic_sort_bits(keys, ids, bit_of=None):
-    """:func:`bitonic_sort` with the row held as (2,)*log2(n) throughout
-    (:func:`_bitonic_layer_bits`): the same network, so the same output.
-
-    ``bit_of[j]``: the bit of an element's place in the row (its axis) that serves as
-    bit j of its position in the network (default j). Any bijection sorts; it decides
-    which layers pair elements a thread holds in registers, which across lanes, which
-    across warps. Returns the keys and ids in place order and each place's position
-    in the sorted row."""
+def bitonic_sort(keys, ids):
+    """Sorts a power-of-two row of (key, id) pairs ascending, lexicographically, with
+    the layers of a bitonic network (plain jnp: the kernel's body, and testable as is)."""
     n = keys.shape[0]
     m = n.bit_length() - 1
-    bit_of = tuple(range(m)) if bit_of is None else tuple(bit_of)
-    axis = [m - 1 - b for b in bit_of]  # bit b of the place is axis m-1-b of (2,)*m
+    if m == 0:
+        return keys, ids
     keys, ids = keys.reshape((2,) * m), ids.reshape((2,) * m)
-    for s in range(1, m + 1):  # runs of 2^(s-1) merge into runs of 2^s
-        descending_axis = axis[s] if s < m else None
-        for j in range(s - 1, -1, -1):  # distance 2^j
-            keys, ids = _bitonic_layer_bits(keys, ids, axis[j], descending_axis)
-    place = jnp.arange(n, dtype=jnp.int32)
-    if bit_of == tuple(range(m)):  # a range, which the kernel's store sees as contiguous
-        position = place  # (a computed identity made the network 27% slower, run 86)
-    else:
-        position = sum(((place >> b) & 1) << j for j, b in enumerate(bit_of))
-    return keys.reshape(n), ids.reshape(n), position
+    for s in range(1, m + 1):  # sorted runs of 2^(s-1) merge into runs of 2^s
+        descending_axis = m - 1 - s if s < m else None  # the run size's bit
+        for j in range(s - 1, -1, -1):  # pairs at distance 2^j: bit j, axis m-1-j
+            keys, ids = _bitonic_layer(keys, ids, m - 1 - j, descending_axis)
+    return keys.reshape(n), ids.reshape(n)
 
 
-def lanes_first_bits(n: int, num_warps: int):
-    """A ``bit_of`` for a row of n spread as consecutive places over lanes, then warps,
-    then registers (a program's layout of a gathered row; an assumption, measured in
-    run 86): the network's lowest bits, used by the most layers, on the register bits,
-    the next five on the lanes, the highest (fewest layers) on the warps."""
-    m = n.bit_length() - 1
-    w = num_warps.bit_length() - 1
-    lanes, warps = list(range(min(5, m))), list(range(5, min(5 + w, m)))
-    registers = list(range(min(5 + w, m), m))
-    return tuple(registers + lanes + warps)
-
-
-# The network's layout: False, each layer views the row as [n / 2d, 2, d] and back
-# (:func:`bitonic_sort`); True, the row stays (2,)*log2(n) (:func:`bitonic_sort_bits`),
-# with BITONIC_BIT_ORDER "identity" or "lanes_first" (:func:`lanes_first_bits`).
-BITONIC_BITS = False
-BITONIC_BIT_ORDER = "identity"
-
-
-def _bitonic_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k, n, num_warps):
+def _bitonic_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k, n):
     """Program per row: the whole row in registers, sorted ascending by (~code, id),
     which is score descending, then id ascending, empty slots (id -1) last."""
     row = pl.program_id(0)
@@ -1396,26 +1335,24 @@ def _bitonic_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k,
     at = jnp.where(ok, slot, 0)
     codes = plt.load(codes_ref.at[row, at], mask=ok, other=EMPTY_CODE)
     ids = plt.load(ids_ref.at[row, at], mask=ok, other=-1)
-    keys, ids = ~codes, jnp.where(codes == EMPTY_CODE, -1, ids)
-    if BITONIC_BITS and n > 1:
-        bit_of = lanes_first_bits(n, num_warps) if BITONIC_BIT_ORDER == "lanes_first" else None
-        keys, ids, position = bitonic_sort_bits(keys, ids, bit_of)
-    else:
-        (keys, ids), position = bitonic_sort(keys, ids), slot
+    keys, ids = bitonic_sort(~codes, jnp.where(codes == EMPTY_CODE, -1, ids))
     # every lane owns its slot of the n-wide output (the padding sorts last): no masked
-    # duplicates, which interpret mode resolves arbitrarily
-    plt.store(out_ids_ref.at[row, position], ids)
-    plt.store(out_scores_ref.at[row, position], code_to_score(~keys))
+    # duplicates, which interpret mode resolves arbitrarily. The store's positions are
+    # the iota itself: a computed one, even equal, changed the layout Triton picks for
+    # the whole network and cost 27% (run 86).
+    plt.store(out_ids_ref.at[row, slot], ids)
+    plt.store(out_scores_ref.at[row, slot], code_to_score(~keys))
 
 
-def bitonic_order(codes, ids, *, num_warps=4):
+def bitonic_order(codes, ids, *, num_warps=8):
     """:func:`order_topk` for many rows: one program per row sorts it in registers with
-    a bitonic network (no shared memory or gathers in this backend; the reshapes
-    exchange the partners). Any row order of the entries: ties break by id."""
+    a bitonic network (no shared memory or gathers in this backend: sums along the
+    row's axes exchange the partners). Any row order of the entries: ties break by id.
+    8 warps: 490 µs at 8192 × 2048 against 541 at 4 and 548 at 16 (runs 85, 87)."""
     t, k = codes.shape
     n = 1 << (k - 1).bit_length()
     out_ids, out_scores = pl.pallas_call(
-        functools.partial(_bitonic_order_kernel, k=k, n=n, num_warps=num_warps),
+        functools.partial(_bitonic_order_kernel, k=k, n=n),
         grid=(t,),
         out_shape=(
             jax.ShapeDtypeStruct((t, n), jnp.int32),
