@@ -293,12 +293,6 @@ def _largest_true(holds):
     return jax.lax.fori_loop(0, 8, step, jnp.int32(0))
 
 
-# Streaming passes load aligned blocks as 16-byte vectors (False: 4-byte loads, for the
-# A/B of run 88: whether the vector layout costs a layout conversion before the
-# compaction's scattered store).
-STREAM_VECTOR_LOADS = True
-
-
 def _row_source(refs, dense, row, blk):
     """(entries, block, lo, hi) of a dense score row or a record row.
 
@@ -344,13 +338,11 @@ def _row_source(refs, dense, row, blk):
         loaded = [load(ref, lo + pos, ok, other) for ref, other in refs_other]
         return to_entries(loaded, lo + pos, ok, raw=False)
 
-    aligned = width % blk == 0 and STREAM_VECTOR_LOADS
+    aligned = width % blk == 0
 
     def block(a, masked=True, raw=False):
         pos = a + lanes
         ok = ((pos >= lo) & (pos < hi)) if masked else None
-        if not STREAM_VECTOR_LOADS:  # an identity Triton cannot see through: scalar loads
-            pos = jnp.minimum(pos, hi + blk)
         if aligned:
             span = pl.ds(pl.multiple_of(a, blk), blk)
             if masked:
