@@ -48,11 +48,6 @@ _NEG_INF = float("-inf")
 WIDEN_FP8_IN_MEMORY_FROM: int | None = 16
 
 
-# The head sum of a tile (run 89 A/B): False, the [BS, BT·H] tile viewed as [BS, BT, H]
-# and summed over H; True, a masked sum over the columns for each query, no reshape.
-HEAD_SUM_BY_MASKS = False
-
-
 @dataclasses.dataclass(frozen=True)
 class ScorerConfig:
     """Tiles of the scorer kernel. Every launch of one indexer call uses one config."""
@@ -151,19 +146,8 @@ def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
     # [BS, BT·H]; relu as where(x < 0) so NaN propagates (jnp.maximum drops it on GPU).
     relu = jnp.where(logits < 0, 0.0, logits)
     block_s = k_tile.shape[0]
-    if HEAD_SUM_BY_MASKS:
-        # Each query's heads summed in the accumulator's own layout: a masked sum over
-        # all BT·H columns a query, no reshape of the [BS, BT·H] tile.
-        weighted = relu * w.reshape(block_t * heads)[None, :]
-        query_of = jnp.arange(block_t * heads, dtype=jnp.int32)[None, :] // heads
-        query = jnp.arange(block_t, dtype=jnp.int32)[None, :]
-        scores = jnp.zeros((block_s, block_t), jnp.float32)
-        for t in range(block_t):
-            per_query = jnp.sum(jnp.where(query_of == t, weighted, 0.0), axis=1)
-            scores = scores + jnp.where(query == t, per_query[:, None], 0.0)
-    else:
-        weighted = relu.reshape(block_s, block_t, heads) * w[None, :, :]
-        scores = jnp.sum(weighted, axis=2)  # [BS, BT]
+    weighted = relu.reshape(block_s, block_t, heads) * w[None, :, :]
+    scores = jnp.sum(weighted, axis=2)  # [BS, BT]
     if scale is not None:
         scores = scores * scale[:, None]
     return scores.T
