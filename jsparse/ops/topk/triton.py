@@ -1279,10 +1279,11 @@ def rank_selects(rows: int, cap: int) -> bool:
 
 # From this many rows of at most BITONIC_MAX_K entries, a sorting network in
 # registers (:func:`bitonic_order`, one program per row) orders them instead of XLA's
-# sort. GPU busy at K = 2048 (WORKSPACE.md, run 53), network vs sort: 64 rows 26.1 vs
-# 24.4 µs, 256 rows 31.4 vs 45.2, 8192 rows 733 vs 1353 (490 since run 87). Measured
-# at 2048 only.
-BITONIC_MIN_ROWS = 256
+# sort (fewer rows take :func:`rank_order` first, by ``RANK_ORDER_PAIRS``). GPU busy at
+# K = 2048 (WORKSPACE.md, run 90), network vs sort: 16 rows 11.9 vs 23.3 µs, 64 rows
+# 12.1 vs 24.6, 128 rows 12.4 vs 26.4, 256 rows 21.0 vs 45.2; 8192 rows 490 vs 1353
+# (runs 53, 87). Measured at 2048 only.
+BITONIC_MIN_ROWS = 16
 BITONIC_MAX_K = 2048
 
 
