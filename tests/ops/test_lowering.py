@@ -93,6 +93,9 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
         )
     lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), buf, buf, rng)
     lower_for_h200(lambda x, i, m: select.select_rows(x, i, m, K), scores, buf, rng)
+    lower_for_h200(  # the unsorted output, written as scores
+        lambda x, i, m: select.select_rows(x, i, m, K, scores_out=True), scores, buf, rng
+    )
     big = jax.ShapeDtypeStruct((t, 3 * 8192), i32)  # too long to hold in registers
     lower_for_h200(lambda c, i, m: select.select_candidates(c, i, m, K), big, big, rng)
     topk = jax.ShapeDtypeStruct((8, K), i32)

@@ -117,13 +117,6 @@ def _result(indices, values, start, end, candidates, tau_codes, fallback):
     )
 
 
-def _finish(sel_codes, sel_ids, *, id_ordered, sort):
-    if sort:
-        return select.order_topk(sel_codes, sel_ids, id_ordered=id_ordered)
-    empty = sel_codes == EMPTY_CODE
-    return jnp.where(empty, -1, sel_ids), jnp.where(empty, -jnp.inf, code_to_score(sel_codes))
-
-
 def select_dense(scores, start, end, top_k, sort):
     """Exact Top-K of dense [T, S] score rows over [start, end): ``base``'s selection,
     and :func:`jsparse.topk`'s Triton implementation."""
@@ -132,8 +125,11 @@ def select_dense(scores, start, end, top_k, sort):
         codes, ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, with_codes=True)
         return select.select_by_rank(codes, ids, count, top_k)
     ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
+    if not sort:  # the select writes the final scores itself
+        sel_scores, sel_ids, _ = select.select_rows(scores, ids, count, top_k, scores_out=True)
+        return sel_ids, sel_scores
     sel_codes, sel_ids, _ = select.select_rows(scores, ids, count, top_k)
-    return _finish(sel_codes, sel_ids, id_ordered=True, sort=sort)
+    return select.order_topk(sel_codes, sel_ids, id_ordered=True)
 
 
 def select_records(codes, ids, counts, top_k, *, id_ordered, sort=True):
@@ -141,8 +137,11 @@ def select_records(codes, ids, counts, top_k, *, id_ordered, sort=True):
     cap = candidate_capacity(top_k, codes.shape[1])
     if codes.shape[1] > cap:  # long record rows: shrink to a sampled-threshold buffer first
         codes, ids, counts, _ = select.compact_records(codes, ids, counts, top_k, cap)
+    if not sort:
+        scores, sel_ids, _ = select.select_candidates(codes, ids, counts, top_k, scores_out=True)
+        return sel_ids, scores
     sel_codes, sel_ids, _ = select.select_candidates(codes, ids, counts, top_k)
-    return _finish(sel_codes, sel_ids, id_ordered=id_ordered, sort=sort)
+    return select.order_topk(sel_codes, sel_ids, id_ordered=id_ordered)
 
 
 # The scorer launch writes base's report (one program per query block) instead of a

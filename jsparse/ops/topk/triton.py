@@ -835,9 +835,10 @@ def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=N
 
 
 def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_ref,
-                   *, top_k, cap, gather, cfg):  # fmt: skip
+                   *, top_k, cap, gather, cfg, scores_out):  # fmt: skip
     """Program (row). ``src_ref``: the candidates' codes [T·cap], or with ``gather`` the
-    dense score rows [T, S] that the candidate ids index."""
+    dense score rows [T, S] that the candidate ids index. ``scores_out``: the set is
+    written as scores (-inf / -1 padding), the final unsorted output, instead of codes."""
     row = pl.program_id(0)
     n = jnp.minimum(plt.load(count_ref.at[row]), cap)
     trash = count_ref.shape[0] * top_k  # one past the last slot: never a live index
@@ -861,7 +862,7 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
         pos = stored + jnp.cumsum(keep_i) - 1
         store = keep & (pos < top_k)
         dst = jnp.where(store, row * top_k + pos, trash)
-        plt.store(out_codes_ref.at[dst], c, mask=store)
+        plt.store(out_codes_ref.at[dst], code_to_score(c) if scores_out else c, mask=store)
         plt.store(out_ids_ref.at[dst], i, mask=store)
         return stored + jnp.sum(keep_i)
 
@@ -923,7 +924,8 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
             slot = j * blk + lanes
             empty = (slot >= stored) & (slot < top_k)
             dst = jnp.where(empty, row * top_k + slot, trash)
-            plt.store(out_codes_ref.at[dst], jnp.full((blk,), EMPTY_CODE), mask=empty)
+            empty_value = jnp.full((blk,), -jnp.inf if scores_out else EMPTY_CODE)
+            plt.store(out_codes_ref.at[dst], empty_value, mask=empty)
             plt.store(out_ids_ref.at[dst], jnp.full((blk,), -1, jnp.int32), mask=empty)
             return carry
 
@@ -942,14 +944,16 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
     plt.store(kth_ref.at[row], kth)
 
 
-def _select_call(src, ids, counts, top_k, gather, cfg):
+def _select_call(src, ids, counts, top_k, gather, cfg, scores_out=False):
     t, cap = ids.shape
-    kernel = functools.partial(_select_kernel, top_k=top_k, cap=cap, gather=gather, cfg=cfg)
+    kernel = functools.partial(
+        _select_kernel, top_k=top_k, cap=cap, gather=gather, cfg=cfg, scores_out=scores_out
+    )
     out_codes, out_ids, kth = pl.pallas_call(
         kernel,
         grid=(t,),
         out_shape=(
-            jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
+            jax.ShapeDtypeStruct((t * top_k,), jnp.float32 if scores_out else jnp.int32),
             jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
             jax.ShapeDtypeStruct((t,), jnp.int32),
         ),
@@ -960,20 +964,22 @@ def _select_call(src, ids, counts, top_k, gather, cfg):
     return out_codes.reshape(t, top_k), out_ids.reshape(t, top_k), kth
 
 
-def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig()):
+def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig(), *, scores_out=False):
     """Exact Top-K set of each row's candidates, in input order.
 
     codes, ids: [T, cap]; counts: [T] (values beyond cap are clipped: callers handle
     overflow before this). Returns (codes [T, K], ids [T, K] with EMPTY/-1 padding,
     kth [T]: the K-th largest code, EMPTY_CODE when a row has fewer than K candidates).
+    ``scores_out``: scores [T, K] (padding -inf) in place of the codes: the final
+    unsorted output, without a conversion pass over it (63 µs at 8192 rows, run 90).
     """
-    return _select_call(codes.reshape(-1), ids, counts, top_k, False, cfg)
+    return _select_call(codes.reshape(-1), ids, counts, top_k, False, cfg, scores_out)
 
 
-def select_rows(scores, ids, counts, top_k, cfg=SelectConfig()):
+def select_rows(scores, ids, counts, top_k, cfg=SelectConfig(), *, scores_out=False):
     """:func:`select_candidates` for the candidate ids of dense score rows [T, S] (from
     :func:`compact_rows`): each candidate's score is gathered from its row by id."""
-    return _select_call(scores, ids, counts, top_k, True, cfg)
+    return _select_call(scores, ids, counts, top_k, True, cfg, scores_out)
 
 
 RANK_ORDER_PAIRS = 1 << 26  # T·K² up to this: order by ranks (one kernel), else XLA's sort
