@@ -37,9 +37,6 @@ from jsparse.ops.indexer.report import store_report
 from jsparse.ops.topk import codes as codes_lib
 
 _NEG_INF = float("-inf")
-# Diagnostic only (run 92), wrong records when set: 1 drops the split rows'
-# fetch-and-add, 2 also the cumsum, 3 also the stores.
-RECORDS_LADDER = 0
 # FP8 inputs of a launch with at least this many queries are widened to the compute
 # dtype once, in memory, before the kernel (exact: every e4m3 value is an f16), instead
 # of tile by tile in registers: a load that feeds a conversion cannot stream global →
@@ -266,7 +263,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             keep = visible & (code >= tau[:, None])  # [BT, BS]
             keep_i = keep.astype(jnp.int32)
             counts = jnp.sum(keep_i, axis=1)  # [BT]
-            if p.splits == 1 or RECORDS_LADDER:
+            if p.splits == 1:
                 # This program owns its queries' records: a running offset, and the
                 # records come out in ascending id order.
                 base = written
@@ -286,13 +283,8 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
                         lambda n_r=n_r: n_r * 0,  # a traced zero: a literal cannot be yielded
                     )
                     base = jnp.where(row_iota[:, 0] == r, old, base)
-            if RECORDS_LADDER >= 2:  # diag: no cumsum
-                pos = base[:, None] + jnp.arange(keep_i.shape[1], dtype=jnp.int32)[None, :]
-            else:
-                pos = base[:, None] + jnp.cumsum(keep_i, axis=1) - 1
+            pos = base[:, None] + jnp.cumsum(keep_i, axis=1) - 1
             store = keep & (pos < p.cap)
-            if RECORDS_LADDER >= 3:  # diag: no stores
-                return written + counts
             # Lanes not stored point past the end: interpret mode drops them, the GPU masks them.
             dst = jnp.where(store, rows[:, None] * p.cap + pos, p.t * p.cap)
             plt.store(codes_ref.at[dst], code, mask=store)
