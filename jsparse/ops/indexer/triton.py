@@ -178,6 +178,19 @@ class _Plan:
     # Dense launches may also write an exhaustive method's per-query report (see
     # :mod:`jsparse.ops.indexer.report`), from each query block's first split.
     report: bool = False
+    # Records of a split launch: slots per (program, query) of a staging buffer (0: none,
+    # each tile reserves its rows' room with a fetch-and-add; see STAGED_SPLIT_RECORDS).
+    stage: int = 0
+
+
+# Records of launches whose splits share a query. False: every tile reserves room in
+# its rows' buffers with a scalar fetch-and-add, whose answer the tile's stores wait on
+# (212 of the 909 µs of witness decode's records pass at 64 × 64K, run 92). True: each
+# program stages its records in STAGE_SLOTS slots a query of its own, with running
+# offsets as a lone split does, and reserves and copies once a query when the stage
+# fills or the loop ends. Off until measured on the GPU.
+STAGED_SPLIT_RECORDS = False
+STAGE_SLOTS = 1024
 
 
 def _optional_inputs(p):
@@ -252,6 +265,9 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     stop = jnp.minimum(begin + per_split, last)
 
     if p.records:
+        if p.stage:
+            _staged_records(tile_ids, tile_scores, refs[-5:], tau_ref, begin, stop, p)
+            return
         codes_ref, rec_ids_ref, count_ref = refs[-3:]  # (aliased initial values come first)
         tau = jnp.where(row_ok, plt.load(tau_ref.at[row_safe]), codes_lib.EMPTY_CODE)
         row_iota = jnp.arange(bt, dtype=jnp.int32)[:, None]
@@ -334,6 +350,72 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         jax.lax.fori_loop(split * per, jnp.minimum((split + 1) * per, outside), fill_body, 0)
 
 
+def _staged_records(tile_ids, tile_scores, out_refs, tau_ref, begin, stop, p):
+    """The records of a split program's tiles [begin, stop), staged (``p.stage`` slots a
+    query, running offsets), then reserved in each query's buffer with one fetch-and-add
+    and copied there: when a tile would overfill the stage, and at the end. The stage's
+    slots are written and read by different threads of the program, so a barrier
+    separates the two (and the copy's reads from the next stores); interpret mode runs
+    a program's operations in order and needs none."""
+    codes_ref, rec_ids_ref, count_ref, stage_codes_ref, stage_ids_ref = out_refs
+    bt, bs = p.cfg.block_t, p.cfg.block_s
+    i, split = pl.program_id(0), pl.program_id(1)
+    lane = jnp.arange(bt, dtype=jnp.int32)
+    rows = i * bt + lane
+    row_ok = rows < p.t
+    tau = jnp.where(row_ok, plt.load(tau_ref.at[jnp.where(row_ok, rows, 0)]), codes_lib.EMPTY_CODE)
+    stage_first = ((i * p.splits + split) * bt + lane) * p.stage  # [BT]: each query's slots
+    stage_trash = stage_codes_ref.shape[0]  # one past the last slot
+
+    def barrier():
+        if not p.interpret:
+            plt.debug_barrier()
+
+    def flush(staged):  # staged [BT] → zeros
+        barrier()
+        for r in range(bt):
+            n_r = jnp.sum(jnp.where(lane == r, staged, 0))
+            t_r = jnp.minimum(i * bt + r, p.t - 1).astype(jnp.int32)
+            old = jax.lax.cond(
+                n_r > 0,
+                lambda t_r=t_r, n_r=n_r: plt.atomic_add(count_ref, (t_r,), n_r),
+                lambda n_r=n_r: n_r * 0,  # a traced zero: a literal cannot be yielded
+            )
+            n_copy = jnp.clip(p.cap - old, 0, n_r)  # the count goes on past cap: overflow
+            src_first = jnp.sum(jnp.where(lane == r, stage_first, 0))
+
+            def copy(c, carry, t_r=t_r, old=old, n_copy=n_copy, src_first=src_first):
+                k = c * bs + jnp.arange(bs, dtype=jnp.int32)
+                ok = k < n_copy
+                src = src_first + jnp.where(ok, k, 0)
+                vc = plt.load(stage_codes_ref.at[src], mask=ok, other=codes_lib.EMPTY_CODE)
+                vi = plt.load(stage_ids_ref.at[src], mask=ok, other=-1)
+                dst = jnp.where(ok, t_r * p.cap + old + k, p.t * p.cap)
+                plt.store(codes_ref.at[dst], vc, mask=ok)
+                plt.store(rec_ids_ref.at[dst], vi, mask=ok)
+                return carry
+
+            jax.lax.fori_loop(0, (n_copy + bs - 1) // bs, copy, 0)
+        barrier()
+        return staged * 0
+
+    def body(j, staged):
+        ids = tile_ids(j)
+        scores, visible = tile_scores(ids)
+        code = codes_lib.score_code(scores)
+        keep = visible & (code >= tau[:, None])  # [BT, BS]
+        keep_i = keep.astype(jnp.int32)
+        counts = jnp.sum(keep_i, axis=1)
+        staged = jax.lax.cond(jnp.max(staged + counts) > p.stage, flush, lambda s: s, staged)
+        pos = staged[:, None] + jnp.cumsum(keep_i, axis=1) - 1  # < stage: counts ≤ BS ≤ stage
+        dst = jnp.where(keep, stage_first[:, None] + pos, stage_trash)
+        plt.store(stage_codes_ref.at[dst], code, mask=keep)
+        plt.store(stage_ids_ref.at[dst], jnp.broadcast_to(ids[None, :], (bt, bs)), mask=keep)
+        return staged + counts
+
+    flush(jax.lax.fori_loop(begin, stop, body, jnp.zeros((bt,), jnp.int32)))
+
+
 def _pad_heads_dims(q, weights, k, block_t):
     """Pads H and D to powers of two, BT·H and D to ≥ 16 (the smallest tensor-core tile).
 
@@ -413,12 +495,13 @@ def _launch(
             n_ids = key_counts.astype(jnp.int32)
     splits = splits or _default_splits(n_tb, n_tiles)
     records = records_cap is not None
+    stage = max(STAGE_SLOTS, cfg.block_s) if records and splits > 1 and STAGED_SPLIT_RECORDS else 0
     tau = jnp.zeros((t,), jnp.int32) if records and tau_codes is None else tau_codes
     p = _Plan(
         t=t, s=s, heads=hp, dim=dp, cfg=cfg, compute=cdt, key_list=key_ids is not None,
         list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill_only=False,
         interpret=backend.is_interpret(), page_size=page_size if page_table is not None else 0,
-        has_scale=k_scale is not None, report=report,
+        has_scale=k_scale is not None, report=report, stage=stage,
     )  # fmt: skip
     pages = None if page_table is None else page_table.astype(jnp.int32)
     given = dict(scale=k_scale, tau=tau, ids=ids, n_ids=n_ids, pages=pages)
@@ -433,6 +516,9 @@ def _launch(
             jnp.full((t * p.cap,), -1, jnp.int32),
             jnp.zeros((t,), jnp.int32),
         )
+        if p.stage:  # the programs' stages: no init (nothing reads a slot it did not write)
+            stage_slots = n_tb * splits * cfg.block_t * p.stage
+            out_shape += (jax.ShapeDtypeStruct((stage_slots,), jnp.int32),) * 2
     else:
         out_shape = (jax.ShapeDtypeStruct((t, s), jnp.float32),)
         initial = ()
@@ -454,7 +540,7 @@ def _launch(
         )(*inputs, *initial)
 
     if records:
-        return call(p, initial, "jsparse_indexer_records")
+        return call(p, initial, "jsparse_indexer_records")[:3]
     outs = call(p, (), "jsparse_indexer_scores")
     if fill:
         outs = call(dataclasses.replace(p, fill_only=True), outs, "jsparse_indexer_fill")

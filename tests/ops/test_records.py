@@ -1,0 +1,77 @@
+"""The records pass of launches whose splits share a query: staged records (one
+reservation a query per stage flush) against a reservation per tile."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.ops.indexer import triton as scorer
+from jsparse.ops.topk import codes as codes_lib
+from tests.lowering import lower_for_h200
+
+
+def _inputs(t=3, h=4, d=16, s=1500, seed=0):
+    kq, kw, kk = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (t, h, d)).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (t, h))
+    k = jax.random.normal(kk, (s, d)).astype(jnp.bfloat16)
+    start = jnp.asarray([0, 200, 0][:t], jnp.int32)
+    end = jnp.asarray([s, 1100, 40][:t], jnp.int32)  # a short row: fewer than a stage
+    return q, w, k, start, end
+
+
+def _records(monkeypatch, staged, slots, *args, **kwargs):
+    monkeypatch.setattr(scorer, "STAGED_SPLIT_RECORDS", staged)
+    monkeypatch.setattr(scorer, "STAGE_SLOTS", slots)
+    codes, ids, counts, in_order = scorer.score_records_triton(*args, **kwargs)
+    return np.asarray(codes), np.asarray(ids), np.asarray(counts), in_order
+
+
+@pytest.mark.parametrize("slots", [16, 1024], ids=["flushes", "one-flush"])
+@pytest.mark.parametrize("keys", ["range", "lists"])
+def test_staged_split_records_equal_per_tile_reservation(monkeypatch, kernel_impl, slots, keys):
+    q, w, k, start, end = _inputs()
+    s = k.shape[0]
+    cfg = scorer.ScorerConfig(block_t=2, block_s=16, num_warps=4, num_stages=1)
+    monkeypatch.setattr(scorer, "PROGRAMS_TARGET", 8)  # two splits a block: many tiles each
+    # τ: about a quarter of each row's visible scores
+    dense = np.asarray(scorer.indexer_scores_triton(q, w, k, None, start, end, cfg=cfg))
+    quarter = np.nanquantile(np.where(np.isinf(dense), np.nan, dense), 0.75, axis=1)
+    tau = codes_lib.score_code(jnp.asarray(quarter, jnp.float32))
+    kwargs = dict(cfg=cfg)
+    if keys == "lists":  # every third key, per query block
+        ids = np.full((2, 600), -1, np.int32)
+        ids[:, :500] = np.arange(0, s, 3)[:500]
+        kwargs.update(key_ids=jnp.asarray(ids), key_counts=jnp.asarray([500, 480], jnp.int32))
+    args = (q, w, k, None, start, end, tau)
+    for cap in (2000, 40):  # roomy, and overflowing (the count runs on past cap)
+        want = _records(monkeypatch, False, slots, *args, cap, **kwargs)
+        got = _records(monkeypatch, True, slots, *args, cap, **kwargs)
+        assert not want[3] and not got[3]  # split launches: records in no particular order
+        np.testing.assert_array_equal(got[2], want[2])
+        for r in range(q.shape[0]):
+            n = min(int(want[2][r]), cap)
+            got_set = set(zip(got[0][r, :n].tolist(), got[1][r, :n].tolist(), strict=True))
+            want_set = set(zip(want[0][r, :n].tolist(), want[1][r, :n].tolist(), strict=True))
+            assert len(got_set) == n  # no record written twice
+            if int(want[2][r]) <= cap:  # which ones an overflowing row keeps is arbitrary
+                assert got_set == want_set, (cap, r)
+            # the slots past the stored ones keep their initial values
+            assert np.all(got[0][r, n:] == codes_lib.EMPTY_CODE) and np.all(got[1][r, n:] == -1)
+
+
+def test_staged_split_records_lower_to_cuda(monkeypatch):
+    monkeypatch.setattr(scorer, "STAGED_SPLIT_RECORDS", True)
+    t, s = 8, 65536
+    q = jax.ShapeDtypeStruct((t, 64, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((t, 64), jnp.float32)
+    k = jax.ShapeDtypeStruct((s, 128), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((t,), jnp.int32)
+    lowered = lower_for_h200(
+        lambda q, w, k, a, b, tau: scorer.score_records_triton(q, w, k, None, a, b, tau, 4096)[:3],
+        q, w, k, rows, rows, rows,
+    )  # fmt: skip
+    assert "jsparse_indexer_records" in lowered.as_text()
