@@ -273,10 +273,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         row_iota = jnp.arange(bt, dtype=jnp.int32)[:, None]
 
         def body(j, written):
-            ids = tile_ids(j)
-            scores, visible = tile_scores(ids)
-            code = codes_lib.score_code(scores)
-            keep = visible & (code >= tau[:, None])  # [BT, BS]
+            ids, code, keep = _tile_records(tile_ids, tile_scores, tau, j)
             keep_i = keep.astype(jnp.int32)
             counts = jnp.sum(keep_i, axis=1)  # [BT]
             if p.splits == 1:
@@ -284,20 +281,16 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
                 # records come out in ascending id order.
                 base = written
             else:
-                # Splits share a query: reserve room with scalar fetch-and-add (vector int
-                # atomics are unreliable on this backend). Order is then arbitrary. Only
-                # rows that keep something: each fetch-and-add's answer gates the tile's
-                # stores, and decode blocks pair sequences whose keys are disjoint (or a
-                # masked row), so about half the rows of a tile keep nothing.
+                # Splits share a query: reserve room with a fetch-and-add. Order is then
+                # arbitrary. Only rows that keep something: each fetch-and-add's answer
+                # gates the tile's stores, and decode blocks pair sequences whose keys
+                # are disjoint (or a masked row), so about half the rows of a tile keep
+                # nothing.
                 base = jnp.zeros((bt,), jnp.int32)
                 for r in range(bt):
                     n_r = jnp.sum(jnp.where(row_iota[:, 0] == r, counts, 0))
                     t_r = jnp.minimum(i * bt + r, p.t - 1).astype(jnp.int32)
-                    old = jax.lax.cond(
-                        n_r > 0,
-                        lambda t_r=t_r, n_r=n_r: plt.atomic_add(count_ref, (t_r,), n_r),
-                        lambda n_r=n_r: n_r * 0,  # a traced zero: a literal cannot be yielded
-                    )
+                    old = _reserve(count_ref, t_r, n_r)
                     base = jnp.where(row_iota[:, 0] == r, old, base)
             pos = base[:, None] + jnp.cumsum(keep_i, axis=1) - 1
             store = keep & (pos < p.cap)
@@ -350,6 +343,25 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         jax.lax.fori_loop(split * per, jnp.minimum((split + 1) * per, outside), fill_body, 0)
 
 
+def _reserve(count_ref, t, n):
+    """Scalar fetch-and-add of n records to query t's count (vector int atomics are
+    unreliable on this backend), only when n > 0; returns the old count (0 if n = 0)."""
+    return jax.lax.cond(
+        n > 0,
+        lambda: plt.atomic_add(count_ref, (t,), n),
+        lambda: n * 0,  # a traced zero: a literal cannot be yielded
+    )
+
+
+def _tile_records(tile_ids, tile_scores, tau, j):
+    """Key tile j's ids, score codes and which of them are records (≥ τ, visible)."""
+    ids = tile_ids(j)
+    scores, visible = tile_scores(ids)
+    code = codes_lib.score_code(scores)
+    keep = visible & (code >= tau[:, None])  # [BT, BS]
+    return ids, code, keep
+
+
 def _staged_records(tile_ids, tile_scores, out_refs, tau_ref, begin, stop, p):
     """The records of a split program's tiles [begin, stop), staged (``p.stage`` slots a
     query, running offsets), then reserved in each query's buffer with one fetch-and-add
@@ -376,11 +388,7 @@ def _staged_records(tile_ids, tile_scores, out_refs, tau_ref, begin, stop, p):
         for r in range(bt):
             n_r = jnp.sum(jnp.where(lane == r, staged, 0))
             t_r = jnp.minimum(i * bt + r, p.t - 1).astype(jnp.int32)
-            old = jax.lax.cond(
-                n_r > 0,
-                lambda t_r=t_r, n_r=n_r: plt.atomic_add(count_ref, (t_r,), n_r),
-                lambda n_r=n_r: n_r * 0,  # a traced zero: a literal cannot be yielded
-            )
+            old = _reserve(count_ref, t_r, n_r)
             n_copy = jnp.clip(p.cap - old, 0, n_r)  # the count goes on past cap: overflow
             src_first = jnp.sum(jnp.where(lane == r, stage_first, 0))
 
@@ -400,10 +408,7 @@ def _staged_records(tile_ids, tile_scores, out_refs, tau_ref, begin, stop, p):
         return staged * 0
 
     def body(j, staged):
-        ids = tile_ids(j)
-        scores, visible = tile_scores(ids)
-        code = codes_lib.score_code(scores)
-        keep = visible & (code >= tau[:, None])  # [BT, BS]
+        ids, code, keep = _tile_records(tile_ids, tile_scores, tau, j)
         keep_i = keep.astype(jnp.int32)
         counts = jnp.sum(keep_i, axis=1)
         staged = jax.lax.cond(jnp.max(staged + counts) > p.stage, flush, lambda s: s, staged)

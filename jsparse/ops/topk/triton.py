@@ -37,8 +37,10 @@ candidate is ranked against its row in one launch and written at its rank.
 
 The final order (score descending, id ascending, :func:`order_topk`): for a few rows
 (T·K² ≤ 2^26) one kernel ranks each entry against its whole row (2.3 µs at T = 1
-against XLA's 23 µs sort, run 35); for more, an XLA sort of K entries per row, with one
-stable key when the entries are already in id order, else two.
+against XLA's 23 µs sort, run 35); for more rows of K ≤ 2048, a bitonic network in
+registers, one program per row (:func:`bitonic_order`); for longer rows, an XLA sort
+of K entries per row, with one stable key when the entries are already in id order,
+else two.
 """
 
 from __future__ import annotations
@@ -1306,8 +1308,8 @@ def _bitonic_layer(keys, ids, axis, descending_axis):
     from an iota of group offsets, cost 1.5× the time (WORKSPACE.md, runs 85-87)."""
     m = keys.ndim
 
-    def along(axis):  # [0, 1] along ``axis``, broadcastable against the row
-        return jnp.arange(2, dtype=jnp.int32).reshape((1,) * axis + (2,) + (1,) * (m - 1 - axis))
+    def along(a):  # [0, 1] along axis a, broadcastable against the row
+        return jnp.arange(2, dtype=jnp.int32).reshape((1,) * a + (2,) + (1,) * (m - 1 - a))
 
     partner_k = jnp.sum(keys, axis=axis, keepdims=True) - keys
     partner_i = jnp.sum(ids, axis=axis, keepdims=True) - ids
