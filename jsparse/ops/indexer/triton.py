@@ -265,11 +265,11 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     stop = jnp.minimum(begin + per_split, last)
 
     if p.records:
+        tau = jnp.where(row_ok, plt.load(tau_ref.at[row_safe]), codes_lib.EMPTY_CODE)
         if p.stage:
-            _staged_records(tile_ids, tile_scores, refs[-5:], tau_ref, begin, stop, p)
+            _staged_records(tile_ids, tile_scores, refs[-5:], tau, begin, stop, p)
             return
         codes_ref, rec_ids_ref, count_ref = refs[-3:]  # (aliased initial values come first)
-        tau = jnp.where(row_ok, plt.load(tau_ref.at[row_safe]), codes_lib.EMPTY_CODE)
         row_iota = jnp.arange(bt, dtype=jnp.int32)[:, None]
 
         def body(j, written):
@@ -362,7 +362,7 @@ def _tile_records(tile_ids, tile_scores, tau, j):
     return ids, code, keep
 
 
-def _staged_records(tile_ids, tile_scores, out_refs, tau_ref, begin, stop, p):
+def _staged_records(tile_ids, tile_scores, out_refs, tau, begin, stop, p):
     """The records of a split program's tiles [begin, stop), staged (``p.stage`` slots a
     query, running offsets), then reserved in each query's buffer with one fetch-and-add
     and copied there: when a tile would overfill the stage, and at the end. The stage's
@@ -371,12 +371,10 @@ def _staged_records(tile_ids, tile_scores, out_refs, tau_ref, begin, stop, p):
     a program's operations in order and needs none."""
     codes_ref, rec_ids_ref, count_ref, stage_codes_ref, stage_ids_ref = out_refs
     bt, bs = p.cfg.block_t, p.cfg.block_s
-    i, split = pl.program_id(0), pl.program_id(1)
+    i = pl.program_id(0)
+    program = i * p.splits + pl.program_id(1)
     lane = jnp.arange(bt, dtype=jnp.int32)
-    rows = i * bt + lane
-    row_ok = rows < p.t
-    tau = jnp.where(row_ok, plt.load(tau_ref.at[jnp.where(row_ok, rows, 0)]), codes_lib.EMPTY_CODE)
-    stage_first = ((i * p.splits + split) * bt + lane) * p.stage  # [BT]: each query's slots
+    stage_first = (program * bt + lane) * p.stage  # [BT]: each query's slots
     stage_trash = stage_codes_ref.shape[0]  # one past the last slot
 
     def barrier():
@@ -390,7 +388,7 @@ def _staged_records(tile_ids, tile_scores, out_refs, tau_ref, begin, stop, p):
             t_r = jnp.minimum(i * bt + r, p.t - 1).astype(jnp.int32)
             old = _reserve(count_ref, t_r, n_r)
             n_copy = jnp.clip(p.cap - old, 0, n_r)  # the count goes on past cap: overflow
-            src_first = jnp.sum(jnp.where(lane == r, stage_first, 0))
+            src_first = (program * bt + r) * p.stage
 
             def copy(c, carry, t_r=t_r, old=old, n_copy=n_copy, src_first=src_first):
                 k = c * bs + jnp.arange(bs, dtype=jnp.int32)
