@@ -63,8 +63,9 @@ def test_staged_split_records_equal_per_tile_reservation(monkeypatch, kernel_imp
             assert np.all(got[0][r, n:] == codes_lib.EMPTY_CODE) and np.all(got[1][r, n:] == -1)
 
 
-def test_staged_split_records_lower_to_cuda(monkeypatch):
-    monkeypatch.setattr(scorer, "STAGED_SPLIT_RECORDS", True)
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "per-tile"])
+def test_split_records_lower_to_cuda(monkeypatch, staged):
+    monkeypatch.setattr(scorer, "STAGED_SPLIT_RECORDS", staged)
     t, s = 8, 65536
     q = jax.ShapeDtypeStruct((t, 64, 128), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((t, 64), jnp.float32)

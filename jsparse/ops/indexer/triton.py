@@ -184,12 +184,14 @@ class _Plan:
 
 
 # Records of launches whose splits share a query. False: every tile reserves room in
-# its rows' buffers with a scalar fetch-and-add, whose answer the tile's stores wait on
-# (212 of the 909 µs of witness decode's records pass at 64 × 64K, run 92). True: each
-# program stages its records in STAGE_SLOTS slots a query of its own, with running
-# offsets as a lone split does, and reserves and copies once a query when the stage
-# fills or the loop ends. Off until measured on the GPU.
-STAGED_SPLIT_RECORDS = False
+# its rows' buffers with a scalar fetch-and-add, whose answer the tile's stores wait on.
+# True: each program stages its records in STAGE_SLOTS slots a query of its own, with
+# running offsets as a lone split does, and reserves and copies once a query when the
+# stage fills or the loop ends. Witness decode's records pass (WORKSPACE.md, run 93):
+# 64 × 64K 980 → 751 µs, 64 × 128K 1895 → 1486, 8 × 128K 276 → 228. The stages take
+# programs × block_t × STAGE_SLOTS × 8 bytes (≤ ~35 MB: split launches have ≤ ~1056
+# programs, and default tiles ≤ 4 queries).
+STAGED_SPLIT_RECORDS = True
 STAGE_SLOTS = 1024
 
 
