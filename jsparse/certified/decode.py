@@ -145,7 +145,8 @@ def indexer_topk_decode(
 
     Returns:
       (IndexerTopK with ids relative to each sequence, the new witnesses [B, W]: this
-      step's Top-K first, then the previous witnesses scoring best now, -1 padded).
+      step's Top-K first, then the previous witnesses scoring best now, in no fixed
+      order (the GPU writes records in arbitrary order), -1 padded).
     """
     _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table)
     b = q.shape[0]

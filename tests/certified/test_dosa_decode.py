@@ -146,7 +146,13 @@ def _check_paged_equals_dense(impl):
             np.testing.assert_array_equal(
                 np.asarray(getattr(paged, name)), np.asarray(getattr(dense, name)), err_msg=name
             )
-        np.testing.assert_array_equal(np.asarray(paged_wit), np.asarray(dense_wit))
+        # The Top-K comes first, in its order; the carried seeds after it follow the
+        # order their records were written, which split launches do not fix.
+        np.testing.assert_array_equal(np.asarray(paged_wit[:, :K]), np.asarray(dense_wit[:, :K]))
+        np.testing.assert_array_equal(
+            np.sort(np.asarray(paged_wit[:, K:]), axis=1),
+            np.sort(np.asarray(dense_wit[:, K:]), axis=1),
+        )
         ids, _ = _base(q, w, k_cache, scale, lengths, impl)
         np.testing.assert_array_equal(np.asarray(paged.indices), np.asarray(ids))
 
