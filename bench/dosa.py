@@ -295,6 +295,13 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
                 tp = _time(paged_fn, args.iters)
                 row.update(page_size=args.page_size, paged_ms=tp["median_ms"])
                 row["paged_spread_ms"] = [tp["min_ms"], tp["max_ms"]]
+            if args.device_time:  # GPU busy µs a step: host medians of such steps move ~20%
+                for name, fn in (("base", base_fn), ("dosa", dosa_fn)):
+                    kernels = common.device_busy_by_kernel(fn, [()])
+                    if kernels:
+                        row[f"{name}_busy_us"] = 1e6 * sum(kernels.values())
+                        top = list(kernels.items())[:4]
+                        row[f"{name}_kernels_us"] = {k: round(1e6 * v, 1) for k, v in top}
             rows.append(row)
             print(json.dumps(row), flush=True)
             out.append(row)
@@ -303,11 +310,17 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
             paged_witnesses = paged_witnesses_next
     if rows:
         r = rows[-1]
+        busy = (
+            f" busy base {r['base_busy_us']:.1f} µs | dosa {r['dosa_busy_us']:.1f} µs |"
+            if "dosa_busy_us" in r and "base_busy_us" in r
+            else ""
+        )
         print(
             f"| decode {name} B={batch} S={length} | base {r['base_ms']:.3f} ms | dosa "
             f"{r['dosa_ms']:.3f} ms | records/query {r['records_per_query']:.0f} | cut "
             f"{r['record_cut']:.1f}× | exact {all(x['exact'] for x in rows)} |"
             + (f" paged (P={args.page_size}) {r['paged_ms']:.3f} ms |" if args.page_size else "")
+            + busy
         )
 
 
@@ -338,6 +351,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--page-size", type=int, default=0,
         help="decode: also run from a shuffled paged cache with pages of this many keys",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device-time", action="store_true",
+        help="decode: also the GPU busy time per step from a profiler trace (kernels only)",
     )  # fmt: skip
     parser.add_argument("--refine-block", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True)
