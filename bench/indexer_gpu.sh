@@ -46,7 +46,7 @@ for s in "${steps[@]}"; do
       --json "$OUT/dosa.json" ;;
     dosa-causal) run dosa-causal "$PY" -m bench.dosa --prefill --shapes 65536x65536 \
       --methods base full dosa --variants --json "$OUT/dosa_causal.json" ;;
-    dosa-decode) run dosa-decode "$PY" -m bench.dosa --decode --page-size 64 \
+    dosa-decode) run dosa-decode "$PY" -m bench.dosa --decode --page-size 64 --device-time \
       --json "$OUT/dosa_decode.json" ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
