@@ -333,7 +333,11 @@ def _decode_triton_jit(
     seeds = _seeds(wit, start, end, top_k, b * s_max)
     lists, listed = _block_lists(seeds, cfg.block_t)
     keep_all = jnp.full((b,), EMPTY_CODE, jnp.int32)
-    seed_cap = methods._round_up(lists.shape[1], 128)
+    # A query records only the seeds of its own list: the block's other lists hold other
+    # sequences' ids, which it cannot see. So its own list's width bounds its records,
+    # and a buffer that narrow keeps the τ and carried-seed selects in registers (the
+    # block's width, 4 × 4096 at 8 sequences, sent them to the streamed path; run 95).
+    seed_cap = methods._round_up(seeds.shape[1], 128)
     seed_codes, seed_ids, seed_counts, _ = scorer_triton.score_records_triton(
         q, weights, k, scale, start, end, keep_all, seed_cap, key_ids=lists, key_counts=listed,
         cfg=cfg, **key_layout,
