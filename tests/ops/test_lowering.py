@@ -75,6 +75,15 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
                 ),
                 scores, rng, rng,
             )  # fmt: skip
+    # whole rows in one pass (the keep bits are the default above), and the keep bits
+    # loaded as [words, 32]
+    for keep_bits, load_2d in ((False, False), (True, True)):
+        monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
+        monkeypatch.setattr(select, "KEEP_BITS_2D", load_2d)
+        lower_for_h200(
+            lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=1), scores, rng, rng
+        )
+    monkeypatch.undo()
     # codes from the merge by default (above); written as kept, in the chunk kernel; the
     # select's K-th search with its guess
     monkeypatch.setattr(select, "MERGE_WRITES_CODES", False)

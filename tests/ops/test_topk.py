@@ -119,6 +119,40 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
         np.testing.assert_array_equal(np.asarray(slow)[:2], select.SEARCHED)
 
 
+@pytest.mark.parametrize(
+    ("s", "load_2d"), [(9000, False), (8192, False), (8192, True)],
+    ids=["gathered", "aligned", "aligned-2d"],
+)  # fmt: skip
+@pytest.mark.parametrize("with_codes", [False, True], ids=["ids", "codes"])
+@pytest.mark.parametrize("kind", ["gauss", "specials", "all-equal"])
+def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, load_2d,
+                                                      kernel_impl, monkeypatch):  # fmt: skip
+    # Whole rows: the keep bits and their expansion give the one-pass compaction's ids,
+    # codes, counts and flags. Rows: a full one, one inside blocks at both ends, one that
+    # fits the buffer whole (θ keeps all: every word full, bit 31 set, 32 rounds), one
+    # empty; all-equal rows leave the fast path and take the exact kernel.
+    rng = np.random.default_rng(11)
+    top_k, cap = 40, 512
+    start_end = [(0, s), (100, 7000), (3000, 3500), (5, 5)]
+    scores = jnp.asarray(_adversarial_rows(kind, 4, s, start_end, rng))
+    start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
+    args = (scores, start, end, top_k, cap)
+
+    def compaction(keep_bits):
+        monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
+        monkeypatch.setattr(select, "KEEP_BITS_2D", load_2d)
+        return [np.asarray(x) for x in select.compact_rows(*args, chunks=1, with_codes=with_codes)]
+
+    *want_slots, want_count, want_slow = compaction(False)
+    *slots, count, slow = compaction(True)
+    np.testing.assert_array_equal(count, want_count)
+    np.testing.assert_array_equal(slow, want_slow)
+    assert count[2] == 500 and slow[2] == select.FAST
+    live = np.arange(cap)[None, :] < np.minimum(count, cap)[:, None]
+    for got, want in zip(slots, want_slots, strict=True):
+        np.testing.assert_array_equal(got[live], want[live])
+
+
 def _codes_of(scores, ids, counts):
     """Codes [T, cap] of the candidate ids' scores in their dense rows (slots past a
     row's count: whatever; their ids are clipped into the row)."""
