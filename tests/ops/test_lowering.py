@@ -76,10 +76,10 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
                 scores, rng, rng,
             )  # fmt: skip
     # whole rows in one pass (the keep bits are the default above), and the keep bits
-    # loaded as [words, 32]
-    for keep_bits, load_2d in ((False, False), (True, True)):
+    # with the other kernel counting them
+    for keep_bits, expand_counts in ((False, False), (True, not select.EXPAND_COUNTS)):
         monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
-        monkeypatch.setattr(select, "KEEP_BITS_2D", load_2d)
+        monkeypatch.setattr(select, "EXPAND_COUNTS", expand_counts)
         lower_for_h200(
             lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=1), scores, rng, rng
         )

@@ -120,12 +120,12 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
 
 
 @pytest.mark.parametrize(
-    ("s", "load_2d"), [(9000, False), (8192, False), (8192, True)],
-    ids=["gathered", "aligned", "aligned-2d"],
+    ("s", "expand_counts"), [(9000, False), (8192, False), (8192, True)],
+    ids=["gathered", "aligned", "aligned-expansion-counts"],
 )  # fmt: skip
 @pytest.mark.parametrize("with_codes", [False, True], ids=["ids", "codes"])
 @pytest.mark.parametrize("kind", ["gauss", "specials", "all-equal"])
-def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, load_2d,
+def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, expand_counts,
                                                       kernel_impl, monkeypatch):  # fmt: skip
     # Whole rows: the keep bits and their expansion give the one-pass compaction's ids,
     # codes, counts and flags. Rows: a full one, one inside blocks at both ends, one that
@@ -140,7 +140,7 @@ def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, load_
 
     def compaction(keep_bits):
         monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
-        monkeypatch.setattr(select, "KEEP_BITS_2D", load_2d)
+        monkeypatch.setattr(select, "EXPAND_COUNTS", expand_counts)
         return [np.asarray(x) for x in select.compact_rows(*args, chunks=1, with_codes=with_codes)]
 
     *want_slots, want_count, want_slow = compaction(False)

@@ -719,15 +719,20 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 # at 8192 × 64K); the expansion stores one lane a word per round instead, as many rounds
 # as the row's fullest word has bits (~7 at 4% kept).
 KEEP_BITS = True
-KEEP_BITS_2D = False  # load each block as [words, 32] instead of reshaping it (measuring)
+# The expansion counts each row's bits (popcounts of the words it loads anyway) and
+# writes the count and the flag, instead of the streaming pass summing every block
+# across its warps (a barrier a block). Measuring.
+EXPAND_COUNTS = False
 EXPAND_WORDS = 2048  # words per step of the expansion (16 a thread at 4 warps)
 
 
-def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, count_ref,
-                      flag_ref, *, top_k, cap, cfg):  # fmt: skip
+def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *count_refs,
+                      top_k, cap, cfg):  # fmt: skip
     """Program (row): bit j of word w is whether entry 32·w + j of the row is ≥ θ and
     visible; words of the aligned blocks that touch the row's range are written (others
-    are never read). Count and fast-path flag as the one-pass compaction writes them."""
+    are never read). With ``count_refs``, also the row's count and fast-path flag (else
+    the expansion counts, see ``EXPAND_COUNTS``)."""
+    counted = bool(count_refs)
     row = pl.program_id(0)
     blk = cfg.block
     n_words = blk // 32
@@ -736,57 +741,55 @@ def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, coun
     keep = _at_least(plt.load(theta_ref.at[row]), True)
     shifts = jnp.arange(32, dtype=jnp.int32)[None, :]
 
-    grid_2d = None
-    if KEEP_BITS_2D and scores_ref.shape[1] % blk == 0:
-        grid_2d = (32 * jnp.arange(n_words, dtype=jnp.int32))[:, None] + shifts
-
-    def load_2d(a, masked):  # the block as [words, 32] straight from memory
-        pos = pl.multiple_of(a, blk) + grid_2d
-        if not masked:
-            return keep(plt.load(scores_ref.at[row, pos]), pos)
-        ok = (pos >= lo) & (pos < hi)
-        return keep(plt.load(scores_ref.at[row, pos], mask=ok, other=0.0), pos) & ok
-
     def body(a, count, masked):
-        if grid_2d is not None:
-            kept_i = load_2d(a, masked).astype(jnp.int32)
-        else:
-            x, i, ok = block(a, masked=masked, raw=True)
-            kept = keep(x, i) if ok is None else keep(x, i) & ok
-            kept_i = kept.astype(jnp.int32).reshape(n_words, 32)
-        # distinct bits: the sum is their OR (bit 31 included, no carry)
+        x, i, ok = block(a, masked=masked, raw=True)
+        kept = keep(x, i) if ok is None else keep(x, i) & ok
+        # the [32, 32] view is free (run 97: the same time as loading it 2D); distinct
+        # bits: the sum is their OR (bit 31 included, no carry)
+        kept_i = kept.astype(jnp.int32).reshape(n_words, 32)
         words = jnp.sum(jnp.left_shift(kept_i, shifts), axis=1)
         plt.store(words_ref.at[row, pl.ds(pl.multiple_of(a // 32, n_words), n_words)], words)
-        return count + jnp.sum(kept_i)
+        return count + jnp.sum(kept_i) if counted else count
 
     # As the one-pass compaction: only the first and last block are masked.
     count = body(first, n_blocks * 0, True)
     count = jax.lax.fori_loop(1, n_blocks - 1, lambda j, c: body(first + j * blk, c, False), count)
     last = lambda c: body(first + (n_blocks - 1) * blk, c, True)  # noqa: E731
     count = jax.lax.cond(n_blocks >= 2, last, lambda c: c, count)
-    plt.store(count_ref.at[row], count)
-    plt.store(flag_ref.at[row], jnp.where(_fits(count, top_k, hi - lo, cap), FAST, RETRIED))
+    if counted:
+        count_ref, flag_ref = count_refs
+        plt.store(count_ref.at[row], count)
+        plt.store(flag_ref.at[row], jnp.where(_fits(count, top_k, hi - lo, cap), FAST, RETRIED))
 
 
-def _expand_bits_kernel(*refs, cap, cfg, codes):
+def _expand_bits_kernel(*refs, top_k, cap, cfg, codes, counts):
     """Program (row): a fast row's words become its candidate ids, in id order; round r
     stores each word's r-th lowest set bit at the word's offset + r. Flagged rows are
-    left to the exact kernel. ``codes``: the code of each id's score is stored too."""
-    if codes:
-        words_ref, start_ref, end_ref, flag_ref, scores_ref, codes_ref, ids_ref = refs
-    else:
-        (words_ref, start_ref, end_ref, flag_ref, ids_ref), codes_ref = refs, None
+    left to the exact kernel. ``codes``: the code of each id's score is stored too.
+    ``counts``: the row's count and flag are this kernel's to write (a first pass of
+    popcounts), else they are inputs."""
+    words_ref, start_ref, end_ref = refs[:3]
+    rest = list(refs[3:])
+    flag_in = None if counts else rest.pop(0)
+    scores_ref = rest.pop(0) if codes else None
+    codes_ref = rest.pop(0) if codes else None
+    ids_ref = rest.pop(0)
     row = pl.program_id(0)
     blk = cfg.block
-    first, n_blocks = _aligned_blocks(plt.load(start_ref.at[row]), plt.load(end_ref.at[row]), blk)
+    lo, hi = plt.load(start_ref.at[row]), plt.load(end_ref.at[row])
+    first, n_blocks = _aligned_blocks(lo, hi, blk)
     w0, n_w = first // 32, n_blocks * (blk // 32)
     lanes = jnp.arange(EXPAND_WORDS, dtype=jnp.int32)
-    trash = flag_ref.shape[0] * cap  # one past the last slot: never a live index
+    trash = ids_ref.shape[0]  # one past the last slot: never a live index
+    n_steps = (n_w + EXPAND_WORDS - 1) // EXPAND_WORDS
 
-    def step(j, stored):
+    def words(j):
         at = j * EXPAND_WORDS + lanes
         ok = at < n_w
-        w = plt.load(words_ref.at[row, w0 + jnp.where(ok, at, 0)], mask=ok, other=0)
+        return at, plt.load(words_ref.at[row, w0 + jnp.where(ok, at, 0)], mask=ok, other=0)
+
+    def step(j, stored):
+        at, w = words(j)
         bits = jax.lax.population_count(w)
         offset = stored + jnp.cumsum(bits) - bits
 
@@ -805,9 +808,20 @@ def _expand_bits_kernel(*refs, cap, cfg, codes):
         jax.lax.fori_loop(0, jnp.max(bits), one_round, w)
         return stored + jnp.sum(bits)
 
-    @pl.when(plt.load(flag_ref.at[row]) == FAST)
+    if counts:
+        count_ref, flag_ref = rest
+        count = jax.lax.fori_loop(
+            0, n_steps, lambda j, c: c + jnp.sum(jax.lax.population_count(words(j)[1])), n_w * 0
+        )
+        fast = _fits(count, top_k, hi - lo, cap)
+        plt.store(count_ref.at[row], count)
+        plt.store(flag_ref.at[row], jnp.where(fast, FAST, RETRIED))
+    else:
+        fast = plt.load(flag_in.at[row]) == FAST
+
+    @pl.when(fast)
     def _():
-        jax.lax.fori_loop(0, (n_w + EXPAND_WORDS - 1) // EXPAND_WORDS, step, n_w * 0)
+        jax.lax.fori_loop(0, n_steps, step, n_w * 0)
 
 
 # Dense rows split over chunks, with codes asked for (decode): the merge kernel writes
@@ -917,30 +931,33 @@ def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes):
     blk, i32 = cfg.block, jnp.int32
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
+    statics = dict(top_k=top_k, cap=cap, cfg=cfg)
+    per_row = jax.ShapeDtypeStruct((t,), i32)
     n_words = -(-scores.shape[1] // blk) * (blk // 32)  # every aligned block has its words
-    words, count, flag = pl.pallas_call(
-        functools.partial(_keep_bits_kernel, top_k=top_k, cap=cap, cfg=cfg),
+    words = jax.ShapeDtypeStruct((t, n_words), i32)  # no init: words outside a row's blocks
+    counted = () if EXPAND_COUNTS else (per_row, per_row)  # are never read
+    words, *count_flag = pl.pallas_call(
+        functools.partial(_keep_bits_kernel, **statics),
         grid=(t,),
-        out_shape=(  # no init: a word outside a row's blocks is never read
-            jax.ShapeDtypeStruct((t, n_words), i32),
-            jax.ShapeDtypeStruct((t,), i32),
-            jax.ShapeDtypeStruct((t,), i32),
-        ),
+        out_shape=(words, *counted),
         compiler_params=compiler,
         interpret=interpret,
         name="jsparse_topk_keep_bits",
     )(scores, start, end, theta)
     slots = jax.ShapeDtypeStruct((t * cap,), i32)  # no init: nothing reads past a count
-    extra = (scores,) if codes else ()
     out = pl.pallas_call(
-        functools.partial(_expand_bits_kernel, cap=cap, cfg=cfg, codes=codes),
+        functools.partial(_expand_bits_kernel, **statics, codes=codes, counts=EXPAND_COUNTS),
         grid=(t,),
-        out_shape=(slots, slots) if codes else slots,
+        out_shape=(slots,) * (2 if codes else 1) + ((per_row, per_row) if EXPAND_COUNTS else ()),
         compiler_params=compiler,
         interpret=interpret,
         name="jsparse_topk_expand",
-    )(words, start, end, flag, *extra)
-    return (*(out if codes else (out,)), count), flag
+    )(words, start, end, *count_flag[1:], *((scores,) if codes else ()))
+    if EXPAND_COUNTS:
+        *slot_bufs, count, flag = out
+    else:
+        (*slot_bufs,), (count, flag) = out, count_flag
+    return (*slot_bufs, count), flag
 
 
 def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None, *,
