@@ -13,8 +13,9 @@ Two kernels:
   buffer). A row is either a dense score row (ids are positions in ``[start, end)``) or
   a list of records (code, id). A sample of the row (the whole row when short, else 512
   evenly spaced runs of 8) gives a threshold θ whose count of entries ≥ θ is above K
-  with ~3.5 spreads to spare (:func:`sample_rank`); one streaming pass compacts every
-  entry ≥ θ, in row order, into ``cap`` slots. A dense row stores only ids (the select
+  with ~3.5 spreads to spare (:func:`sample_rank`); every entry ≥ θ is compacted, in
+  row order, into ``cap`` slots: for whole dense rows through a bit an entry and an
+  expansion of the words (``KEEP_BITS``), else in one streaming pass. A dense row stores only ids (the select
   gathers their scores back): the second scattered store and the code of every entry
   cost more than the gather (WORKSPACE.md run 26). If the count lands outside [K, cap]
   (an unlucky sample, or massive ties), a separate kernel runs the row's slow path: one
@@ -717,12 +718,16 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 # compaction stores through a per-entry scattered store whose instructions, issued for
 # every entry though ~4% are kept, cost ~75% on top of the loads (run 40: 491 → 877 µs
 # at 8192 × 64K); the expansion stores one lane a word per round instead, as many rounds
-# as the row's fullest word has bits (~7 at 4% kept).
+# as the row's fullest word has bits (~7 at 4% kept). 8192 × 64K: 967 → 693 µs, the
+# sorted selection 2.22 → 1.95 ms (run 97). Writing codes in the expansion (gathered by
+# id, a gather a round) for select_candidates cost 700 µs more there than the select
+# saved (run 98).
 KEEP_BITS = True
 # The expansion counts each row's bits (popcounts of the words it loads anyway) and
 # writes the count and the flag, instead of the streaming pass summing every block
-# across its warps (a barrier a block). Measuring.
-EXPAND_COUNTS = False
+# across its warps (a barrier a block): keep bits 579 → 560 µs, the expansion 114 → 120,
+# at 8192 × 64K (run 98).
+EXPAND_COUNTS = True
 EXPAND_WORDS = 2048  # words per step of the expansion (16 a thread at 4 warps)
 
 
