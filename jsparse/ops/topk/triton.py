@@ -13,17 +13,17 @@ Two kernels:
   buffer). A row is either a dense score row (ids are positions in ``[start, end)``) or
   a list of records (code, id). A sample of the row (the whole row when short, else 512
   evenly spaced runs of 8) gives a threshold θ whose count of entries ≥ θ is above K
-  with ~3.5 spreads to spare (:func:`sample_rank`); every entry ≥ θ is compacted, in
-  row order, into ``cap`` slots: for whole dense rows through a bit an entry and an
-  expansion of the words (``KEEP_BITS``), else in one streaming pass. A dense row stores only ids (the select
-  gathers their scores back): the second scattered store and the code of every entry
-  cost more than the gather (WORKSPACE.md run 26). If the count lands outside [K, cap]
-  (an unlucky sample, or massive ties), a separate kernel runs the row's slow path: one
-  retry at a rescaled rank; if that overshoots the other way, one pass counting a ladder
-  of 16 thresholds between the two; failing both, a radix-16 search over the whole row
-  (8 passes) for the K-th code θ*, and one pass stores the entries above θ* plus the
-  ties with the smallest ids: exactly K. Either way the buffer holds every entry of the
-  exact Top-K.
+  with ~3.5 spreads to spare (:func:`sample_rank`); every entry ≥ θ is compacted, in row
+  order, into ``cap`` slots: for whole dense rows through a bit an entry and an
+  expansion of the words (``KEEP_BITS``), else in one streaming pass. A dense row stores
+  only ids (the select gathers their scores back): the second scattered store and the
+  code of every entry cost more than the gather (WORKSPACE.md run 26). If the count
+  lands outside [K, cap] (an unlucky sample, or massive ties), a separate kernel runs
+  the row's slow path: one retry at a rescaled rank; if that overshoots the other way,
+  one pass counting a ladder of 16 thresholds between the two; failing both, a radix-16
+  search over the whole row (8 passes) for the K-th code θ*, and one pass stores the
+  entries above θ* plus the ties with the smallest ids: exactly K. Either way the buffer
+  holds every entry of the exact Top-K.
 * :func:`select_candidates` / :func:`select_rows` (candidate buffer → Top-K set). A
   search by false position on the scores, handing over to interpolation over codes
   safeguarded by bisection (:func:`_search_kth`), finds the K-th largest code θ in ~8
