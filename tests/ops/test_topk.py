@@ -119,25 +119,11 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
         np.testing.assert_array_equal(np.asarray(slow)[:2], select.SEARCHED)
 
 
-@pytest.mark.parametrize(
-    ("s", "expand_counts"), [(9000, True), (8192, True), (8192, False)],
-    ids=["gathered", "aligned", "aligned-streaming-counts"],
-)  # fmt: skip
-@pytest.mark.parametrize(
-    ("kind", "with_codes"), [("gauss", False), ("specials", True), ("all-equal", False)]
-)
-def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, expand_counts,
-                                                      kernel_impl, monkeypatch):  # fmt: skip
-    # Whole rows: the keep bits and their expansion give the one-pass compaction's ids,
-    # codes, counts and flags. Rows: a full one, one inside blocks at both ends, one that
-    # fits the buffer whole (θ keeps all: every word full, bit 31 set, 32 rounds), one
-    # empty; all-equal rows leave the fast path and take the exact kernel.
-    rng = np.random.default_rng(11)
-    top_k, cap = 40, 512
-    start_end = [(0, s), (100, 7000), (3000, 3500), (5, 5)]
-    scores = jnp.asarray(_adversarial_rows(kind, 4, s, start_end, rng))
+def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes, expand_counts):
+    """The keep bits and their expansion give the one-pass compaction's ids, codes,
+    counts and flags on whole rows; returns (count, flag)."""
     start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
-    args = (scores, start, end, top_k, cap)
+    args = (jnp.asarray(scores), start, end, top_k, cap)
 
     def compaction(keep_bits):
         monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
@@ -148,10 +134,50 @@ def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, expan
     *slots, count, slow = compaction(True)
     np.testing.assert_array_equal(count, want_count)
     np.testing.assert_array_equal(slow, want_slow)
-    assert count[2] == 500 and slow[2] == select.FAST
     live = np.arange(cap)[None, :] < np.minimum(count, cap)[:, None]
     for got, want in zip(slots, want_slots, strict=True):
         np.testing.assert_array_equal(got[live], want[live])
+    return count, slow
+
+
+@pytest.mark.parametrize(
+    ("s", "expand_counts"), [(9000, True), (8192, True), (8192, False)],
+    ids=["gathered", "aligned", "aligned-streaming-counts"],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "with_codes"), [("gauss", False), ("specials", True), ("all-equal", False)]
+)
+def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, expand_counts,
+                                                      kernel_impl, monkeypatch):  # fmt: skip
+    # Rows: a full one, one inside blocks at both ends, one that fits the buffer whole
+    # (θ keeps all: every word full, bit 31 set, 32 rounds), one empty; all-equal rows
+    # leave the fast path and take the exact kernel.
+    rng = np.random.default_rng(11)
+    start_end = [(0, s), (100, 7000), (3000, 3500), (5, 5)]
+    scores = _adversarial_rows(kind, 4, s, start_end, rng)
+    count, slow = _check_keep_bits(
+        monkeypatch, scores, start_end, 40, 512,
+        with_codes=with_codes, expand_counts=expand_counts,
+    )  # fmt: skip
+    assert count[2] == 500 and slow[2] == select.FAST
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_codes", [False, True], ids=["ids", "codes"])
+def test_gpu_keep_bits_compaction_compiled(with_codes, monkeypatch):
+    # The bench's shape class compiled: 64K rows, K = 2048, causal ends, rounded scores
+    # (ties at the threshold) and a row short enough to keep whole.
+    rng = np.random.default_rng(12)
+    t, s, top_k = 64, 65536, 2048
+    cap = candidate_capacity(top_k, s)
+    scores = rng.standard_normal((t, s)).astype(np.float32)
+    scores[t // 2 :] = np.round(scores[t // 2 :] * 4) / 4
+    start_end = [(0, s - t + 1 + r) for r in range(t - 1)] + [(s - 3000, s)]
+    count, slow = _check_keep_bits(
+        monkeypatch, scores, start_end, top_k, cap, with_codes=with_codes, expand_counts=True
+    )
+    assert count[-1] == 3000 and np.all(count >= top_k)
+    assert np.sum(slow == select.FAST) >= t // 2  # most rows took the keep bits
 
 
 def _codes_of(scores, ids, counts):
