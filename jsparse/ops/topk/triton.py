@@ -387,8 +387,7 @@ def _streaming(block, first, n_blocks, blk):
 
         return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((RADIX,), jnp.int32))
 
-    def compact(keep_fn, out_codes, out_ids, base, cap, trash, raw=False, peel=True,
-                first_loaded=None):  # fmt: skip
+    def compact(keep_fn, out_codes, out_ids, base, cap, trash, raw=False, peel=True):
         """Stores the ids (and codes, unless out_codes is None) of the entries that
         keep_fn(value, id) selects, in row order, at out[base + n] for n < cap; returns
         how many it selected (which may exceed cap). ``raw``: values are dense scores.
@@ -396,12 +395,10 @@ def _streaming(block, first, n_blocks, blk):
         With ``peel``, only the first and last block are masked: interior blocks load
         unmasked (run 26: −0.25 ms of 1.85 at 8192 × 64K), for three copies of the loop
         body; the rare-path kernel does without (its code was 2.4× the size otherwise).
-        ``first_loaded``: the first block as ``block(first, masked=True, raw=raw)`` gave
-        it, loaded earlier by the caller (so that its load overlaps other work).
         """
 
-        def body(a, stored, masked, loaded=None):
-            c, i, ok = loaded if loaded is not None else block(a, masked=masked, raw=raw)
+        def body(a, stored, masked):
+            c, i, ok = block(a, masked=masked, raw=raw)
             keep = keep_fn(c, i) if ok is None else keep_fn(c, i) & ok
             keep_i = keep.astype(jnp.int32)
             pos = stored + jnp.cumsum(keep_i) - 1
@@ -418,7 +415,7 @@ def _streaming(block, first, n_blocks, blk):
             )
         # n_blocks = 0 (an empty range or chunk) reads nothing: the first block is all
         # masked off then and the other two parts do not run.
-        stored = body(first, n_blocks * 0, True, first_loaded)
+        stored = body(first, n_blocks * 0, True)
         stored = jax.lax.fori_loop(
             1, n_blocks - 1, lambda j, s: body(first + j * blk, s, False), stored
         )
@@ -536,11 +533,6 @@ def _theta_kernel(*refs, dense, top_k, cap, cfg):
     plt.store(theta_ref.at[row], _sample_threshold(entries, hi - lo, top_k, cap))
 
 
-# A split row's chunk program loads its first block before its θ search, so the load
-# overlaps the sample's (decode: one row's chunks are one block each). Measuring.
-PREFETCH_CHUNK = True
-
-
 def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     """Program (row, chunk): compacts entries ≥ θ of its chunk of the row.
 
@@ -559,21 +551,15 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     first, total = _aligned_blocks(lo, hi, blk)
     per_chunk = (total + chunks - 1) // chunks
     own = jnp.clip(total - chunk * per_chunk, 0, per_chunk)
-    chunk_first = first + chunk * per_chunk * blk
-    _, _, compact = _streaming(block, chunk_first, own, blk)
-    first_loaded = None
+    _, _, compact = _streaming(block, first + chunk * per_chunk * blk, own, blk)
     if theta_given:
         theta = plt.load(refs[3].at[row])  # the 4th input, after the row source
     else:
-        if PREFETCH_CHUNK:  # in flight while the θ search runs
-            first_loaded = block(chunk_first, masked=True, raw=dense)
         theta = _sample_threshold(entries, length, top_k, cap)
     segment = row * chunks + chunk
     trash = count_ref.shape[0] * cap  # one past the last slot: never a live index
     keep = _at_least(theta, dense)
-    stored = compact(
-        keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense, first_loaded=first_loaded
-    )
+    stored = compact(keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense)
     if chunks > 1:
         plt.store(count_ref.at[segment], stored)
         return
