@@ -713,8 +713,9 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 
 
 # Whole dense rows (one program a row, the 8192-row selection) compact in two launches:
-# a streaming pass stores one bit an entry (32-entry words, contiguous stores) and the
-# row's count; a second launch expands the words of fast rows into ids. The one-pass
+# a streaming pass stores one bit an entry (32-entry words, contiguous stores); a
+# second launch counts each row's bits and expands the words of fast rows into ids
+# (flagged rows go to the exact kernel, as before). The one-pass
 # compaction stores through a per-entry scattered store whose instructions, issued for
 # every entry though ~4% are kept, cost ~75% on top of the loads (run 40: 491 → 877 µs
 # at 8192 × 64K); the expansion stores one lane a word per round instead, as many rounds
