@@ -141,12 +141,15 @@ def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes, 
 
 
 @pytest.mark.parametrize(
-    ("s", "expand_counts"), [(9000, True), (8192, True), (8192, False)],
-    ids=["gathered", "aligned", "aligned-streaming-counts"],
+    ("kind", "with_codes", "s", "expand_counts"),
+    [
+        ("gauss", False, 9000, True),  # gathered block loads (width not a block multiple)
+        ("gauss", False, 8192, True),  # aligned block loads
+        ("gauss", False, 8192, False),  # the streaming pass counts
+        ("specials", True, 8192, True),  # -0 / NaN / ±inf, codes beside the ids
+        ("all-equal", False, 9000, True),  # off the fast path: the exact kernel
+    ],
 )  # fmt: skip
-@pytest.mark.parametrize(
-    ("kind", "with_codes"), [("gauss", False), ("specials", True), ("all-equal", False)]
-)
 def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, expand_counts,
                                                       kernel_impl, monkeypatch):  # fmt: skip
     # Rows: a full one, one inside blocks at both ends, one that fits the buffer whole
