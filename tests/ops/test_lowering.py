@@ -75,14 +75,9 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
                 ),
                 scores, rng, rng,
             )  # fmt: skip
-    # whole rows in one pass (the keep bits are the default above), and the keep bits
-    # with the other kernel counting them
-    for keep_bits, expand_counts in ((False, False), (True, not select.EXPAND_COUNTS)):
-        monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
-        monkeypatch.setattr(select, "EXPAND_COUNTS", expand_counts)
-        lower_for_h200(
-            lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=1), scores, rng, rng
-        )
+    # whole rows in one pass (the keep bits are the default above)
+    monkeypatch.setattr(select, "KEEP_BITS", False)
+    lower_for_h200(lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=1), scores, rng, rng)
     monkeypatch.undo()
     # codes from the merge by default (above); written as kept, in the chunk kernel; the
     # select's K-th search with its guess

@@ -119,7 +119,7 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
         np.testing.assert_array_equal(np.asarray(slow)[:2], select.SEARCHED)
 
 
-def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes, expand_counts):
+def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes):
     """The keep bits and their expansion give the one-pass compaction's ids, codes,
     counts and flags on whole rows; returns (count, flag)."""
     start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
@@ -127,7 +127,6 @@ def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes, 
 
     def compaction(keep_bits):
         monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
-        monkeypatch.setattr(select, "EXPAND_COUNTS", expand_counts)
         return [np.asarray(x) for x in select.compact_rows(*args, chunks=1, with_codes=with_codes)]
 
     *want_slots, want_count, want_slow = compaction(False)
@@ -141,27 +140,23 @@ def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes, 
 
 
 @pytest.mark.parametrize(
-    ("kind", "with_codes", "s", "expand_counts"),
+    ("kind", "with_codes", "s"),
     [
-        ("gauss", False, 9000, True),  # gathered block loads (width not a block multiple)
-        ("gauss", False, 8192, True),  # aligned block loads
-        ("gauss", False, 8192, False),  # the streaming pass counts
-        ("specials", True, 8192, True),  # -0 / NaN / ±inf, codes beside the ids
-        ("all-equal", False, 9000, True),  # off the fast path: the exact kernel
+        ("gauss", False, 9000),  # gathered block loads (width not a block multiple)
+        ("gauss", False, 8192),  # aligned block loads
+        ("specials", True, 8192),  # -0 / NaN / ±inf, codes beside the ids
+        ("all-equal", False, 9000),  # off the fast path: the exact kernel
     ],
 )  # fmt: skip
-def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, expand_counts,
-                                                      kernel_impl, monkeypatch):  # fmt: skip
+def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, kernel_impl,
+                                                      monkeypatch):  # fmt: skip
     # Rows: a full one, one inside blocks at both ends, one that fits the buffer whole
     # (θ keeps all: every word full, bit 31 set, 32 rounds), one empty; all-equal rows
     # leave the fast path and take the exact kernel.
     rng = np.random.default_rng(11)
     start_end = [(0, s), (100, 7000), (3000, 3500), (5, 5)]
     scores = _adversarial_rows(kind, 4, s, start_end, rng)
-    count, slow = _check_keep_bits(
-        monkeypatch, scores, start_end, 40, 512,
-        with_codes=with_codes, expand_counts=expand_counts,
-    )  # fmt: skip
+    count, slow = _check_keep_bits(monkeypatch, scores, start_end, 40, 512, with_codes=with_codes)
     assert count[2] == 500 and slow[2] == select.FAST
 
 
@@ -177,7 +172,7 @@ def test_gpu_keep_bits_compaction_compiled(with_codes, monkeypatch):
     scores[t // 2 :] = np.round(scores[t // 2 :] * 4) / 4
     start_end = [(0, s - t + 1 + r) for r in range(t - 1)] + [(s - 3000, s)]
     count, slow = _check_keep_bits(
-        monkeypatch, scores, start_end, top_k, cap, with_codes=with_codes, expand_counts=True
+        monkeypatch, scores, start_end, top_k, cap, with_codes=with_codes
     )
     assert count[-1] == 3000 and np.all(count >= top_k)
     assert np.sum(slow == select.FAST) >= t // 2  # most rows took the keep bits

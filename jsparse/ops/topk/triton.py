@@ -367,6 +367,18 @@ def _aligned_blocks(lo, hi, blk):
     return first, (hi - first + blk - 1) // blk
 
 
+def _peeled(body, first, n_blocks, blk, carry):
+    """``body(a, carry, masked)`` over the aligned blocks first, first + blk, ... (n_blocks
+    of them), masking only the first and last: interior blocks lie inside the row and
+    load unmasked (run 26: −0.25 ms of 1.85 at 8192 × 64K). n_blocks = 0 (an empty range
+    or chunk) reads nothing: the first block is all masked off then and the other two
+    parts do not run."""
+    carry = body(first, carry, True)
+    carry = jax.lax.fori_loop(1, n_blocks - 1, lambda j, c: body(first + j * blk, c, False), carry)
+    last = lambda c: body(first + (n_blocks - 1) * blk, c, True)  # noqa: E731
+    return jax.lax.cond(n_blocks >= 2, last, lambda c: c, carry)
+
+
 def _streaming(block, first, n_blocks, blk):
     """count(pred), count_many(preds) and compact(keep, out, base, cap) over the aligned blocks
     first, first + blk, ... (n_blocks of them)."""
@@ -392,9 +404,9 @@ def _streaming(block, first, n_blocks, blk):
         keep_fn(value, id) selects, in row order, at out[base + n] for n < cap; returns
         how many it selected (which may exceed cap). ``raw``: values are dense scores.
 
-        With ``peel``, only the first and last block are masked: interior blocks load
-        unmasked (run 26: −0.25 ms of 1.85 at 8192 × 64K), for three copies of the loop
-        body; the rare-path kernel does without (its code was 2.4× the size otherwise).
+        With ``peel``, only the first and last block are masked (:func:`_peeled`), for
+        three copies of the loop body; the rare-path kernel does without (its code was
+        2.4× the size otherwise).
         """
 
         def body(a, stored, masked):
@@ -413,14 +425,7 @@ def _streaming(block, first, n_blocks, blk):
             return jax.lax.fori_loop(
                 0, n_blocks, lambda j, s: body(first + j * blk, s, True), n_blocks * 0
             )
-        # n_blocks = 0 (an empty range or chunk) reads nothing: the first block is all
-        # masked off then and the other two parts do not run.
-        stored = body(first, n_blocks * 0, True)
-        stored = jax.lax.fori_loop(
-            1, n_blocks - 1, lambda j, s: body(first + j * blk, s, False), stored
-        )
-        last = lambda s: body(first + (n_blocks - 1) * blk, s, True)  # noqa: E731
-        return jax.lax.cond(n_blocks >= 2, last, lambda s: s, stored)
+        return _peeled(body, first, n_blocks, blk, n_blocks * 0)
 
     return count, count_many, compact
 
@@ -723,31 +728,26 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 # sorted selection 2.22 → 1.95 ms (run 97). Writing codes in the expansion (gathered by
 # id, a gather a round) for select_candidates cost 700 µs more there than the select
 # saved (run 98).
+# The expansion, not the streaming pass, counts each row's bits (popcounts of words it
+# loads anyway): summing every block across the streaming pass's warps (a barrier a
+# block) cost keep bits 579 against 560 µs, the expansion 114 against 120, at 8192 ×
+# 64K (run 98).
 KEEP_BITS = True
-# The expansion counts each row's bits (popcounts of the words it loads anyway) and
-# writes the count and the flag, instead of the streaming pass summing every block
-# across its warps (a barrier a block): keep bits 579 → 560 µs, the expansion 114 → 120,
-# at 8192 × 64K (run 98).
-EXPAND_COUNTS = True
 EXPAND_WORDS = 2048  # words per step of the expansion (16 a thread at 4 warps)
 
 
-def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *count_refs,
-                      top_k, cap, cfg):  # fmt: skip
+def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *, cfg):
     """Program (row): bit j of word w is whether entry 32·w + j of the row is ≥ θ and
     visible; words of the aligned blocks that touch the row's range are written (others
-    are never read). With ``count_refs``, also the row's count and fast-path flag (else
-    the expansion counts, see ``EXPAND_COUNTS``)."""
-    counted = bool(count_refs)
+    are never read). The expansion counts them."""
     row = pl.program_id(0)
     blk = cfg.block
     n_words = blk // 32
     _, block, lo, hi = _row_source((scores_ref, start_ref, end_ref), True, row, blk)
-    first, n_blocks = _aligned_blocks(lo, hi, blk)
     keep = _at_least(plt.load(theta_ref.at[row]), True)
     shifts = jnp.arange(32, dtype=jnp.int32)[None, :]
 
-    def body(a, count, masked):
+    def body(a, carry, masked):
         x, i, ok = block(a, masked=masked, raw=True)
         kept = keep(x, i) if ok is None else keep(x, i) & ok
         # the [32, 32] view is free (run 97: the same time as loading it 2D); distinct
@@ -755,31 +755,22 @@ def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *cou
         kept_i = kept.astype(jnp.int32).reshape(n_words, 32)
         words = jnp.sum(jnp.left_shift(kept_i, shifts), axis=1)
         plt.store(words_ref.at[row, pl.ds(pl.multiple_of(a // 32, n_words), n_words)], words)
-        return count + jnp.sum(kept_i) if counted else count
+        return carry
 
-    # As the one-pass compaction: only the first and last block are masked.
-    count = body(first, n_blocks * 0, True)
-    count = jax.lax.fori_loop(1, n_blocks - 1, lambda j, c: body(first + j * blk, c, False), count)
-    last = lambda c: body(first + (n_blocks - 1) * blk, c, True)  # noqa: E731
-    count = jax.lax.cond(n_blocks >= 2, last, lambda c: c, count)
-    if counted:
-        count_ref, flag_ref = count_refs
-        plt.store(count_ref.at[row], count)
-        plt.store(flag_ref.at[row], jnp.where(_fits(count, top_k, hi - lo, cap), FAST, RETRIED))
+    first, n_blocks = _aligned_blocks(lo, hi, blk)
+    _peeled(body, first, n_blocks, blk, n_blocks * 0)
 
 
-def _expand_bits_kernel(*refs, top_k, cap, cfg, codes, counts):
-    """Program (row): a fast row's words become its candidate ids, in id order; round r
-    stores each word's r-th lowest set bit at the word's offset + r. Flagged rows are
-    left to the exact kernel. ``codes``: the code of each id's score is stored too.
-    ``counts``: the row's count and flag are this kernel's to write (a first pass of
-    popcounts), else they are inputs."""
-    words_ref, start_ref, end_ref = refs[:3]
-    rest = list(refs[3:])
-    flag_in = None if counts else rest.pop(0)
-    scores_ref = rest.pop(0) if codes else None
-    codes_ref = rest.pop(0) if codes else None
-    ids_ref = rest.pop(0)
+def _expand_bits_kernel(*refs, top_k, cap, cfg, codes):
+    """Program (row): the row's count (popcounts of its words) and fast-path flag; a fast
+    row's words become its candidate ids, in id order: round r stores each word's r-th
+    lowest set bit at the word's offset + r. Flagged rows are left to the exact kernel.
+    ``codes``: the code of each id's score is stored too."""
+    if codes:
+        words_ref, start_ref, end_ref, scores_ref, codes_ref, ids_ref, count_ref, flag_ref = refs
+    else:
+        words_ref, start_ref, end_ref, ids_ref, count_ref, flag_ref = refs
+        scores_ref = codes_ref = None
     row = pl.program_id(0)
     blk = cfg.block
     lo, hi = plt.load(start_ref.at[row]), plt.load(end_ref.at[row])
@@ -814,16 +805,12 @@ def _expand_bits_kernel(*refs, top_k, cap, cfg, codes, counts):
         jax.lax.fori_loop(0, jnp.max(bits), one_round, w)
         return stored + jnp.sum(bits)
 
-    if counts:
-        count_ref, flag_ref = rest
-        count = jax.lax.fori_loop(
-            0, n_steps, lambda j, c: c + jnp.sum(jax.lax.population_count(words(j)[1])), n_w * 0
-        )
-        fast = _fits(count, top_k, hi - lo, cap)
-        plt.store(count_ref.at[row], count)
-        plt.store(flag_ref.at[row], jnp.where(fast, FAST, RETRIED))
-    else:
-        fast = plt.load(flag_in.at[row]) == FAST
+    count = jax.lax.fori_loop(
+        0, n_steps, lambda j, c: c + jnp.sum(jax.lax.population_count(words(j)[1])), n_w * 0
+    )
+    fast = _fits(count, top_k, hi - lo, cap)
+    plt.store(count_ref.at[row], count)
+    plt.store(flag_ref.at[row], jnp.where(fast, FAST, RETRIED))
 
     @pl.when(fast)
     def _():
@@ -937,33 +924,27 @@ def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes):
     blk, i32 = cfg.block, jnp.int32
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
-    statics = dict(top_k=top_k, cap=cap, cfg=cfg)
-    per_row = jax.ShapeDtypeStruct((t,), i32)
     n_words = -(-scores.shape[1] // blk) * (blk // 32)  # every aligned block has its words
-    words = jax.ShapeDtypeStruct((t, n_words), i32)  # no init: words outside a row's blocks
-    counted = () if EXPAND_COUNTS else (per_row, per_row)  # are never read
-    words, *count_flag = pl.pallas_call(
-        functools.partial(_keep_bits_kernel, **statics),
+    words = pl.pallas_call(
+        functools.partial(_keep_bits_kernel, cfg=cfg),
         grid=(t,),
-        out_shape=(words, *counted),
+        # no init: words outside a row's blocks are never read
+        out_shape=jax.ShapeDtypeStruct((t, n_words), i32),
         compiler_params=compiler,
         interpret=interpret,
         name="jsparse_topk_keep_bits",
     )(scores, start, end, theta)
     slots = jax.ShapeDtypeStruct((t * cap,), i32)  # no init: nothing reads past a count
-    out = pl.pallas_call(
-        functools.partial(_expand_bits_kernel, **statics, codes=codes, counts=EXPAND_COUNTS),
+    per_row = jax.ShapeDtypeStruct((t,), i32)
+    *bufs, flag = pl.pallas_call(
+        functools.partial(_expand_bits_kernel, top_k=top_k, cap=cap, cfg=cfg, codes=codes),
         grid=(t,),
-        out_shape=(slots,) * (2 if codes else 1) + ((per_row, per_row) if EXPAND_COUNTS else ()),
+        out_shape=(slots,) * (2 if codes else 1) + (per_row, per_row),
         compiler_params=compiler,
         interpret=interpret,
         name="jsparse_topk_expand",
-    )(words, start, end, *count_flag[1:], *((scores,) if codes else ()))
-    if EXPAND_COUNTS:
-        *slot_bufs, count, flag = out
-    else:
-        (*slot_bufs,), (count, flag) = out, count_flag
-    return (*slot_bufs, count), flag
+    )(words, start, end, *((scores,) if codes else ()))
+    return bufs, flag
 
 
 def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None, *,
