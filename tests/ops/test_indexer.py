@@ -180,9 +180,11 @@ def test_fp8_tiles_follow_where_the_widening_happens(monkeypatch):
     assert scorer.default_config(8, 64, fp8_keys=True).block_t == 4
     assert scorer.default_config(8, 64, fp8_keys=True).num_warps == 4  # decode: run 66
     assert scorer.default_config(8192, 64, fp8_keys=False).block_t == 2
-    # decode: one query in a block of two, 4-15 in blocks of four, 64-key tiles (run 72)
+    # decode: one query in a block of one (runs 104-105), 2-3 in blocks of two, 4-15 in
+    # blocks of four, 64-key tiles (run 72)
     for fp8_keys in (False, True):
-        assert scorer.default_config(1, 64, fp8_keys=fp8_keys).block_t == 2
+        assert scorer.default_config(1, 64, fp8_keys=fp8_keys).block_t == 1
+        assert scorer.default_config(3, 64, fp8_keys=fp8_keys).block_t == 2
         assert scorer.default_config(8, 64, fp8_keys=fp8_keys).block_t == 4
         assert scorer.default_config(8, 64, fp8_keys=fp8_keys).block_s == 64
     assert scorer.default_config(1, 128, fp8_keys=False).block_t == 1
@@ -248,6 +250,29 @@ def test_unsorted_is_the_same_set(method, kernel_impl):
         assert sorted(a.tolist()) == sorted(b.tolist())
         score_of = dict(zip(b.tolist(), np.asarray(loose.scores[t]).tolist(), strict=True))
         np.testing.assert_array_equal([score_of[i] for i in a], np.asarray(ordered.scores[t]))
+
+
+def test_one_query_block_matches_oracle(kernel_impl):
+    """A single query runs the scorer's one-query block (its own epilogue, runs 104-105):
+    odd heads (padded), scaled keys, a range that starts and ends inside a key tile."""
+    from jsparse.ops.indexer import triton as scorer
+
+    assert scorer.default_config(1, 3).block_t == 1
+    case = Case("one", t=1, h=3, d=20, s=300, top_k=17, scale=True)
+    inputs = make_inputs(case, jnp.bfloat16, seed=4)
+    inputs["kv_start"], inputs["kv_end"] = jnp.array([5], jnp.int32), jnp.array([290], jnp.int32)
+    scores = np.asarray(jsparse.indexer_scores(**inputs, implementation=kernel_impl), np.float64)
+    oracle = numpy_scores(inputs)
+    assert np.array_equal(np.isneginf(scores), np.isneginf(oracle))
+    fin = np.isfinite(oracle)
+    np.testing.assert_allclose(scores[fin], oracle[fin], rtol=1e-5, atol=1e-5)
+    base, full = (
+        jsparse.indexer_topk(**inputs, top_k=17, method=m, implementation=kernel_impl)
+        for m in ("base", "full")
+    )
+    check_against_oracle(base, inputs, 17, RTOL["bf16"])
+    np.testing.assert_array_equal(full.indices, base.indices)
+    np.testing.assert_array_equal(full.scores, base.scores)
 
 
 def test_triton_f32_interpret(kernel_impl):

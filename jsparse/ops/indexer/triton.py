@@ -89,13 +89,12 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
     in_registers = fp8_keys and not widens_fp8_in_memory(num_queries)
     if num_queries < 16 and (in_registers or not fp8_keys):
         # Decode: 64-key tiles, 4 warps, 3 stages, with keys streamed from HBM (run 72,
-        # inputs rotated; µs, 64K / 128K): one query bf16 12.4 / 21.7 at bt 1 → 8.3 /
-        # 12.7, fp8 11.2 / 21.7 → 7.1 / 12.6; 8 queries bf16 (bt 2) 23.0 / 43.0 → 21.0 /
+        # inputs rotated; µs, 64K / 128K): 8 queries bf16 (bt 2) 23.0 / 43.0 → 21.0 /
         # 37.6, fp8 (bt 4, 128-key tiles) 22.3 / 43.5 → 21.8 / 39.4. One query runs a
-        # block of two, the second masked off: the dot's N = 64 at bt 1 streamed keys
-        # 1.5-1.7× slower.
-        return ScorerConfig(block_t=2 if num_queries < 4 else 4, block_s=64, num_warps=4,
-                            num_stages=3)  # fmt: skip
+        # block of one (runs 104-105: bf16 8.3 / 12.7 at a block of two with one masked
+        # → 7.6 / 11.8, fp8 7.0 / 11.8 → 5.5 / 9.5, the same scores); 2-3 a block of two.
+        block_t = 1 if num_queries == 1 else 2 if num_queries < 4 else 4
+        return ScorerConfig(block_t=block_t, block_s=64, num_warps=4, num_stages=3)
     if in_registers:
         return ScorerConfig(block_t=4)
     return ScorerConfig(block_t=2)
@@ -145,6 +144,12 @@ def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
     )  # fmt: skip
     # [BS, BT·H]; relu as where(x < 0) so NaN propagates (jnp.maximum drops it on GPU).
     relu = jnp.where(logits < 0, 0.0, logits)
+    if block_t == 1:
+        # One query: a sum along the logits' head axis. Through the [BS, 1, H] reshape and
+        # the transpose below, the same scores took twice the instructions and 1.6× the
+        # time (WORKSPACE.md, runs 104-105).
+        scores = jnp.sum(relu * w, axis=1)
+        return (scores if scale is None else scores * scale)[None, :]
     block_s = k_tile.shape[0]
     weighted = relu.reshape(block_s, block_t, heads) * w[None, :, :]
     scores = jnp.sum(weighted, axis=2)  # [BS, BT]
