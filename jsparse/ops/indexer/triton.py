@@ -131,32 +131,13 @@ def compute_dtype(q_dtype, k_dtype, fp8_dot: bool = False):
     return jnp.dtype(jnp.float8_e4m3fn if fp8_dot else jnp.float16)
 
 
-# Experiment (run 106): a block of several queries as one dot per query, each summed
-# along its own head axis, instead of one dot over the block and a [BS, BT, H] reshape.
-PER_QUERY_DOTS = False
-
-
-def _score_tile(q2, w, k_tile, scale, *, block_t, heads, per_query=None):
+def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
     """Scores [BT, BS] of one key tile for a block of queries (the one shared scorer).
 
     q2: [BT·H, D] compute dtype; w: [BT, H] f32; k_tile: [BS, D] compute dtype;
     scale: [BS] f32, or None for unscaled keys (the same scores as a scale of 1).
-    per_query: ([H, D] queries, [H] weights) of each query of the block, for
-    ``PER_QUERY_DOTS``.
     """
-    precision = jax.lax.Precision.HIGHEST if k_tile.dtype == jnp.float32 else None
-    if per_query is not None:
-        row = jnp.arange(block_t, dtype=jnp.int32)[:, None]
-        scores = None
-        for r, (q_r, w_r) in enumerate(per_query):
-            logits_r = jax.lax.dot_general(
-                k_tile, q_r, (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32, precision=precision,
-            )  # fmt: skip
-            s_r = jnp.sum(jnp.where(logits_r < 0, 0.0, logits_r) * w_r[None, :], axis=1)
-            s_r = s_r if scale is None else s_r * scale
-            scores = s_r[None, :] if scores is None else jnp.where(row == r, s_r[None, :], scores)
-        return jnp.broadcast_to(scores, (block_t, k_tile.shape[0]))
+    precision = jax.lax.Precision.HIGHEST if q2.dtype == jnp.float32 else None
     logits = jax.lax.dot_general(
         k_tile, q2, (((1,), (1,)), ((), ())),
         preferred_element_type=jnp.float32, precision=precision,
@@ -246,16 +227,6 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     q = plt.load(q_ref.at[pl.ds(i * bt, bt), :, :], mask=row_ok[:, None, None], other=zero)
     q2 = q.astype(p.compute).reshape(bt * p.heads, p.dim)
     w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
-    per_query = None
-    if PER_QUERY_DOTS and bt > 1:
-        per_query = []
-        for r in range(bt):
-            ok_r = i * bt + r < p.t
-            r_safe = jnp.where(ok_r, i * bt + r, 0)
-            q_r = plt.load(q_ref.at[r_safe, :, :], mask=jnp.broadcast_to(ok_r, (p.heads, p.dim)),
-                           other=zero)  # fmt: skip
-            w_r = plt.load(w_ref.at[r_safe, :], mask=jnp.broadcast_to(ok_r, (p.heads,)), other=0.0)
-            per_query.append((q_r.astype(p.compute), w_r))
     dims = jnp.arange(p.dim, dtype=jnp.int32)
 
     def tile_scores(ids):
@@ -275,8 +246,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             other=jnp.zeros((), k_ref.dtype),
         )
         scale = plt.load(scale_ref.at[row], mask=ok, other=0.0) if p.has_scale else None
-        scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads,
-                             per_query=per_query)  # fmt: skip
+        scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
         return scores, visible
 
