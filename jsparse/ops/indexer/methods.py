@@ -117,14 +117,17 @@ def _result(indices, values, start, end, candidates, tau_codes, fallback):
     )
 
 
-def select_dense(scores, start, end, top_k, sort):
+def select_dense(scores, start, end, top_k, sort, theta=None):
     """Exact Top-K of dense [T, S] score rows over [start, end): ``base``'s selection,
-    and :func:`jsparse.topk`'s Triton implementation."""
+    and :func:`jsparse.topk`'s Triton implementation. ``theta``: each row's sampled θ,
+    when the scorer found it (``scorer.THETA_IN_SCORER``)."""
     cap = candidate_capacity(top_k, scores.shape[1])
     if select.rank_selects(scores.shape[0], cap):  # decode: selected and ordered at once
-        codes, ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, with_codes=True)
+        codes, ids, count, _ = select.compact_rows(
+            scores, start, end, top_k, cap, with_codes=True, theta=theta
+        )
         return select.select_by_rank(codes, ids, count, top_k)
-    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
+    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, theta=theta)
     if not sort:  # the select writes the final scores itself
         sel_scores, sel_ids, _ = select.select_rows(scores, ids, count, top_k, scores_out=True)
         return sel_ids, sel_scores
@@ -152,16 +155,25 @@ SCORER_WRITES_REPORT = True
 @functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
 def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True):
     """Every visible score written, then exact selection."""
-    scores, *report = scorer._launch(
-        q, weights, k, k_scale, start, end, cfg=cfg, report=SCORER_WRITES_REPORT
-    )  # report: the five rows, or none
-    return topk_from_scores(scores, start, end, top_k, sort=sort, report=report)
+    one_query = q.shape[0] == 1 and (cfg or scorer.default_config(1, q.shape[1])).block_t == 1
+    theta = None
+    if scorer.THETA_IN_SCORER and one_query:
+        cap = candidate_capacity(top_k, k.shape[0])
+        scores, *report, theta = scorer._launch(
+            q, weights, k, k_scale, start, end, cfg=cfg, report=SCORER_WRITES_REPORT,
+            theta=(top_k, cap),
+        )  # fmt: skip
+    else:
+        scores, *report = scorer._launch(
+            q, weights, k, k_scale, start, end, cfg=cfg, report=SCORER_WRITES_REPORT
+        )  # report: the five rows, or none
+    return topk_from_scores(scores, start, end, top_k, sort=sort, report=report, theta=theta)
 
 
-def topk_from_scores(scores, start, end, top_k, *, sort=True, report=None):
+def topk_from_scores(scores, start, end, top_k, *, sort=True, report=None, theta=None):
     """``base``'s second half: exact selection over dense [T, S] scores, and its report
     (``report``: the five rows already written; when empty, :func:`exhaustive_report`)."""
-    indices, values = select_dense(scores, start, end, top_k, sort)
+    indices, values = select_dense(scores, start, end, top_k, sort, theta)
     visible, candidates, survivors, threshold, fallback = report or exhaustive_report(start, end)
     return IndexerTopK(indices, values, visible, candidates, survivors, threshold, fallback)
 

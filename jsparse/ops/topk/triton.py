@@ -430,23 +430,37 @@ def _streaming(block, first, n_blocks, blk):
     return count, count_many, compact
 
 
+def sample_offsets(length, k=None):
+    """Offsets from a row's start of its θ sample's entries ``k`` (default: all 4096): the
+    whole row when it has ≤ 4096 entries (offsets past its end are to be skipped), else
+    512 evenly spaced runs of 8, the last ending at the row's end."""
+    n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
+    k = jnp.arange(n_sample, dtype=jnp.int32) if k is None else k
+    spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
+    return jnp.where(length <= n_sample, k, spread + k % SAMPLE_BLOCK)
+
+
 def _sample_threshold(entries, length, top_k, cap, missed=None):
+    """θ ≤ (probably a little below) the K-th code of a row, from its sample
+    (:func:`sample_offsets`, gathered by ``entries``): see :func:`sampled_theta`."""
+    # past a short row's end the sample holds EMPTY, which _kth_code skips
+    sample, _, _ = entries(sample_offsets(length))
+    return sampled_theta(sample, length, top_k, cap, missed)
+
+
+def sampled_theta(sample, length, top_k, cap, missed=None):
     """θ ≤ (probably a little below) the K-th code; EMPTY_CODE when the row fits in cap.
 
-    The sample is the whole row when short (θ is then about the K-th code), else 512
-    evenly spaced runs of 8 (the last ending at the row's end), ranked by
-    :func:`sample_rank`; the search accepts a count up to 1/SAMPLE_SLACK_DIVISOR above
-    the rank.
+    ``sample``: the codes at :func:`sample_offsets` (EMPTY past a short row's end). A
+    short row's sample is the row (θ is then about the K-th code), a long row's is
+    ranked by :func:`sample_rank`; the search accepts a count up to
+    1/SAMPLE_SLACK_DIVISOR above the rank.
     ``missed``: the row count that this rank gave, outside [K, cap]; then returns (θ,
     θ at the rank rescaled so the expected count lands mid-way between K and cap)
     from the one sample (counts grow about linearly with the sample rank).
     """
     n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
     whole = length <= n_sample
-    k = jnp.arange(n_sample, dtype=jnp.int32)
-    spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
-    # past a short row's end the sample holds EMPTY, which _kth_code skips
-    sample, _, _ = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
     f32 = jnp.float32
     ranks = [jnp.where(whole, top_k, sample_rank(top_k, length))]
     if missed is not None:
@@ -841,7 +855,7 @@ def default_chunks(rows: int, length: int) -> int:
     return int(max(1, min(-(-4 * 132 // rows), length // entries, MAX_CHUNKS)))
 
 
-def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
+def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes, theta=None):
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
     i32 = jnp.int32
@@ -860,14 +874,15 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
         # 1.21-1.28 ms against 1.76-1.87 with θ sampled inside; θ's kernel 0.24 ms at
         # 8192 × 64K, run 40). Rows split over chunks (decode) sample in each chunk
         # program: there the θ kernel first saved nothing (run 61: busy within 1 µs).
-        theta = pl.pallas_call(
-            functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
-            grid=(t,),
-            out_shape=flag,
-            compiler_params=compiler,
-            interpret=interpret,
-            name="jsparse_topk_theta",
-        )(*inputs)
+        if theta is None:
+            theta = pl.pallas_call(
+                functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
+                grid=(t,),
+                out_shape=flag,
+                compiler_params=compiler,
+                interpret=interpret,
+                name="jsparse_topk_theta",
+            )(*inputs)
         if dense and KEEP_BITS:
             bufs, slow = _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes)
         else:
@@ -894,8 +909,9 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
     else:  # the merge kernel takes flagged rows' slow path itself
         n_seg = t * chunks
         seg_codes = codes and not (dense and MERGE_WRITES_CODES)
+        given = theta is not None  # θ of each row from before (the scorer's θ program)
         segments = pl.pallas_call(
-            functools.partial(_chunk_kernel, **statics | dict(codes=seg_codes), theta_given=False),
+            functools.partial(_chunk_kernel, **statics | dict(codes=seg_codes), theta_given=given),
             grid=(t, chunks),
             out_shape=buffers(n_seg, seg_codes),
             compiler_params=plt.CompilerParams(
@@ -903,7 +919,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
             ),
             interpret=interpret,
             name="jsparse_topk_compact_chunks",
-        )(*inputs)
+        )(*inputs, *((theta,) if given else ()))
         *bufs, slow = pl.pallas_call(
             functools.partial(_merge_kernel, **statics, seg_codes=seg_codes),
             grid=(t, chunks),
@@ -948,7 +964,7 @@ def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes):
 
 
 def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None, *,
-                 with_codes=False):  # fmt: skip
+                 with_codes=False, theta=None):  # fmt: skip
     """Candidate ids [T, cap] (id order) holding each row's exact Top-K; no codes: the
     select gathers their scores back (:func:`select_rows`). Slots past a row's count
     are undefined.
@@ -962,12 +978,14 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
     candidates' scores, written by the compaction (as kept, or by the merge of split
     rows: ``MERGE_WRITES_CODES``) for decode rows, where gathering them back was its
     own launch (~1.5 µs a step, run 67). Not by default: many rows would pay one more
-    store per kept entry (run 41).
+    store per kept entry (run 41). ``theta`` [T] int32: each row's sampled θ, already
+    found (:func:`sampled_theta` over the row's sample, as the scorer's θ program
+    computes it); any θ gives the exact answer, the count check decides the path.
     """
     t, s = scores.shape
     chunks = chunks or default_chunks(t, s)
     inputs = (scores, start, end)
-    return _compact_call(inputs, t, top_k, cap, True, cfg, chunks, codes=with_codes)
+    return _compact_call(inputs, t, top_k, cap, True, cfg, chunks, codes=with_codes, theta=theta)
 
 
 def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=None):
