@@ -212,9 +212,10 @@ STAGE_SLOTS = 1024
 # counts itself in with a scalar fetch-and-add; one more program, the launch's last,
 # waits for every split's count, searches θ and stores it while the splits go on with
 # their tiles. It waits only on programs that wait on nothing, so it cannot deadlock,
-# whatever the GPU runs beside it. The sample's scores come from a tile of another shape
-# than the main loop's, which may round differently: harmless, any θ is exact (the
-# compaction's count check decides). The arrival count needs a zeroed word (a memset).
+# whatever the GPU runs beside it (as the grid's last, it may only start late). The
+# sample's scores come from a tile of another shape than the main loop's, which may
+# round differently: harmless, any θ is exact (the compaction's count check decides).
+# The arrival count needs a zeroed word (a memset).
 THETA_IN_SCORER = False
 
 

@@ -552,7 +552,7 @@ def _theta_kernel(*refs, dense, top_k, cap, cfg):
     plt.store(theta_ref.at[row], _sample_threshold(entries, hi - lo, top_k, cap))
 
 
-def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
+def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given, row_codes=None):
     """Program (row, chunk): compacts entries ≥ θ of its chunk of the row.
 
     With one chunk it writes the final buffer and flags the row for the exact kernel when
@@ -560,7 +560,15 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     and the merge kernel finishes the row. The retry and the exact search live in their
     own kernel, so this one is the streaming loop alone. ``theta_given``: θ comes from
     :func:`_theta_kernel` (the 4th input) instead of this program's own sample.
+    ``row_codes`` not None (``LOOK_BACK``, split rows): the program then also places its
+    segment in the row's buffer (with codes when ``row_codes``), the outputs after the
+    segments' being the row's buffer, count, path and the zeroed words (see there).
     """
+    tail = ()
+    if row_codes is not None:
+        n_tail = (2 if row_codes else 1) + 3
+        refs, tail = refs[:-n_tail], refs[-n_tail:]
+        tail = tail if row_codes else (None, *tail)
     source = refs[:3]
     codes_ref, ids_ref, count_ref, flags = _buffer_refs(refs, codes, 1 if chunks == 1 else 0)
     row, chunk = pl.program_id(0), pl.program_id(1)
@@ -581,6 +589,9 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     stored = compact(keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense)
     if chunks > 1:
         plt.store(count_ref.at[segment], stored)
+        if tail:
+            statics = dict(top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
+            _look_back(source, dense, row, chunk, stored, (codes_ref, ids_ref), tail, **statics)
         return
     fast_ok = _fits(stored, top_k, length, cap)
     plt.store(count_ref.at[row], stored)  # unclipped: a missed count steers the retry
@@ -616,10 +627,34 @@ def _merge_kernel(*refs, dense, codes, seg_codes, top_k, cap, chunks, cfg):
     )  # fmt: skip
     total = jnp.sum(seg_counts)
     fast_ok = _fits(total, top_k, length, cap)
-    trash = count_ref.shape[0] * cap
-    lanes = jnp.arange(blk, dtype=jnp.int32)
     n = jnp.sum(jnp.where(lane == chunk, seg_counts, 0))
     offset = jnp.sum(jnp.where(lane < chunk, seg_counts, 0))
+    # A missed total copies nothing: chunk 0 writes the whole row, and the total steers
+    # its retry.
+    segment_refs = (seg_codes_ref, seg_ids_ref)
+    _copy_segment(source, segment_refs, (codes_ref, ids_ref), row, chunk, chunks, n, offset,
+                  fast_ok, cap=cap, blk=blk)  # fmt: skip
+
+    @pl.when((chunk == 0) & fast_ok)
+    def _():
+        plt.store(count_ref.at[row], total)
+        plt.store(slow_ref.at[row], FAST)
+
+    @pl.when((chunk == 0) & ~fast_ok)
+    def _():
+        outs = (codes_ref, ids_ref, count_ref, slow_ref)
+        _exact_row(source, dense, row, total, outs, top_k=top_k, cap=cap, cfg=cfg)
+
+
+def _copy_segment(source, segment_refs, row_refs, row, chunk, chunks, n, offset, go, *, cap, blk):
+    """Copies the ``n`` entries of segment (row, chunk) to slots offset.. of the row's
+    buffer when ``go``. ``segment_refs``, ``row_refs``: (codes or None, ids). Without
+    segment codes, a dense row's copied ids get their codes from their scores (see
+    ``MERGE_WRITES_CODES``)."""
+    seg_codes_ref, seg_ids_ref = segment_refs
+    codes_ref, ids_ref = row_refs
+    trash = ids_ref.shape[0]  # one past the last slot: never a live index
+    lanes = jnp.arange(blk, dtype=jnp.int32)
     src = (row * chunks + chunk) * cap
 
     def copy(j, carry):
@@ -637,19 +672,67 @@ def _merge_kernel(*refs, dense, codes, seg_codes, top_k, cap, chunks, cfg):
             plt.store(codes_ref.at[dst], score_code(x), mask=ok)
         return carry
 
-    # A missed total copies nothing: chunk 0 writes the whole row, and the total steers
-    # its retry.
-    n_copies = jnp.where(fast_ok, (n + blk - 1) // blk, 0)
-    jax.lax.fori_loop(0, n_copies, copy, 0)
+    jax.lax.fori_loop(0, jnp.where(go, (n + blk - 1) // blk, 0), copy, 0)
 
-    @pl.when((chunk == 0) & fast_ok)
+
+# Split rows (decode) without the merge launch (experiment, off): each chunk program
+# publishes its count in a zeroed word of its own, reads the counts of the row's chunks
+# before it (a look-back: it waits only on programs of lower grid index, which the GPU
+# starts before it, as decoupled look-back scans also rely on, and which wait on
+# nothing after it), copies its segment to its place in the row buffer, and
+# marks its word done; the row's last chunk writes the count and, when the total
+# missed [min(K, length), cap], runs the slow path once every chunk before it is done.
+# The words need zeroing (a memset a call).
+LOOK_BACK = False
+_DONE = 1 << 30  # a chunk's word: its count + 1, plus _DONE once its segment is copied
+
+
+def _look_back(source, dense, row, chunk, stored, seg_refs, tail, *, top_k, cap, chunks, cfg):
+    """The end of a chunk program under ``LOOK_BACK``: see there. ``seg_refs``: the
+    segment's (codes or None, ids); ``tail``: the row's (codes or None, ids, count, path)
+    and the zeroed words."""
+    *row_refs, count_ref, slow_ref, words_ref = tail
+    segment = row * chunks + chunk
+    interpret = backend.is_interpret()
+    plt.atomic_add(words_ref, (segment,), stored + 1)  # published: other chunks need it
+    c_pad = 1 << (chunks - 1).bit_length()
+    lane = jnp.arange(c_pad, dtype=jnp.int32)
+    before = lane < chunk
+    at = row * chunks + jnp.where(before, lane, 0)
+
+    def words(_):  # volatile: other programs write them
+        return plt.load(words_ref.at[at], mask=before, other=1, volatile=True)
+
+    word = jax.lax.while_loop(lambda w: jnp.min(w) == 0, words, words(0))
+    offset = jnp.sum(jnp.where(before, (word & (_DONE - 1)) - 1, 0))
+    total = offset + stored
+    if not interpret:
+        plt.debug_barrier()  # the segment's stores, by every thread, before its copy
+    _copy_segment(source, seg_refs, row_refs, row, chunk, chunks, stored, offset, total <= cap,
+                  cap=cap, blk=cfg.block)  # fmt: skip
+    if not interpret:
+        plt.debug_barrier()  # every thread's copy before the done mark (a release)
+    plt.atomic_add(words_ref, (segment,), stored * 0 + _DONE)
+    _, _, lo, hi = _row_source(source, dense, row, cfg.block)
+    fast_ok = _fits(total, top_k, hi - lo, cap)
+    last = chunk == chunks - 1
+
+    @pl.when(last & fast_ok)
     def _():
         plt.store(count_ref.at[row], total)
         plt.store(slow_ref.at[row], FAST)
 
-    @pl.when((chunk == 0) & ~fast_ok)
+    @pl.when(last & ~fast_ok)
     def _():
-        outs = (codes_ref, ids_ref, count_ref, slow_ref)
+        def wait(j, carry):  # acquire each earlier chunk's done mark: its copies land first
+            def word(_):
+                return plt.atomic_add(words_ref, (row * chunks + j,), carry)
+
+            jax.lax.while_loop(lambda w: w < _DONE, word, word(0))
+            return carry
+
+        jax.lax.fori_loop(0, chunks - 1, wait, stored * 0)
+        outs = (*row_refs, count_ref, slow_ref)
         _exact_row(source, dense, row, total, outs, top_k=top_k, cap=cap, cfg=cfg)
 
 
@@ -910,16 +993,35 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes, theta=None):
         n_seg = t * chunks
         seg_codes = codes and not (dense and MERGE_WRITES_CODES)
         given = theta is not None  # θ of each row from before (the scorer's θ program)
+        chunk_kernel = functools.partial(
+            _chunk_kernel, **statics | dict(codes=seg_codes), theta_given=given,
+            row_codes=codes if LOOK_BACK else None,
+        )  # fmt: skip
+        split_params = plt.CompilerParams(num_warps=cfg.split_num_warps, num_stages=cfg.num_stages)
+        chunk_inputs = (*inputs, *((theta,) if given else ()))
+        if LOOK_BACK:  # the segments, then the row buffers and the words (no merge launch)
+            out_shape = (*buffers(n_seg, seg_codes), *buffers(t), flag,
+                         jax.ShapeDtypeStruct((n_seg,), i32))  # fmt: skip
+            *outs, _ = pl.pallas_call(
+                chunk_kernel,
+                grid=(t, chunks),
+                out_shape=out_shape,
+                input_output_aliases={len(chunk_inputs): len(out_shape) - 1},
+                compiler_params=split_params,
+                interpret=interpret,
+                name="jsparse_topk_compact_chunks",
+            )(*chunk_inputs, jnp.zeros((n_seg,), i32))
+            *bufs, slow = outs[len(buffers(n_seg, seg_codes)) :]
+            *slots, count = bufs
+            return (*(x.reshape(t, cap) for x in slots), count, slow)
         segments = pl.pallas_call(
-            functools.partial(_chunk_kernel, **statics | dict(codes=seg_codes), theta_given=given),
+            chunk_kernel,
             grid=(t, chunks),
             out_shape=buffers(n_seg, seg_codes),
-            compiler_params=plt.CompilerParams(
-                num_warps=cfg.split_num_warps, num_stages=cfg.num_stages
-            ),
+            compiler_params=split_params,
             interpret=interpret,
             name="jsparse_topk_compact_chunks",
-        )(*inputs, *((theta,) if given else ()))
+        )(*chunk_inputs)
         *bufs, slow = pl.pallas_call(
             functools.partial(_merge_kernel, **statics, seg_codes=seg_codes),
             grid=(t, chunks),
