@@ -18,6 +18,7 @@ from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, Config, make_inputs
 from tests.lowering import lower_for_h200
 
 CFG = Config(5, 8, 16, 192, 8, "bfloat16", "float8_e4m3fn", scaled=True)
+R_TWO_WIDTHS = np.array([1, 6, 14, 3, 6])  # per-query r over two width classes (8 and 16 rows)
 
 
 def _base_and_full(inputs, top_k, impl):
@@ -45,7 +46,7 @@ def _assert_same(base, res):
     "method, options",
     [
         # Per-query r over two width classes (8 and 16 rows): two screening launches.
-        ("dosa", dict(r=np.array([1, 6, 14, 3, 6]))),
+        ("dosa", dict(r=R_TWO_WIDTHS)),
         # Decode-like splitting of the key range: survivors reserved by fetch-and-add.
         ("dense", dict(splits=3, variant="neg_all")),
     ],
@@ -75,7 +76,10 @@ def test_triton_certified_equals_base(kernel_impl, method, options):
 def test_fp8_keys_widened_in_memory_screen_the_same(kernel_impl, monkeypatch):
     # Large launches hand the screening kernel keys widened once to the rows' dtype
     # (exact): every survivor list, count and answer must be what in-register widening
-    # gives. Only the screening's choice is forced; the scorer runs as it would.
+    # gives. Only the screening's choice is forced; the scorer runs as it would. Queries
+    # in both width classes: both screening launches get the widened keys. In registers,
+    # the pipeline is test_triton_certified_equals_base's (one XLA compile for both when
+    # the compilation cache is shared).
     inputs = make_inputs(CFG, 11)
     seen = []
     launch = ctriton._screen_launch
@@ -90,7 +94,7 @@ def test_fp8_keys_widened_in_memory_screen_the_same(kernel_impl, monkeypatch):
         monkeypatch.setattr(ctriton, "_screen_widens_in_memory", lambda t, widen=widen: widen)
         jax.clear_caches()  # the choice is made when the pipeline is traced
         seen.clear()
-        results[widen] = _dosa(inputs, CFG.top_k, kernel_impl, method="dosa")
+        results[widen] = _dosa(inputs, CFG.top_k, kernel_impl, method="dosa", r=R_TWO_WIDTHS)
         want = jnp.bfloat16 if widen else jnp.float8_e4m3fn
         assert seen and all(d == want for d in seen)
     jax.clear_caches()
@@ -106,7 +110,10 @@ def test_fp8_keys_widened_in_memory_screen_the_same(kernel_impl, monkeypatch):
 
 def test_triton_planted_overflows_fall_back_exactly(kernel_impl):
     inputs = make_inputs(CFG, 12)
-    base, _ = _base_and_full(inputs, CFG.top_k, kernel_impl)
+    q, w, k, scale, start, end, _ = inputs
+    base = jsparse.indexer_topk(
+        q, w, k, CFG.top_k, k_scale=scale, kv_start=start, kv_end=end, implementation=kernel_impl
+    )
     # K - 1 slots always overflow (≥ K keys reach τ): the survivor lists overflow, the
     # queries go to full scoring, whose records overflow too, and ``base`` answers.
     res, info = _dosa(
@@ -231,37 +238,41 @@ def test_gpu_decode_equals_base():
         np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
 
 
-@pytest.mark.parametrize(
-    "workload, t, s, screened",
-    [
-        ("iid", 192, 4096, False),
-        ("low_survival", 192, 8192, True),
-        ("low_survival", 256, 256, False),
-    ],
-)
-def test_probe_skips_screening_where_it_cannot_pay(kernel_impl, workload, t, s, screened):
+def test_probe_skips_screening_where_it_cannot_pay(kernel_impl):
     # policy="auto" plans a strided sample of the queries first and prices the pipeline
     # against base. i.i.d. scores: τ from seeds admits ~half the keys, the bound prunes
-    # little. A whole 256-token prefill: seeds + plan alone cost more than scoring every
-    # visible key. Either way every query is scored by base, and the report says so.
-    # low_survival screens at 8192 keys (at 4096, with run 52's costs, seeds and plan
-    # still outweigh what the bound saves).
+    # little. A whole prefill (192 tokens): seeds + plan alone cost more than scoring
+    # every visible key. Either way every query is scored by base, and the report says
+    # so. low_survival screens at 8192 keys (at 4096, with run 52's costs, seeds and
+    # plan still outweigh what the bound saves).
+    # The three cases share one shape (one compile of base and one of the pipeline): the
+    # prefill's queries see keys 0 .. t of the same 8192-key buffer.
     from jsparse.certified import workloads
 
-    data = workloads.make(workload, t, s, heads=8, dim=32, seed=0)
-    kw = dict(k_scale=data.k_scale, kv_start=data.kv_start, kv_end=data.kv_end)
-    base = jsparse.indexer_topk(data.q, data.weights, data.k, 32, implementation=kernel_impl, **kw)
-    res, info = dosa_topk(
-        data.q, data.weights, data.k, 32, implementation=kernel_impl, return_info=True, **kw
-    )
-    _assert_same(base, res)
-    assert bool(np.mean(np.asarray(info.screened)) > 0.5) == screened
-    if screened:
-        # r="auto" behind a probe: one width for the call (one certificate per query).
-        assert len(np.unique(np.asarray(info.plan.width)[np.asarray(info.screened)])) == 1
-    else:
-        assert np.asarray(res.fallback).all()
-        assert (np.asarray(info.plan.reason) == planner.REASON_USELESS).all()
+    t, s = 192, 8192
+    cases = [
+        ("iid", "iid", False, False),
+        ("low_survival", "low_survival", False, True),
+        ("whole prefill", "low_survival", True, False),
+    ]
+    for case, workload, prefill, screened in cases:
+        data = workloads.make(workload, t, s, heads=8, dim=32, seed=0)
+        end = jnp.arange(1, t + 1, dtype=jnp.int32) if prefill else data.kv_end
+        # Strongly typed weights for every workload (a weak type is another compile).
+        w = jnp.asarray(data.weights, jnp.float32)
+        kw = dict(k_scale=data.k_scale, kv_start=data.kv_start, kv_end=end)
+        base = jsparse.indexer_topk(data.q, w, data.k, 32, implementation=kernel_impl, **kw)
+        res, info = dosa_topk(
+            data.q, w, data.k, 32, implementation=kernel_impl, return_info=True, **kw
+        )
+        _assert_same(base, res)
+        assert bool(np.mean(np.asarray(info.screened)) > 0.5) == screened, case
+        if screened:
+            # r="auto" behind a probe: one width for the call (one certificate per query).
+            assert len(np.unique(np.asarray(info.plan.width)[np.asarray(info.screened)])) == 1
+        else:
+            assert np.asarray(res.fallback).all(), case
+            assert (np.asarray(info.plan.reason) == planner.REASON_USELESS).all(), case
 
 
 @pytest.mark.parametrize(
