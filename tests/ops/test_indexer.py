@@ -35,13 +35,40 @@ class Case:
 
 CASES = [
     Case("odd", t=5, h=3, d=20, s=300, top_k=17, ranges="odd", scale=True),
-    Case("causal", t=9, h=4, d=16, s=9, top_k=4, ranges="causal"),
+    Case("causal", t=7, h=4, d=16, s=7, top_k=6, ranges="causal"),
     Case("prefill-chunk", t=6, h=8, d=32, s=700, top_k=50, ranges="causal", scale=True),
     Case("packed", t=8, h=4, d=16, s=64, top_k=6, ranges="packed"),
     Case("ties", t=4, h=4, d=16, s=200, top_k=30, keys="ties"),
-    Case("all-equal", t=3, h=2, d=16, s=150, top_k=40, keys="equal"),
-    Case("k>visible", t=3, h=4, d=16, s=10, top_k=25, ranges="odd"),
+    Case("all-equal", t=4, h=4, d=16, s=150, top_k=30, keys="equal"),
+    Case("k>visible", t=3, h=4, d=16, s=10, top_k=30, ranges="odd"),
 ]
+_BY_NAME = {c.name: c for c in CASES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Cases run as one call: same H, D, K and key scales, different data (each case's
+    keys at their own offset in one key buffer, its queries' ranges moved with them).
+    Interpret mode compiles each kernel per shape: one call per geometry, not per case."""
+
+    name: str
+    cases: tuple[Case, ...]
+
+    def __str__(self):
+        return self.name
+
+
+# A batched call stays under 16 queries (the scorer's decode tiles, as each case alone
+# gets) and every case but the last fills whole query blocks of 4 (checked when the
+# inputs are built): a block never mixes cases, so each query's seeds come from its own
+# case's range, as when the case runs alone; the last case ends on a partial block.
+_CALL_CASES = (
+    ("odd",),
+    ("prefill-chunk",),
+    ("packed", "causal"),
+    ("ties", "all-equal", "k>visible"),
+)
+CALLS = [Call("+".join(names), tuple(_BY_NAME[n] for n in names)) for names in _CALL_CASES]
 
 
 def make_inputs(case: Case, dtype, seed=0):
@@ -85,6 +112,32 @@ def make_inputs(case: Case, dtype, seed=0):
     )
 
 
+def call_inputs(call: Call, dtype, seed=0):
+    """(inputs, rows) of one call: each case's ``make_inputs`` with its keys at an offset
+    in one buffer and its ranges moved with them; ``rows[name]`` slices its queries."""
+    from jsparse.ops.indexer import triton as scorer
+
+    cases = call.cases
+    assert len({(c.h, c.d, c.top_k, c.scale) for c in cases}) == 1, call
+    parts = [make_inputs(c, dtype, seed) for c in cases]
+    t = sum(c.t for c in cases)
+    block_t = scorer.default_config(t, cases[0].h, fp8_keys=dtype == FP8).block_t
+    rows, starts, ends, t0, s0 = {}, [], [], 0, 0
+    for c, part in zip(cases, parts, strict=True):
+        assert t0 % block_t == 0, f"{c.name}: its queries must start a query block"
+        rows[c.name] = slice(t0, t0 + c.t)
+        starts.append(part["kv_start"] + s0)
+        ends.append(part["kv_end"] + s0)
+        t0, s0 = t0 + c.t, s0 + c.s
+
+    def cat(name):
+        return None if parts[0][name] is None else jnp.concatenate([p[name] for p in parts])
+
+    inputs = dict(q=cat("q"), weights=cat("weights"), k=cat("k"), k_scale=cat("k_scale"))
+    inputs.update(kv_start=jnp.concatenate(starts), kv_end=jnp.concatenate(ends))
+    return inputs, rows
+
+
 def numpy_scores(inputs):
     """Independent oracle in float64 (inputs first rounded to their dtype, as the library does)."""
     q = np.asarray(inputs["q"].astype(jnp.float32), np.float64)
@@ -100,47 +153,50 @@ def numpy_scores(inputs):
     return np.where((ids >= start) & (ids < end), s, -np.inf)
 
 
-def check_against_oracle(result, inputs, top_k, rtol):
+def check_against_oracle(result, inputs, top_k, rtol, rows=None):
+    """``rows``: {case: slice of its queries} (each case checked with its own tolerance)."""
     oracle = numpy_scores(inputs)
-    atol = rtol * (np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0.0) + 1e-6)
-    problems = topk_mismatches(result.indices, result.scores, oracle, top_k, atol)
+    problems = []
+    for name, sl in (rows or {"": slice(None)}).items():
+        o = oracle[sl]
+        atol = rtol * (np.max(np.abs(o[np.isfinite(o)]), initial=0.0) + 1e-6)
+        found = topk_mismatches(result.indices[sl], result.scores[sl], o, top_k, atol)
+        problems += [f"{name} {p}" if name else p for p in found]
     assert not problems, "\n".join(problems[:10])
 
 
 RTOL = {"f32": 1e-5, "bf16": 1e-5, "fp8": 1e-5}
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("call", CALLS, ids=str)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
-def test_reference_methods_match_oracle(case, dtype):
-    inputs = make_inputs(case, DTYPES[dtype])
+def test_reference_methods_match_oracle(call, dtype):
+    inputs, rows = call_inputs(call, DTYPES[dtype])
+    top_k = call.cases[0].top_k
     results = {
-        m: jsparse.indexer_topk(**inputs, top_k=case.top_k, method=m, implementation="reference")
+        m: jsparse.indexer_topk(**inputs, top_k=top_k, method=m, implementation="reference")
         for m in ("base", "full")
     }
-    check_against_oracle(results["base"], inputs, case.top_k, RTOL[dtype])
+    check_against_oracle(results["base"], inputs, top_k, RTOL[dtype], rows)
     np.testing.assert_array_equal(results["full"].indices, results["base"].indices)
     np.testing.assert_array_equal(results["full"].scores, results["base"].scores)
 
 
 # Interpret mode compiles every kernel per shape (~10 s each on 2 cores): on the CPU, bf16
 # runs every case and fp8 the cases where its rounding matters; the GPU runs all.
-TRITON_CASES = [(c, "bf16") for c in CASES] + [
-    (c, dt) for c in CASES for dt in ("fp8", "f32")
+TRITON_CASES = [(c, "bf16") for c in CALLS] + [
+    (c, dt) for c in CALLS for dt in ("fp8", "f32")
     if backend.has_nvidia_gpu() or (dt == "fp8" and c.name in ("odd", "prefill-chunk"))
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("case", "dtype"), TRITON_CASES, ids=lambda x: str(x))
-def test_triton_methods_match_oracle_and_each_other(case, dtype, kernel_impl):
-    inputs = make_inputs(case, DTYPES[dtype], seed=1)
-    base = jsparse.indexer_topk(
-        **inputs, top_k=case.top_k, method="base", implementation=kernel_impl
-    )
-    full = jsparse.indexer_topk(
-        **inputs, top_k=case.top_k, method="full", implementation=kernel_impl
-    )
-    check_against_oracle(base, inputs, case.top_k, RTOL[dtype])
+@pytest.mark.parametrize(("call", "dtype"), TRITON_CASES, ids=lambda x: str(x))
+def test_triton_methods_match_oracle_and_each_other(call, dtype, kernel_impl):
+    inputs, rows = call_inputs(call, DTYPES[dtype], seed=1)
+    top_k = call.cases[0].top_k
+    base = jsparse.indexer_topk(**inputs, top_k=top_k, method="base", implementation=kernel_impl)
+    full = jsparse.indexer_topk(**inputs, top_k=top_k, method="full", implementation=kernel_impl)
+    check_against_oracle(base, inputs, top_k, RTOL[dtype], rows)
     # one scorer: identical ids and bitwise identical scores
     np.testing.assert_array_equal(full.indices, base.indices)
     np.testing.assert_array_equal(full.scores, base.scores)
@@ -347,14 +403,19 @@ def test_xla_baseline_matches_oracle():
 
 def test_ties_resolve_by_id(kernel_impl):
     """All-equal scores: the K smallest visible ids, in ascending order."""
-    case = Case("eq", t=2, h=2, d=16, s=300, top_k=64, keys="equal")
-    inputs = make_inputs(case, jnp.bfloat16)
-    inputs["kv_start"] = jnp.array([10, 0], jnp.int32)
+    # The all-equal case in its call (the oracle test's compile): its first query's range
+    # starts 10 keys into the case's keys, the other queries' at the case's first key.
+    call = next(c for c in CALLS if "all-equal" in c.name)
+    inputs, rows = call_inputs(call, jnp.bfloat16)
+    eq, top_k = rows["all-equal"], call.cases[0].top_k
+    inputs["kv_start"] = inputs["kv_start"].at[eq.start].add(10)
+    first = np.asarray(inputs["kv_start"])[eq]
+    assert first[0] == first[1] + 10 and np.all(first[1:] == first[1])
     for impl in ("reference", kernel_impl):
         for method in ("base", "full"):
-            r = jsparse.indexer_topk(**inputs, top_k=64, method=method, implementation=impl)
-            np.testing.assert_array_equal(r.indices[0], np.arange(10, 74))
-            np.testing.assert_array_equal(r.indices[1], np.arange(64))
+            r = jsparse.indexer_topk(**inputs, top_k=top_k, method=method, implementation=impl)
+            for i, a in zip(range(eq.start, eq.stop), first, strict=True):
+                np.testing.assert_array_equal(r.indices[i], np.arange(a, a + top_k))
 
 
 def test_full_records_fewer_than_visible_on_structured_keys(kernel_impl):
