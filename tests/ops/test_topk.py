@@ -217,54 +217,6 @@ def test_compact_rows_writes_the_codes_it_keeps(kind, chunks, merge_writes, kern
     _assert_codes_of_live_slots(codes, _codes_of(scores, ids, count), count)
 
 
-def _split_rows_both_ways(monkeypatch, scores, start, end, top_k, cap, chunks):
-    """compact_rows of split rows through the merge launch and through LOOK_BACK."""
-    out = []
-    for look_back in (False, True):
-        monkeypatch.setattr(select, "LOOK_BACK", look_back)
-        jax.clear_caches()
-        got = select.compact_rows(scores, start, end, top_k, cap, chunks=chunks, with_codes=True)
-        out.append([np.asarray(x) for x in got])
-    jax.clear_caches()
-    return out
-
-
-@pytest.mark.parametrize("kind", ["gauss", "all-equal"])
-def test_look_back_places_segments_as_the_merge_does(kind, kernel_impl, monkeypatch):
-    # LOOK_BACK: each chunk program places its own segment after the earlier chunks'
-    # counts, the last writes the row's count or runs the slow path (all-equal: the
-    # exact search rewrites the row once every chunk has copied)
-    rng = np.random.default_rng(8)
-    s, top_k, cap = 6000, 40, 512
-    start_end = [(0, s), (10, 5990), (700, 5000)]
-    scores = jnp.asarray(_adversarial_rows(kind, 3, s, start_end, rng))
-    start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
-    merged, looked = _split_rows_both_ways(monkeypatch, scores, start, end, top_k, cap, 4)
-    np.testing.assert_array_equal(looked[2], merged[2])  # counts
-    np.testing.assert_array_equal(looked[3], merged[3])  # paths
-    assert (merged[3] == (select.SEARCHED if kind == "all-equal" else select.FAST)).all()
-    live = np.arange(cap)[None, :] < np.minimum(merged[2], cap)[:, None]
-    for got, want in zip(looked[:2], merged[:2], strict=True):  # codes, ids
-        np.testing.assert_array_equal(got[live], want[live])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t, s", [(1, 65536), (8, 131072)])
-def test_gpu_look_back_compiled(t, s, monkeypatch):
-    rng = np.random.default_rng(t)
-    cap = candidate_capacity(2048, s)
-    x = jnp.asarray(np.round(rng.standard_normal((t, s)) * 16).astype(np.float32))
-    start = jnp.zeros((t,), jnp.int32)
-    end = jnp.full((t,), s, jnp.int32).at[-1].set(1500 if t > 1 else s)
-    chunks = select.default_chunks(t, s)
-    merged, looked = _split_rows_both_ways(monkeypatch, x, start, end, 2048, cap, chunks)
-    for got, want in zip(looked[2:], merged[2:], strict=True):
-        np.testing.assert_array_equal(got, want)
-    live = np.arange(cap)[None, :] < np.minimum(merged[2], cap)[:, None]
-    for got, want in zip(looked[:2], merged[:2], strict=True):
-        np.testing.assert_array_equal(got[live], want[live])
-
-
 @pytest.mark.parametrize("width", [6000, 6144])
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_compact_records_then_select(chunks, width, kernel_impl):

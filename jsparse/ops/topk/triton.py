@@ -240,6 +240,8 @@ def _kth_code_counted(codes, rank, slack=None, guess=True):
     first guess (it costs two more reductions over the codes)."""
     f32 = jnp.float32
     ok = codes != EMPTY_CODE
+    if FUSED_SEARCH_REDUCTIONS and codes.ndim == 1:
+        return _kth_code_fused(codes, ok, rank, slack, guess)
     n_live = jnp.sum(ok.astype(jnp.int32))
 
     def count_ge(th):
@@ -258,6 +260,54 @@ def _kth_code_counted(codes, rank, slack=None, guess=True):
         first = mean + _upper_normal_quantile(p) * deviation  # non-finite: ignored
     lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
     hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
+    return _search_kth(count_ge, smallest_ge, lo, hi, n_live, rank, guess=first, slack=slack)
+
+
+# The K-th search's preliminaries (live count, the guess's sum and sum of squares, the
+# smallest and largest live code) as two reductions of stacked rows instead of five:
+# each block-wide reduction is a round of shuffles and a barrier on the chain of a
+# decode chunk program's θ search (run 102: instruction latency, not memory).
+FUSED_SEARCH_REDUCTIONS = True
+
+
+def _pick(v, j):
+    """v[j] of a short vector (a masked sum: Triton has no element extract)."""
+    return jnp.sum(
+        jnp.where(jnp.arange(v.shape[0], dtype=jnp.int32) == j, v, jnp.zeros((), v.dtype))
+    )
+
+
+def _kth_code_fused(codes, ok, rank, slack, guess):
+    """:func:`_kth_code_counted` of a 1-D row with its preliminaries fused: the same
+    search from the same ends, count and guess (the guess's sums may round apart)."""
+    f32 = jnp.float32
+    lane = jnp.arange(2, dtype=jnp.int32)[:, None]
+    # max of (c, ~c) over live codes: the largest code and the complement of the smallest
+    ends = jnp.max(jnp.where(ok[None, :], jnp.where(lane == 0, codes[None, :], ~codes[None, :]),
+                             _INT_MIN), axis=1)  # fmt: skip
+    lo, hi = ~_pick(ends, 1), _pick(ends, 0) + 1  # codes stop below NaN's: no overflow
+    first = None
+    if guess:
+        x = jnp.where(ok, code_to_score(codes), 0.0)
+        row = jnp.arange(4, dtype=jnp.int32)[:, None]
+        moments = jnp.where(row == 1, x[None, :], jnp.where(row == 2, (x * x)[None, :], 0.0))
+        stacked = jnp.where(row == 0, ok.astype(f32)[None, :], moments)
+        sums = jnp.sum(stacked, axis=1)
+        n_live = _pick(sums, 0).astype(jnp.int32)  # exact: rows hold < 2^24 entries
+        n_f = jnp.maximum(n_live, 1).astype(f32)
+        mean = _pick(sums, 1) / n_f
+        deviation = jnp.sqrt(jnp.maximum(_pick(sums, 2) / n_f - mean * mean, 0.0))
+        p = (rank - 0.5) / n_f
+        first = mean + _upper_normal_quantile(p) * deviation
+    else:
+        n_live = jnp.sum(ok.astype(jnp.int32))
+
+    def count_ge(th):
+        return jnp.sum((codes >= th).astype(jnp.int32))
+
+    def smallest_ge(th):
+        return jnp.min(jnp.where(codes >= th, codes, _INT_MAX))
+
     return _search_kth(count_ge, smallest_ge, lo, hi, n_live, rank, guess=first, slack=slack)
 
 
@@ -552,7 +602,7 @@ def _theta_kernel(*refs, dense, top_k, cap, cfg):
     plt.store(theta_ref.at[row], _sample_threshold(entries, hi - lo, top_k, cap))
 
 
-def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given, row_codes=None):
+def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given):
     """Program (row, chunk): compacts entries ≥ θ of its chunk of the row.
 
     With one chunk it writes the final buffer and flags the row for the exact kernel when
@@ -560,15 +610,7 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given, row
     and the merge kernel finishes the row. The retry and the exact search live in their
     own kernel, so this one is the streaming loop alone. ``theta_given``: θ comes from
     :func:`_theta_kernel` (the 4th input) instead of this program's own sample.
-    ``row_codes`` not None (``LOOK_BACK``, split rows): the program then also places its
-    segment in the row's buffer (with codes when ``row_codes``), the outputs after the
-    segments' being the row's buffer, count, path and the zeroed words (see there).
     """
-    tail = ()
-    if row_codes is not None:
-        n_tail = (2 if row_codes else 1) + 3
-        refs, tail = refs[:-n_tail], refs[-n_tail:]
-        tail = tail if row_codes else (None, *tail)
     source = refs[:3]
     codes_ref, ids_ref, count_ref, flags = _buffer_refs(refs, codes, 1 if chunks == 1 else 0)
     row, chunk = pl.program_id(0), pl.program_id(1)
@@ -589,9 +631,6 @@ def _chunk_kernel(*refs, dense, codes, top_k, cap, chunks, cfg, theta_given, row
     stored = compact(keep, codes_ref, ids_ref, segment * cap, cap, trash, raw=dense)
     if chunks > 1:
         plt.store(count_ref.at[segment], stored)
-        if tail:
-            statics = dict(top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
-            _look_back(source, dense, row, chunk, stored, (codes_ref, ids_ref), tail, **statics)
         return
     fast_ok = _fits(stored, top_k, length, cap)
     plt.store(count_ref.at[row], stored)  # unclipped: a missed count steers the retry
@@ -617,6 +656,11 @@ def _merge_kernel(*refs, dense, codes, seg_codes, top_k, cap, chunks, cfg):
     codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, codes, 1)
     row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
+    segment_refs = (seg_codes_ref, seg_ids_ref)
+    # the segment's first block is in flight with the counts, not after them
+    with_scores = codes_ref is not None and seg_codes_ref is None
+    head = _segment_head(source, segment_refs, row, chunk, chunks, cap=cap, blk=blk,
+                         with_scores=with_scores)  # fmt: skip
     _, _, lo, hi = _row_source(source, dense, row, blk)
     length = hi - lo
     c_pad = 1 << (chunks - 1).bit_length()
@@ -631,9 +675,8 @@ def _merge_kernel(*refs, dense, codes, seg_codes, top_k, cap, chunks, cfg):
     offset = jnp.sum(jnp.where(lane < chunk, seg_counts, 0))
     # A missed total copies nothing: chunk 0 writes the whole row, and the total steers
     # its retry.
-    segment_refs = (seg_codes_ref, seg_ids_ref)
     _copy_segment(source, segment_refs, (codes_ref, ids_ref), row, chunk, chunks, n, offset,
-                  fast_ok, cap=cap, blk=blk)  # fmt: skip
+                  fast_ok, cap=cap, blk=blk, head=head)  # fmt: skip
 
     @pl.when((chunk == 0) & fast_ok)
     def _():
@@ -646,94 +689,64 @@ def _merge_kernel(*refs, dense, codes, seg_codes, top_k, cap, chunks, cfg):
         _exact_row(source, dense, row, total, outs, top_k=top_k, cap=cap, cfg=cfg)
 
 
-def _copy_segment(source, segment_refs, row_refs, row, chunk, chunks, n, offset, go, *, cap, blk):
+def _segment_head(source, segment_refs, row, chunk, chunks, *, cap, blk, with_scores):
+    """The first ``blk`` slots of segment (row, chunk), loaded before its count is known
+    (slots past it hold stale values, masked by the copy): (ids, codes or None, scores
+    of the ids or None). ``with_scores``: the row's scores at those ids, for a dense
+    row's codes (see ``MERGE_WRITES_CODES``); a stale id is clamped into the row."""
+    seg_codes_ref, seg_ids_ref = segment_refs
+    lanes = jnp.arange(blk, dtype=jnp.int32)
+    inside = lanes < cap
+    at = (row * chunks + chunk) * cap + jnp.where(inside, lanes, 0)
+    ids = plt.load(seg_ids_ref.at[at], mask=inside, other=-1)
+    codes = None
+    if seg_codes_ref is not None:
+        codes = plt.load(seg_codes_ref.at[at], mask=inside, other=EMPTY_CODE)
+    scores = None
+    if with_scores:
+        col = jnp.clip(ids, 0, source[0].shape[1] - 1)
+        scores = plt.load(source[0].at[row, col], mask=inside, other=0.0)
+    return ids, codes, scores
+
+
+def _copy_segment(source, segment_refs, row_refs, row, chunk, chunks, n, offset, go, *, cap, blk,
+                  head):  # fmt: skip
     """Copies the ``n`` entries of segment (row, chunk) to slots offset.. of the row's
     buffer when ``go``. ``segment_refs``, ``row_refs``: (codes or None, ids). Without
     segment codes, a dense row's copied ids get their codes from their scores (see
-    ``MERGE_WRITES_CODES``)."""
+    ``MERGE_WRITES_CODES``). ``head``: :func:`_segment_head`, the first block's values
+    (a segment rarely holds more)."""
     seg_codes_ref, seg_ids_ref = segment_refs
     codes_ref, ids_ref = row_refs
     trash = ids_ref.shape[0]  # one past the last slot: never a live index
     lanes = jnp.arange(blk, dtype=jnp.int32)
     src = (row * chunks + chunk) * cap
 
+    def store(pos, vi, vc, x):
+        ok = go & (pos < n)
+        dst = jnp.where(ok, row * cap + offset + pos, trash)
+        plt.store(ids_ref.at[dst], vi, mask=ok)
+        if vc is not None:
+            plt.store(codes_ref.at[dst], vc, mask=ok)
+        elif x is not None:
+            plt.store(codes_ref.at[dst], score_code(x), mask=ok)
+
+    store(lanes, *head)
+
     def copy(j, carry):
         pos = j * blk + lanes
         ok = pos < n
         safe = src + jnp.where(ok, pos, 0)
-        dst = jnp.where(ok, row * cap + offset + pos, trash)
         vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
-        plt.store(ids_ref.at[dst], vi, mask=ok)
+        vc = x = None
         if seg_codes_ref is not None:
             vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
-            plt.store(codes_ref.at[dst], vc, mask=ok)
         elif codes_ref is not None:  # a dense row's id is its column
             x = plt.load(source[0].at[row, jnp.where(ok, vi, 0)], mask=ok, other=0.0)
-            plt.store(codes_ref.at[dst], score_code(x), mask=ok)
+        store(pos, vi, vc, x)
         return carry
 
-    jax.lax.fori_loop(0, jnp.where(go, (n + blk - 1) // blk, 0), copy, 0)
-
-
-# Split rows (decode) without the merge launch (experiment, off): each chunk program
-# publishes its count in a zeroed word of its own, reads the counts of the row's chunks
-# before it (a look-back: it waits only on programs of lower grid index, which the GPU
-# starts before it, as decoupled look-back scans also rely on, and which wait on
-# nothing after it), copies its segment to its place in the row buffer, and
-# marks its word done; the row's last chunk writes the count and, when the total
-# missed [min(K, length), cap], runs the slow path once every chunk before it is done.
-# The words need zeroing (a memset a call).
-LOOK_BACK = False
-_DONE = 1 << 30  # a chunk's word: its count + 1, plus _DONE once its segment is copied
-
-
-def _look_back(source, dense, row, chunk, stored, seg_refs, tail, *, top_k, cap, chunks, cfg):
-    """The end of a chunk program under ``LOOK_BACK``: see there. ``seg_refs``: the
-    segment's (codes or None, ids); ``tail``: the row's (codes or None, ids, count, path)
-    and the zeroed words."""
-    *row_refs, count_ref, slow_ref, words_ref = tail
-    segment = row * chunks + chunk
-    interpret = backend.is_interpret()
-    plt.atomic_add(words_ref, (segment,), stored + 1)  # published: other chunks need it
-    c_pad = 1 << (chunks - 1).bit_length()
-    lane = jnp.arange(c_pad, dtype=jnp.int32)
-    before = lane < chunk
-    at = row * chunks + jnp.where(before, lane, 0)
-
-    def words(_):  # volatile: other programs write them
-        return plt.load(words_ref.at[at], mask=before, other=1, volatile=True)
-
-    word = jax.lax.while_loop(lambda w: jnp.min(w) == 0, words, words(0))
-    offset = jnp.sum(jnp.where(before, (word & (_DONE - 1)) - 1, 0))
-    total = offset + stored
-    if not interpret:
-        plt.debug_barrier()  # the segment's stores, by every thread, before its copy
-    _copy_segment(source, seg_refs, row_refs, row, chunk, chunks, stored, offset, total <= cap,
-                  cap=cap, blk=cfg.block)  # fmt: skip
-    if not interpret:
-        plt.debug_barrier()  # every thread's copy before the done mark (a release)
-    plt.atomic_add(words_ref, (segment,), stored * 0 + _DONE)
-    _, _, lo, hi = _row_source(source, dense, row, cfg.block)
-    fast_ok = _fits(total, top_k, hi - lo, cap)
-    last = chunk == chunks - 1
-
-    @pl.when(last & fast_ok)
-    def _():
-        plt.store(count_ref.at[row], total)
-        plt.store(slow_ref.at[row], FAST)
-
-    @pl.when(last & ~fast_ok)
-    def _():
-        def wait(j, carry):  # acquire each earlier chunk's done mark: its copies land first
-            def word(_):
-                return plt.atomic_add(words_ref, (row * chunks + j,), carry)
-
-            jax.lax.while_loop(lambda w: w < _DONE, word, word(0))
-            return carry
-
-        jax.lax.fori_loop(0, chunks - 1, wait, stored * 0)
-        outs = (*row_refs, count_ref, slow_ref)
-        _exact_row(source, dense, row, total, outs, top_k=top_k, cap=cap, cfg=cfg)
+    jax.lax.fori_loop(1, jnp.where(go, (n + blk - 1) // blk, 0), copy, 0)
 
 
 def _ladder(lo, hi):
@@ -994,26 +1007,10 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes, theta=None):
         seg_codes = codes and not (dense and MERGE_WRITES_CODES)
         given = theta is not None  # θ of each row from before (the scorer's θ program)
         chunk_kernel = functools.partial(
-            _chunk_kernel, **statics | dict(codes=seg_codes), theta_given=given,
-            row_codes=codes if LOOK_BACK else None,
-        )  # fmt: skip
+            _chunk_kernel, **statics | dict(codes=seg_codes), theta_given=given
+        )
         split_params = plt.CompilerParams(num_warps=cfg.split_num_warps, num_stages=cfg.num_stages)
         chunk_inputs = (*inputs, *((theta,) if given else ()))
-        if LOOK_BACK:  # the segments, then the row buffers and the words (no merge launch)
-            out_shape = (*buffers(n_seg, seg_codes), *buffers(t), flag,
-                         jax.ShapeDtypeStruct((n_seg,), i32))  # fmt: skip
-            *outs, _ = pl.pallas_call(
-                chunk_kernel,
-                grid=(t, chunks),
-                out_shape=out_shape,
-                input_output_aliases={len(chunk_inputs): len(out_shape) - 1},
-                compiler_params=split_params,
-                interpret=interpret,
-                name="jsparse_topk_compact_chunks",
-            )(*chunk_inputs, jnp.zeros((n_seg,), i32))
-            *bufs, slow = outs[len(buffers(n_seg, seg_codes)) :]
-            *slots, count = bufs
-            return (*(x.reshape(t, cap) for x in slots), count, slow)
         segments = pl.pallas_call(
             chunk_kernel,
             grid=(t, chunks),
@@ -1368,6 +1365,14 @@ def _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, rows):
     plt.store(out_scores_ref.at[dst], score, mask=write)
 
 
+# Rows of at most this many bj-blocks are ranked with every load issued up front:
+# the codes of the whole row, the ranked slots and the count in one round trip, before
+# the count is known (slots past it are masked afterwards), instead of one load a block
+# in a loop after the count. Each block's compares still wait for the count and skip
+# blocks past it. Larger rows: the loop (their registers would not hold the row).
+RANK_STATIC_BLOCKS = 16
+
+
 def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_ref,
                         *, top_k, cap, bi, bj):  # fmt: skip
     """Program (row, part): each of the part's ``bi`` candidate slots is ranked against
@@ -1375,6 +1380,10 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
     so the row comes out selected and ordered at once. Slots between the live count and
     K are the padding (-1 / -inf). The candidates are in id order (slot order), so an
     entry ranks behind an equal code exactly when that code sits in an earlier slot."""
+    if -(-cap // bj) <= RANK_STATIC_BLOCKS:
+        _rank_select_static(codes_ref, ids_ref, count_ref, (out_ids_ref, out_scores_ref),
+                            top_k=top_k, cap=cap, bi=bi, bj=bj)  # fmt: skip
+        return
     row, first, n = _row_part(count_ref, cap, bi)
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
@@ -1399,6 +1408,50 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
         ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
         rank = jnp.sum(ahead, axis=1)
         outs = (out_ids_ref, out_scores_ref)
+        _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
+
+
+def _rank_select_static(codes_ref, ids_ref, count_ref, outs, *, top_k, cap, bi, bj):
+    """The rank kernel of a row of at most RANK_STATIC_BLOCKS blocks: the same ranks as the
+    loop, from loads that do not wait for the count (see ``RANK_STATIC_BLOCKS``)."""
+    row, first = pl.program_id(0), pl.program_id(1) * bi
+    lanes = jnp.arange(bj, dtype=jnp.int32)
+
+    def raw_codes(slots):  # in the row's buffer, live or not (masked once n is known)
+        inside = slots < cap
+        return plt.load(
+            codes_ref.at[row * cap + jnp.where(inside, slots, 0)], mask=inside, other=EMPTY_CODE
+        )
+
+    slot_i = first + jnp.arange(bi, dtype=jnp.int32)
+    at_i = row * cap + jnp.where(slot_i < cap, slot_i, 0)
+    raw_c_i = raw_codes(slot_i)
+    raw_id_i = plt.load(ids_ref.at[at_i], mask=slot_i < cap, other=-1)
+    own = first // bj  # bi divides bj: i's slots lie in one block
+    own_slots = own * bj + lanes
+    raw_own = raw_codes(own_slots)
+    blocks = [raw_codes(b * bj + lanes) for b in range(-(-cap // bj))]
+    n = jnp.minimum(plt.load(count_ref.at[row]), cap)
+
+    @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
+    def _():
+        live_i = slot_i < n
+        c_i = jnp.where(live_i, raw_c_i, EMPTY_CODE)
+        id_i = jnp.where(live_i, raw_id_i, -1)
+        # as the loop: the own block by slot order, blocks before it by c_j > c_i - 1,
+        # after it by c_j > c_i (c_i > EMPTY: no wrap)
+        c_own = jnp.where(own_slots < n, raw_own, EMPTY_CODE)
+        earlier = (own_slots[None, :] < slot_i[:, None]).astype(jnp.int32)
+        ahead = (c_own[None, :] > c_i[:, None] - earlier).astype(jnp.int32)
+        for b, raw in enumerate(blocks):
+
+            def add(ahead, raw=raw, b=b):
+                c_j = jnp.where((b * bj + lanes < n) & (b != own), raw, EMPTY_CODE)
+                bar = c_i - (b < own).astype(jnp.int32)
+                return ahead + (c_j[None, :] > bar[:, None]).astype(jnp.int32)
+
+            ahead = jax.lax.cond(b * bj < n, add, lambda ahead: ahead, ahead)
+        rank = jnp.sum(ahead, axis=1)
         _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
 
 
