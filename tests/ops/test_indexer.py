@@ -331,50 +331,6 @@ def test_one_query_block_matches_oracle(kernel_impl):
     np.testing.assert_array_equal(full.scores, base.scores)
 
 
-def test_theta_found_in_the_scorer_launch(kernel_impl, monkeypatch):
-    """THETA_IN_SCORER: the scorer launch's last program finds the selection's θ from the
-    sample the splits scored first; ``base`` then gives the exact answer, and in interpret
-    mode (the sample's scores are the dense scores there) the same θ as the chunk
-    programs' own search, so the compaction takes the same path."""
-    from jsparse.ops.indexer import methods
-    from jsparse.ops.indexer import triton as scorer
-    from jsparse.ops.topk import triton as select
-    from jsparse.ops.topk.codes import score_code
-
-    # > 4096 visible keys: the sample is 512 runs of 8, spread over the range
-    case = Case("theta", t=1, h=4, d=16, s=5000, top_k=64)
-    inputs = make_inputs(case, jnp.bfloat16, seed=6)
-    inputs["kv_start"], inputs["kv_end"] = jnp.array([7], jnp.int32), jnp.array([4997], jnp.int32)
-    monkeypatch.setattr(scorer, "THETA_IN_SCORER", True)
-    jax.clear_caches()
-    try:
-        on = jsparse.indexer_topk(**inputs, top_k=64, implementation=kernel_impl)
-        args = (inputs["q"], inputs["weights"], inputs["k"], None, inputs["kv_start"],
-                inputs["kv_end"])  # fmt: skip
-        cap = methods.candidate_capacity(64, case.s)
-        scores, theta = scorer._launch(*args, theta=(64, cap))
-    finally:
-        jax.clear_caches()
-    check_against_oracle(on, inputs, 64, RTOL["bf16"])  # the exact answer, ties by id
-    if backend.has_nvidia_gpu():
-        return  # compiled, the sample's 16-key tiles may round apart from the main loop's
-    length = 4997 - 7
-    sample = scores[0, 7 + select.sample_offsets(length)]
-    expected = select.sampled_theta(score_code(sample), length, 64, cap)
-    assert int(theta[0]) == int(expected)
-    start, end = inputs["kv_start"], inputs["kv_end"]
-    own = select.compact_rows(scores, start, end, 64, cap, with_codes=True)
-    given = select.compact_rows(scores, start, end, 64, cap, with_codes=True, theta=theta)
-    n = int(own[2][0])  # slots past the count are undefined
-    assert int(given[2][0]) == n and int(given[3][0]) == int(own[3][0]) == select.FAST
-    for a, b in zip(own[:2], given[:2], strict=True):
-        np.testing.assert_array_equal(a[:, :n], b[:, :n])
-    # and the compaction uses the θ it is given: keeping all 4990 overflows the buffer
-    keep_all = jnp.full((1,), select.EMPTY_CODE, jnp.int32)
-    forced = select.compact_rows(scores, start, end, 64, cap, with_codes=True, theta=keep_all)
-    assert int(forced[3][0]) != select.FAST
-
-
 def test_triton_f32_interpret(kernel_impl):
     case = CASES[0]
     inputs = make_inputs(case, jnp.float32, seed=2)

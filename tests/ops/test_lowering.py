@@ -52,18 +52,6 @@ def test_base_with_the_report_kernel_lowers_to_cuda(t, monkeypatch):
         jax.clear_caches()
 
 
-@pytest.mark.parametrize("dtype", DTYPES[1:], ids=lambda d: jnp.dtype(d).name)
-def test_theta_in_scorer_lowers_to_cuda(dtype, monkeypatch):
-    # one query's base with the θ program in the scorer launch (a spin on a fetch-and-add)
-    monkeypatch.setattr(indexer_triton, "THETA_IN_SCORER", True)
-    jax.clear_caches()
-    try:
-        lowered = lower_for_h200(KERNELS["base"], *_structs(dtype, 1))
-    finally:
-        jax.clear_caches()
-    assert "__gpu$xla.gpu.triton" in lowered.as_text() or "triton" in lowered.as_text().lower()
-
-
 def test_fp8_widened_in_memory_lowers_to_cuda(monkeypatch):
     monkeypatch.setattr(indexer_triton, "WIDEN_FP8_IN_MEMORY_FROM", 1)
     jax.clear_caches()

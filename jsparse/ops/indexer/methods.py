@@ -117,17 +117,14 @@ def _result(indices, values, start, end, candidates, tau_codes, fallback):
     )
 
 
-def select_dense(scores, start, end, top_k, sort, theta=None):
+def select_dense(scores, start, end, top_k, sort):
     """Exact Top-K of dense [T, S] score rows over [start, end): ``base``'s selection,
-    and :func:`jsparse.topk`'s Triton implementation. ``theta``: each row's sampled θ,
-    when the scorer found it (``scorer.THETA_IN_SCORER``)."""
+    and :func:`jsparse.topk`'s Triton implementation."""
     cap = candidate_capacity(top_k, scores.shape[1])
     if select.rank_selects(scores.shape[0], cap):  # decode: selected and ordered at once
-        codes, ids, count, _ = select.compact_rows(
-            scores, start, end, top_k, cap, with_codes=True, theta=theta
-        )
+        codes, ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, with_codes=True)
         return select.select_by_rank(codes, ids, count, top_k)
-    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, theta=theta)
+    ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)
     if not sort:  # the select writes the final scores itself
         sel_scores, sel_ids, _ = select.select_rows(scores, ids, count, top_k, scores_out=True)
         return sel_ids, sel_scores
@@ -155,25 +152,16 @@ SCORER_WRITES_REPORT = True
 @functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
 def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True):
     """Every visible score written, then exact selection."""
-    one_query = q.shape[0] == 1 and (cfg or scorer.default_config(1, q.shape[1])).block_t == 1
-    theta = None
-    if scorer.THETA_IN_SCORER and one_query:
-        cap = candidate_capacity(top_k, k.shape[0])
-        scores, *report, theta = scorer._launch(
-            q, weights, k, k_scale, start, end, cfg=cfg, report=SCORER_WRITES_REPORT,
-            theta=(top_k, cap),
-        )  # fmt: skip
-    else:
-        scores, *report = scorer._launch(
-            q, weights, k, k_scale, start, end, cfg=cfg, report=SCORER_WRITES_REPORT
-        )  # report: the five rows, or none
-    return topk_from_scores(scores, start, end, top_k, sort=sort, report=report, theta=theta)
+    scores, *report = scorer._launch(
+        q, weights, k, k_scale, start, end, cfg=cfg, report=SCORER_WRITES_REPORT
+    )  # report: the five rows, or none
+    return topk_from_scores(scores, start, end, top_k, sort=sort, report=report)
 
 
-def topk_from_scores(scores, start, end, top_k, *, sort=True, report=None, theta=None):
+def topk_from_scores(scores, start, end, top_k, *, sort=True, report=None):
     """``base``'s second half: exact selection over dense [T, S] scores, and its report
     (``report``: the five rows already written; when empty, :func:`exhaustive_report`)."""
-    indices, values = select_dense(scores, start, end, top_k, sort, theta)
+    indices, values = select_dense(scores, start, end, top_k, sort)
     visible, candidates, survivors, threshold, fallback = report or exhaustive_report(start, end)
     return IndexerTopK(indices, values, visible, candidates, survivors, threshold, fallback)
 

@@ -35,7 +35,6 @@ from jax.experimental.pallas import triton as plt
 from jsparse import backend
 from jsparse.ops.indexer.report import store_report
 from jsparse.ops.topk import codes as codes_lib
-from jsparse.ops.topk import triton as select
 
 _NEG_INF = float("-inf")
 # FP8 inputs of a launch with at least this many queries are widened to the compute
@@ -187,10 +186,6 @@ class _Plan:
     # Records of a split launch: slots per (program, query) of a staging buffer (0: none,
     # each tile reserves its rows' room with a fetch-and-add; see STAGED_SPLIT_RECORDS).
     stage: int = 0
-    # > 0: one query, and a program after the splits finds its row's sampled θ for the
-    # selection (K = theta_top_k, capacity theta_cap) while they score (THETA_IN_SCORER).
-    theta_top_k: int = 0
-    theta_cap: int = 0
 
 
 # Records of launches whose splits share a query. False: every tile reserves room in
@@ -203,20 +198,6 @@ class _Plan:
 # programs, and default tiles ≤ 4 queries).
 STAGED_SPLIT_RECORDS = True
 STAGE_SLOTS = 1024
-
-
-# One query's `base` (experiment, off): the selection's θ is found inside the scorer
-# launch instead of by each of the compaction's 64 chunk programs, whose ~3-count search
-# over the 4096-entry sample is most of their 4.6 µs (runs 102, 108). Each split scores
-# its runs of that sample first (a 16-key tile), stores them to a sample buffer and
-# counts itself in with a scalar fetch-and-add; one more program, the launch's last,
-# waits for every split's count, searches θ and stores it while the splits go on with
-# their tiles. It waits only on programs that wait on nothing, so it cannot deadlock,
-# whatever the GPU runs beside it (as the grid's last, it may only start late). The
-# sample's scores come from a tile of another shape than the main loop's, which may
-# round differently: harmless, any θ is exact (the compaction's count check decides).
-# The arrival count needs a zeroed word (a memset).
-THETA_IN_SCORER = False
 
 
 def _optional_inputs(p):
@@ -268,10 +249,6 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
         return scores, visible
-
-    if p.theta_top_k:
-        theta_refs, refs = refs[-3:], refs[:-3]
-        _theta_in_scorer(tile_scores, start[0], end[0], split, *theta_refs, p)
 
     if p.key_list:
         # Only the tiles holding the block's listed ids (lists are filled from the front).
@@ -371,45 +348,6 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             return carry
 
         jax.lax.fori_loop(split * per, jnp.minimum((split + 1) * per, outside), fill_body, 0)
-
-
-def _theta_in_scorer(tile_scores, lo, hi, split, theta_ref, sample_ref, arrive_ref, p):
-    """THETA_IN_SCORER: splits score their runs of the θ sample first and count
-    themselves in; the program after them waits for all, then finds and stores θ."""
-    run_len, n_runs = select.SAMPLE_BLOCK, select.SAMPLE_BLOCKS
-    per_split = -(-n_runs // p.splits)  # runs each split scores
-    width = _next_pow2(per_split * run_len, 16)  # the smallest tile the dot takes
-    length = hi - lo
-    zero = split * 0  # a traced index: the atomic's indexing takes no Python int
-
-    @pl.when(split < p.splits)
-    def _():
-        lane = jnp.arange(width, dtype=jnp.int32)
-        run = split + (lane // run_len) * p.splits
-        ok = (lane // run_len < per_split) & (run < n_runs)
-        k = run * run_len + lane % run_len
-        off = select.sample_offsets(length, k)
-        scores, _ = tile_scores(jnp.where(ok & (off < length), lo + off, -1))
-        # lanes without a run point past the sample (interpret mode drops them)
-        plt.store(sample_ref.at[jnp.where(ok, k, run_len * n_runs)], scores[0], mask=ok)
-        if not p.interpret:  # (interpret mode runs programs one at a time: no barrier rule)
-            plt.debug_barrier()  # every thread's stores before the count (a release)
-        plt.atomic_add(arrive_ref, (zero,), zero + 1)
-
-    @pl.when(split == p.splits)
-    def _():
-        def poll(_):
-            return plt.atomic_add(arrive_ref, (zero,), zero)
-
-        jax.lax.while_loop(lambda n: n < p.splits, poll, poll(0))
-        if not p.interpret:
-            plt.debug_barrier()
-        k = jnp.arange(run_len * n_runs, dtype=jnp.int32)
-        x = plt.load(sample_ref.at[k], volatile=True)  # not from L1: written elsewhere
-        ok = select.sample_offsets(length, k) < length
-        codes = jnp.where(ok, codes_lib.score_code(x), codes_lib.EMPTY_CODE)
-        theta = select.sampled_theta(codes, length, p.theta_top_k, p.theta_cap)
-        plt.store(theta_ref.at[zero], theta)
 
 
 def _reserve(count_ref, t, n):
@@ -534,22 +472,17 @@ def _num_keys(k, page_table, page_size):
 def _launch(
     q, weights, k, k_scale, start, end, *,
     tau_codes=None, key_ids=None, key_counts=None, records_cap=None, fill=False, cfg=None,
-    splits=None, page_table=None, page_size=0, shared_keys=True, report=False, theta=None,
+    splits=None, page_table=None, page_size=0, shared_keys=True, report=False,
 ):  # fmt: skip
     """One scorer launch. ``page_table`` [n_pages] int32 (-1: no page) with ``page_size``
     P: key ids run over n_pages·P virtual slots, id i stored at row
     page_table[i // P]·P + i % P of ``k`` (and of ``k_scale``). ``shared_keys`` False:
     each query sees keys of its own, which are then never widened in memory (see
     :func:`_widen_in_memory`); a paged pool is always so. ``report`` (dense, no fill):
-    also returns the exhaustive report's five [T] rows after the scores. ``theta`` (K,
-    capacity): also returns the selection's sampled θ [T] last (THETA_IN_SCORER; one
-    query, dense, no fill)."""
+    also returns the exhaustive report's five [T] rows after the scores."""
     t, _, _ = q.shape
     if report and (records_cap is not None or fill):
         raise ValueError("_launch: report is for a dense launch without fill")
-    if theta is not None and (t != 1 or records_cap is not None or fill or key_ids is not None
-                              or page_table is not None):  # fmt: skip
-        raise ValueError("_launch: theta is for one query's dense launch over a range")
     s = _num_keys(k, page_table, page_size)
     cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
@@ -579,10 +512,7 @@ def _launch(
         list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill_only=False,
         interpret=backend.is_interpret(), page_size=page_size if page_table is not None else 0,
         has_scale=k_scale is not None, report=report, stage=stage,
-        theta_top_k=theta[0] if theta else 0, theta_cap=theta[1] if theta else 0,
     )  # fmt: skip
-    if theta and cfg.block_t != 1:
-        raise ValueError(f"_launch: theta needs a block of one query, got {cfg}")
     pages = None if page_table is None else page_table.astype(jnp.int32)
     given = dict(scale=k_scale, tau=tau, ids=ids, n_ids=n_ids, pages=pages)
     if records:
@@ -606,24 +536,14 @@ def _launch(
             rows = jax.ShapeDtypeStruct((t,), jnp.int32)
             flags = (jax.ShapeDtypeStruct((t,), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.bool_))
             out_shape += (rows, rows, rows, *flags)
-    aliases = None
-    if theta:  # θ, the sample, the arrival count (zeroed: the one aliased input)
-        i32 = jnp.int32
-        n_sample = select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK
-        out_shape += (jax.ShapeDtypeStruct((t,), i32),  # + a slot for masked-off lanes
-                      jax.ShapeDtypeStruct((n_sample + 1,), jnp.float32),
-                      jax.ShapeDtypeStruct((1,), i32))  # fmt: skip
-        initial = (jnp.zeros((1,), i32),)
-        aliases = {len(out_shape) - 1}
     inputs = (q, weights, k, start, end, *(given[n] for n in _optional_inputs(p)))
 
     def call(plan, initial, name):
-        targets = sorted(aliases) if aliases else range(len(initial))
         return pl.pallas_call(
             functools.partial(_kernel, p=plan),
-            grid=(n_tb, splits + (1 if plan.theta_top_k else 0)),
+            grid=(n_tb, splits),
             out_shape=out_shape,
-            input_output_aliases={len(inputs) + j: o for j, o in enumerate(targets)},
+            input_output_aliases={len(inputs) + j: j for j in range(len(initial))},
             compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             interpret=plan.interpret,
             name=name,
@@ -631,10 +551,7 @@ def _launch(
 
     if records:
         return call(p, initial, "jsparse_indexer_records")[:3]
-    outs = call(p, initial, "jsparse_indexer_scores")
-    if theta:
-        *outs, theta_codes, _, _ = outs
-        return (*outs, theta_codes)
+    outs = call(p, (), "jsparse_indexer_scores")
     if fill:
         outs = call(dataclasses.replace(p, fill_only=True), outs, "jsparse_indexer_fill")
     return outs

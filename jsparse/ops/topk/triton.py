@@ -240,8 +240,6 @@ def _kth_code_counted(codes, rank, slack=None, guess=True):
     first guess (it costs two more reductions over the codes)."""
     f32 = jnp.float32
     ok = codes != EMPTY_CODE
-    if FUSED_SEARCH_REDUCTIONS and codes.ndim == 1:
-        return _kth_code_fused(codes, ok, rank, slack, guess)
     n_live = jnp.sum(ok.astype(jnp.int32))
 
     def count_ge(th):
@@ -260,54 +258,6 @@ def _kth_code_counted(codes, rank, slack=None, guess=True):
         first = mean + _upper_normal_quantile(p) * deviation  # non-finite: ignored
     lo = jnp.min(jnp.where(ok, codes, _INT_MAX))
     hi = jnp.max(jnp.where(ok, codes, _INT_MIN)) + 1  # codes stop below NaN's: no overflow
-    return _search_kth(count_ge, smallest_ge, lo, hi, n_live, rank, guess=first, slack=slack)
-
-
-# The K-th search's preliminaries (live count, the guess's sum and sum of squares, the
-# smallest and largest live code) as two reductions of stacked rows instead of five:
-# each block-wide reduction is a round of shuffles and a barrier on the chain of a
-# decode chunk program's θ search (run 102: instruction latency, not memory).
-FUSED_SEARCH_REDUCTIONS = True
-
-
-def _pick(v, j):
-    """v[j] of a short vector (a masked sum: Triton has no element extract)."""
-    return jnp.sum(
-        jnp.where(jnp.arange(v.shape[0], dtype=jnp.int32) == j, v, jnp.zeros((), v.dtype))
-    )
-
-
-def _kth_code_fused(codes, ok, rank, slack, guess):
-    """:func:`_kth_code_counted` of a 1-D row with its preliminaries fused: the same
-    search from the same ends, count and guess (the guess's sums may round apart)."""
-    f32 = jnp.float32
-    lane = jnp.arange(2, dtype=jnp.int32)[:, None]
-    # max of (c, ~c) over live codes: the largest code and the complement of the smallest
-    ends = jnp.max(jnp.where(ok[None, :], jnp.where(lane == 0, codes[None, :], ~codes[None, :]),
-                             _INT_MIN), axis=1)  # fmt: skip
-    lo, hi = ~_pick(ends, 1), _pick(ends, 0) + 1  # codes stop below NaN's: no overflow
-    first = None
-    if guess:
-        x = jnp.where(ok, code_to_score(codes), 0.0)
-        row = jnp.arange(4, dtype=jnp.int32)[:, None]
-        moments = jnp.where(row == 1, x[None, :], jnp.where(row == 2, (x * x)[None, :], 0.0))
-        stacked = jnp.where(row == 0, ok.astype(f32)[None, :], moments)
-        sums = jnp.sum(stacked, axis=1)
-        n_live = _pick(sums, 0).astype(jnp.int32)  # exact: rows hold < 2^24 entries
-        n_f = jnp.maximum(n_live, 1).astype(f32)
-        mean = _pick(sums, 1) / n_f
-        deviation = jnp.sqrt(jnp.maximum(_pick(sums, 2) / n_f - mean * mean, 0.0))
-        p = (rank - 0.5) / n_f
-        first = mean + _upper_normal_quantile(p) * deviation
-    else:
-        n_live = jnp.sum(ok.astype(jnp.int32))
-
-    def count_ge(th):
-        return jnp.sum((codes >= th).astype(jnp.int32))
-
-    def smallest_ge(th):
-        return jnp.min(jnp.where(codes >= th, codes, _INT_MAX))
-
     return _search_kth(count_ge, smallest_ge, lo, hi, n_live, rank, guess=first, slack=slack)
 
 
@@ -480,37 +430,23 @@ def _streaming(block, first, n_blocks, blk):
     return count, count_many, compact
 
 
-def sample_offsets(length, k=None):
-    """Offsets from a row's start of its θ sample's entries ``k`` (default: all 4096): the
-    whole row when it has ≤ 4096 entries (offsets past its end are to be skipped), else
-    512 evenly spaced runs of 8, the last ending at the row's end."""
-    n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
-    k = jnp.arange(n_sample, dtype=jnp.int32) if k is None else k
-    spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
-    return jnp.where(length <= n_sample, k, spread + k % SAMPLE_BLOCK)
-
-
 def _sample_threshold(entries, length, top_k, cap, missed=None):
-    """θ ≤ (probably a little below) the K-th code of a row, from its sample
-    (:func:`sample_offsets`, gathered by ``entries``): see :func:`sampled_theta`."""
-    # past a short row's end the sample holds EMPTY, which _kth_code skips
-    sample, _, _ = entries(sample_offsets(length))
-    return sampled_theta(sample, length, top_k, cap, missed)
-
-
-def sampled_theta(sample, length, top_k, cap, missed=None):
     """θ ≤ (probably a little below) the K-th code; EMPTY_CODE when the row fits in cap.
 
-    ``sample``: the codes at :func:`sample_offsets` (EMPTY past a short row's end). A
-    short row's sample is the row (θ is then about the K-th code), a long row's is
-    ranked by :func:`sample_rank`; the search accepts a count up to
-    1/SAMPLE_SLACK_DIVISOR above the rank.
+    The sample is the whole row when short (θ is then about the K-th code), else 512
+    evenly spaced runs of 8 (the last ending at the row's end), ranked by
+    :func:`sample_rank`; the search accepts a count up to 1/SAMPLE_SLACK_DIVISOR above
+    the rank.
     ``missed``: the row count that this rank gave, outside [K, cap]; then returns (θ,
     θ at the rank rescaled so the expected count lands mid-way between K and cap)
     from the one sample (counts grow about linearly with the sample rank).
     """
     n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
     whole = length <= n_sample
+    k = jnp.arange(n_sample, dtype=jnp.int32)
+    spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
+    # past a short row's end the sample holds EMPTY, which _kth_code skips
+    sample, _, _ = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
     f32 = jnp.float32
     ranks = [jnp.where(whole, top_k, sample_rank(top_k, length))]
     if missed is not None:
@@ -656,11 +592,6 @@ def _merge_kernel(*refs, dense, codes, seg_codes, top_k, cap, chunks, cfg):
     codes_ref, ids_ref, count_ref, (slow_ref,) = _buffer_refs(refs, codes, 1)
     row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
-    segment_refs = (seg_codes_ref, seg_ids_ref)
-    # the segment's first block is in flight with the counts, not after them
-    with_scores = codes_ref is not None and seg_codes_ref is None
-    head = _segment_head(source, segment_refs, row, chunk, chunks, cap=cap, blk=blk,
-                         with_scores=with_scores)  # fmt: skip
     _, _, lo, hi = _row_source(source, dense, row, blk)
     length = hi - lo
     c_pad = 1 << (chunks - 1).bit_length()
@@ -671,12 +602,31 @@ def _merge_kernel(*refs, dense, codes, seg_codes, top_k, cap, chunks, cfg):
     )  # fmt: skip
     total = jnp.sum(seg_counts)
     fast_ok = _fits(total, top_k, length, cap)
+    trash = count_ref.shape[0] * cap
+    lanes = jnp.arange(blk, dtype=jnp.int32)
     n = jnp.sum(jnp.where(lane == chunk, seg_counts, 0))
     offset = jnp.sum(jnp.where(lane < chunk, seg_counts, 0))
+    src = (row * chunks + chunk) * cap
+
+    def copy(j, carry):
+        pos = j * blk + lanes
+        ok = pos < n
+        safe = src + jnp.where(ok, pos, 0)
+        dst = jnp.where(ok, row * cap + offset + pos, trash)
+        vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
+        plt.store(ids_ref.at[dst], vi, mask=ok)
+        if seg_codes_ref is not None:
+            vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
+            plt.store(codes_ref.at[dst], vc, mask=ok)
+        elif codes_ref is not None:  # a dense row's id is its column
+            x = plt.load(source[0].at[row, jnp.where(ok, vi, 0)], mask=ok, other=0.0)
+            plt.store(codes_ref.at[dst], score_code(x), mask=ok)
+        return carry
+
     # A missed total copies nothing: chunk 0 writes the whole row, and the total steers
     # its retry.
-    _copy_segment(source, segment_refs, (codes_ref, ids_ref), row, chunk, chunks, n, offset,
-                  fast_ok, cap=cap, blk=blk, head=head)  # fmt: skip
+    n_copies = jnp.where(fast_ok, (n + blk - 1) // blk, 0)
+    jax.lax.fori_loop(0, n_copies, copy, 0)
 
     @pl.when((chunk == 0) & fast_ok)
     def _():
@@ -687,66 +637,6 @@ def _merge_kernel(*refs, dense, codes, seg_codes, top_k, cap, chunks, cfg):
     def _():
         outs = (codes_ref, ids_ref, count_ref, slow_ref)
         _exact_row(source, dense, row, total, outs, top_k=top_k, cap=cap, cfg=cfg)
-
-
-def _segment_head(source, segment_refs, row, chunk, chunks, *, cap, blk, with_scores):
-    """The first ``blk`` slots of segment (row, chunk), loaded before its count is known
-    (slots past it hold stale values, masked by the copy): (ids, codes or None, scores
-    of the ids or None). ``with_scores``: the row's scores at those ids, for a dense
-    row's codes (see ``MERGE_WRITES_CODES``); a stale id is clamped into the row."""
-    seg_codes_ref, seg_ids_ref = segment_refs
-    lanes = jnp.arange(blk, dtype=jnp.int32)
-    inside = lanes < cap
-    at = (row * chunks + chunk) * cap + jnp.where(inside, lanes, 0)
-    ids = plt.load(seg_ids_ref.at[at], mask=inside, other=-1)
-    codes = None
-    if seg_codes_ref is not None:
-        codes = plt.load(seg_codes_ref.at[at], mask=inside, other=EMPTY_CODE)
-    scores = None
-    if with_scores:
-        col = jnp.clip(ids, 0, source[0].shape[1] - 1)
-        scores = plt.load(source[0].at[row, col], mask=inside, other=0.0)
-    return ids, codes, scores
-
-
-def _copy_segment(source, segment_refs, row_refs, row, chunk, chunks, n, offset, go, *, cap, blk,
-                  head):  # fmt: skip
-    """Copies the ``n`` entries of segment (row, chunk) to slots offset.. of the row's
-    buffer when ``go``. ``segment_refs``, ``row_refs``: (codes or None, ids). Without
-    segment codes, a dense row's copied ids get their codes from their scores (see
-    ``MERGE_WRITES_CODES``). ``head``: :func:`_segment_head`, the first block's values
-    (a segment rarely holds more)."""
-    seg_codes_ref, seg_ids_ref = segment_refs
-    codes_ref, ids_ref = row_refs
-    trash = ids_ref.shape[0]  # one past the last slot: never a live index
-    lanes = jnp.arange(blk, dtype=jnp.int32)
-    src = (row * chunks + chunk) * cap
-
-    def store(pos, vi, vc, x):
-        ok = go & (pos < n)
-        dst = jnp.where(ok, row * cap + offset + pos, trash)
-        plt.store(ids_ref.at[dst], vi, mask=ok)
-        if vc is not None:
-            plt.store(codes_ref.at[dst], vc, mask=ok)
-        elif x is not None:
-            plt.store(codes_ref.at[dst], score_code(x), mask=ok)
-
-    store(lanes, *head)
-
-    def copy(j, carry):
-        pos = j * blk + lanes
-        ok = pos < n
-        safe = src + jnp.where(ok, pos, 0)
-        vi = plt.load(seg_ids_ref.at[safe], mask=ok, other=-1)
-        vc = x = None
-        if seg_codes_ref is not None:
-            vc = plt.load(seg_codes_ref.at[safe], mask=ok, other=EMPTY_CODE)
-        elif codes_ref is not None:  # a dense row's id is its column
-            x = plt.load(source[0].at[row, jnp.where(ok, vi, 0)], mask=ok, other=0.0)
-        store(pos, vi, vc, x)
-        return carry
-
-    jax.lax.fori_loop(1, jnp.where(go, (n + blk - 1) // blk, 0), copy, 0)
 
 
 def _ladder(lo, hi):
@@ -951,7 +841,7 @@ def default_chunks(rows: int, length: int) -> int:
     return int(max(1, min(-(-4 * 132 // rows), length // entries, MAX_CHUNKS)))
 
 
-def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes, theta=None):
+def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
     i32 = jnp.int32
@@ -970,15 +860,14 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes, theta=None):
         # 1.21-1.28 ms against 1.76-1.87 with θ sampled inside; θ's kernel 0.24 ms at
         # 8192 × 64K, run 40). Rows split over chunks (decode) sample in each chunk
         # program: there the θ kernel first saved nothing (run 61: busy within 1 µs).
-        if theta is None:
-            theta = pl.pallas_call(
-                functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
-                grid=(t,),
-                out_shape=flag,
-                compiler_params=compiler,
-                interpret=interpret,
-                name="jsparse_topk_theta",
-            )(*inputs)
+        theta = pl.pallas_call(
+            functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
+            grid=(t,),
+            out_shape=flag,
+            compiler_params=compiler,
+            interpret=interpret,
+            name="jsparse_topk_theta",
+        )(*inputs)
         if dense and KEEP_BITS:
             bufs, slow = _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes)
         else:
@@ -1005,20 +894,16 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes, theta=None):
     else:  # the merge kernel takes flagged rows' slow path itself
         n_seg = t * chunks
         seg_codes = codes and not (dense and MERGE_WRITES_CODES)
-        given = theta is not None  # θ of each row from before (the scorer's θ program)
-        chunk_kernel = functools.partial(
-            _chunk_kernel, **statics | dict(codes=seg_codes), theta_given=given
-        )
-        split_params = plt.CompilerParams(num_warps=cfg.split_num_warps, num_stages=cfg.num_stages)
-        chunk_inputs = (*inputs, *((theta,) if given else ()))
         segments = pl.pallas_call(
-            chunk_kernel,
+            functools.partial(_chunk_kernel, **statics | dict(codes=seg_codes), theta_given=False),
             grid=(t, chunks),
             out_shape=buffers(n_seg, seg_codes),
-            compiler_params=split_params,
+            compiler_params=plt.CompilerParams(
+                num_warps=cfg.split_num_warps, num_stages=cfg.num_stages
+            ),
             interpret=interpret,
             name="jsparse_topk_compact_chunks",
-        )(*chunk_inputs)
+        )(*inputs)
         *bufs, slow = pl.pallas_call(
             functools.partial(_merge_kernel, **statics, seg_codes=seg_codes),
             grid=(t, chunks),
@@ -1063,7 +948,7 @@ def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes):
 
 
 def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None, *,
-                 with_codes=False, theta=None):  # fmt: skip
+                 with_codes=False):  # fmt: skip
     """Candidate ids [T, cap] (id order) holding each row's exact Top-K; no codes: the
     select gathers their scores back (:func:`select_rows`). Slots past a row's count
     are undefined.
@@ -1077,14 +962,12 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
     candidates' scores, written by the compaction (as kept, or by the merge of split
     rows: ``MERGE_WRITES_CODES``) for decode rows, where gathering them back was its
     own launch (~1.5 µs a step, run 67). Not by default: many rows would pay one more
-    store per kept entry (run 41). ``theta`` [T] int32: each row's sampled θ, already
-    found (:func:`sampled_theta` over the row's sample, as the scorer's θ program
-    computes it); any θ gives the exact answer, the count check decides the path.
+    store per kept entry (run 41).
     """
     t, s = scores.shape
     chunks = chunks or default_chunks(t, s)
     inputs = (scores, start, end)
-    return _compact_call(inputs, t, top_k, cap, True, cfg, chunks, codes=with_codes, theta=theta)
+    return _compact_call(inputs, t, top_k, cap, True, cfg, chunks, codes=with_codes)
 
 
 def compact_records(codes, ids, counts, top_k, cap, cfg=SelectConfig(), chunks=None):
@@ -1365,14 +1248,6 @@ def _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, rows):
     plt.store(out_scores_ref.at[dst], score, mask=write)
 
 
-# Rows of at most this many bj-blocks are ranked with every load issued up front:
-# the codes of the whole row, the ranked slots and the count in one round trip, before
-# the count is known (slots past it are masked afterwards), instead of one load a block
-# in a loop after the count. Each block's compares still wait for the count and skip
-# blocks past it. Larger rows: the loop (their registers would not hold the row).
-RANK_STATIC_BLOCKS = 16
-
-
 def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_ref,
                         *, top_k, cap, bi, bj):  # fmt: skip
     """Program (row, part): each of the part's ``bi`` candidate slots is ranked against
@@ -1380,10 +1255,6 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
     so the row comes out selected and ordered at once. Slots between the live count and
     K are the padding (-1 / -inf). The candidates are in id order (slot order), so an
     entry ranks behind an equal code exactly when that code sits in an earlier slot."""
-    if -(-cap // bj) <= RANK_STATIC_BLOCKS:
-        _rank_select_static(codes_ref, ids_ref, count_ref, (out_ids_ref, out_scores_ref),
-                            top_k=top_k, cap=cap, bi=bi, bj=bj)  # fmt: skip
-        return
     row, first, n = _row_part(count_ref, cap, bi)
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
@@ -1408,50 +1279,6 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
         ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
         rank = jnp.sum(ahead, axis=1)
         outs = (out_ids_ref, out_scores_ref)
-        _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
-
-
-def _rank_select_static(codes_ref, ids_ref, count_ref, outs, *, top_k, cap, bi, bj):
-    """The rank kernel of a row of at most RANK_STATIC_BLOCKS blocks: the same ranks as the
-    loop, from loads that do not wait for the count (see ``RANK_STATIC_BLOCKS``)."""
-    row, first = pl.program_id(0), pl.program_id(1) * bi
-    lanes = jnp.arange(bj, dtype=jnp.int32)
-
-    def raw_codes(slots):  # in the row's buffer, live or not (masked once n is known)
-        inside = slots < cap
-        return plt.load(
-            codes_ref.at[row * cap + jnp.where(inside, slots, 0)], mask=inside, other=EMPTY_CODE
-        )
-
-    slot_i = first + jnp.arange(bi, dtype=jnp.int32)
-    at_i = row * cap + jnp.where(slot_i < cap, slot_i, 0)
-    raw_c_i = raw_codes(slot_i)
-    raw_id_i = plt.load(ids_ref.at[at_i], mask=slot_i < cap, other=-1)
-    own = first // bj  # bi divides bj: i's slots lie in one block
-    own_slots = own * bj + lanes
-    raw_own = raw_codes(own_slots)
-    blocks = [raw_codes(b * bj + lanes) for b in range(-(-cap // bj))]
-    n = jnp.minimum(plt.load(count_ref.at[row]), cap)
-
-    @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
-    def _():
-        live_i = slot_i < n
-        c_i = jnp.where(live_i, raw_c_i, EMPTY_CODE)
-        id_i = jnp.where(live_i, raw_id_i, -1)
-        # as the loop: the own block by slot order, blocks before it by c_j > c_i - 1,
-        # after it by c_j > c_i (c_i > EMPTY: no wrap)
-        c_own = jnp.where(own_slots < n, raw_own, EMPTY_CODE)
-        earlier = (own_slots[None, :] < slot_i[:, None]).astype(jnp.int32)
-        ahead = (c_own[None, :] > c_i[:, None] - earlier).astype(jnp.int32)
-        for b, raw in enumerate(blocks):
-
-            def add(ahead, raw=raw, b=b):
-                c_j = jnp.where((b * bj + lanes < n) & (b != own), raw, EMPTY_CODE)
-                bar = c_i - (b < own).astype(jnp.int32)
-                return ahead + (c_j[None, :] > bar[:, None]).astype(jnp.int32)
-
-            ahead = jax.lax.cond(b * bj < n, add, lambda ahead: ahead, ahead)
-        rank = jnp.sum(ahead, axis=1)
         _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
 
 
