@@ -42,20 +42,7 @@ def _assert_same(base, res):
     np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(base.scores))
 
 
-@pytest.mark.parametrize(
-    "method, options",
-    [
-        # Per-query r over two width classes (8 and 16 rows): two screening launches.
-        ("dosa", dict(r=R_TWO_WIDTHS)),
-        # Decode-like splitting of the key range: survivors reserved by fetch-and-add.
-        ("dense", dict(splits=3, variant="neg_all")),
-    ],
-    ids=["dosa-two-widths", "dense-splits"],
-)
-def test_triton_certified_equals_base(kernel_impl, method, options):
-    inputs = make_inputs(CFG, 11)
-    base, full = _base_and_full(inputs, CFG.top_k, kernel_impl)
-    res, info = _dosa(inputs, CFG.top_k, kernel_impl, method=method, **options)
+def _check_equals_base(base, full, res, info, method, two_widths):
     _assert_same(base, res)
     screened = np.asarray(info.screened)
     assert screened.any()
@@ -68,19 +55,25 @@ def test_triton_certified_equals_base(kernel_impl, method, options):
     surv, vis = np.asarray(res.survivors), np.asarray(res.visible)
     assert np.all(surv <= vis)
     assert np.all(np.asarray(info.list_length)[screened] >= surv[screened])
-    if "r" in options:
+    if two_widths:
         widths = np.asarray(info.plan.width)
         assert set(widths.tolist()) == {8, 16}
 
 
-def test_fp8_keys_widened_in_memory_screen_the_same(kernel_impl, monkeypatch):
+def test_triton_certified_equals_base(kernel_impl, monkeypatch):
+    # Both pipelines against one base and full (one trace of each): decode-like splitting
+    # of the key range (survivors reserved by fetch-and-add), and per-query r over two
+    # width classes (8 and 16 rows: two screening launches), the latter with FP8 keys
+    # widened in registers and in memory.
+    inputs = make_inputs(CFG, 11)
+    base, full = _base_and_full(inputs, CFG.top_k, kernel_impl)
+    res, info = _dosa(inputs, CFG.top_k, kernel_impl, method="dense", splits=3, variant="neg_all")
+    _check_equals_base(base, full, res, info, "dense", two_widths=False)
+
     # Large launches hand the screening kernel keys widened once to the rows' dtype
     # (exact): every survivor list, count and answer must be what in-register widening
     # gives. Only the screening's choice is forced; the scorer runs as it would. Queries
-    # in both width classes: both screening launches get the widened keys. In registers,
-    # the pipeline is test_triton_certified_equals_base's (one XLA compile for both when
-    # the compilation cache is shared).
-    inputs = make_inputs(CFG, 11)
+    # in both width classes: both screening launches get the widened keys.
     seen = []
     launch = ctriton._screen_launch
 
@@ -99,6 +92,7 @@ def test_fp8_keys_widened_in_memory_screen_the_same(kernel_impl, monkeypatch):
         assert seen and all(d == want for d in seen)
     jax.clear_caches()
     (in_registers, info_r), (in_memory, info_m) = results[False], results[True]
+    _check_equals_base(base, full, in_registers, info_r, "dosa", two_widths=True)
     assert np.asarray(info_m.screened).any()
     for name in ("indices", "scores", "candidates", "survivors", "threshold"):
         np.testing.assert_array_equal(
