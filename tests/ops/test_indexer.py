@@ -27,7 +27,7 @@ class Case:
     top_k: int
     ranges: str = "all"  # all | causal | packed | odd
     scale: bool = False
-    keys: str = "gauss"  # gauss | ties | equal
+    keys: str = "gauss"  # gauss | ties | equal | structured
 
     def __str__(self):
         return self.name
@@ -41,6 +41,9 @@ CASES = [
     Case("ties", t=4, h=4, d=16, s=200, top_k=30, keys="ties"),
     Case("all-equal", t=4, h=4, d=16, s=150, top_k=30, keys="equal"),
     Case("k>visible", t=3, h=4, d=16, s=10, top_k=30, ranges="odd"),
+    # recent keys score highest (positive queries and weights): full's seed threshold
+    # prunes most record writes (checked on the kernels)
+    Case("structured", t=4, h=4, d=16, s=2048, top_k=30, keys="structured"),
 ]
 _BY_NAME = {c.name: c for c in CASES}
 
@@ -66,7 +69,7 @@ _CALL_CASES = (
     ("odd",),
     ("prefill-chunk",),
     ("packed", "causal"),
-    ("ties", "all-equal", "k>visible"),
+    ("ties", "all-equal", "structured", "k>visible"),
 )
 CALLS = [Call("+".join(names), tuple(_BY_NAME[n] for n in names)) for names in _CALL_CASES]
 
@@ -80,6 +83,9 @@ def make_inputs(case: Case, dtype, seed=0):
         k = k[rng.integers(0, 7, case.s)]  # only 7 distinct keys: scores tie in groups
     elif case.keys == "equal":
         k = np.broadcast_to(k[:1], k.shape).copy()  # every key the same: every score ties
+    elif case.keys == "structured":
+        q, w = np.abs(q), np.ones_like(w)
+        k = k + np.linspace(-3, 3, case.s, dtype=np.float32)[:, None]
     scale = rng.uniform(0.25, 4.0, case.s).astype(np.float32) if case.scale else None
     if case.ranges == "all":
         start = np.zeros(case.t, np.int32)
@@ -183,15 +189,23 @@ def test_reference_methods_match_oracle(call, dtype):
 
 
 # Interpret mode compiles every kernel per shape (~10 s each on 2 cores): on the CPU, bf16
-# runs every case and fp8 the cases where its rounding matters; the GPU runs all.
-TRITON_CASES = [(c, "bf16") for c in CALLS] + [
-    (c, dt) for c in CALLS for dt in ("fp8", "f32")
-    if backend.has_nvidia_gpu() or (dt == "fp8" and c.name in ("odd", "prefill-chunk"))
+# runs every case and fp8 the cases where its rounding matters; the GPU runs all. Two
+# calls run in the tests that reuse their base and full (one trace each):
+# prefill-chunk bf16 in test_prefill_chunk_unsorted_seeds_and_record_overflow, odd fp8
+# in test_fp8_widened_in_memory_gives_the_same_answer.
+_TRITON_ELSEWHERE = (("prefill-chunk", "bf16"), ("odd", "fp8"))
+TRITON_CASES = [
+    (c, dt) for c in CALLS for dt in ("bf16", "fp8", "f32")
+    if (c.name, dt) not in _TRITON_ELSEWHERE and (
+        backend.has_nvidia_gpu() or dt == "bf16"
+        or (dt == "fp8" and c.name in ("odd", "prefill-chunk"))
+    )
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("call", "dtype"), TRITON_CASES, ids=lambda x: str(x))
-def test_triton_methods_match_oracle_and_each_other(call, dtype, kernel_impl):
+def triton_call_matches_oracle(call, dtype, kernel_impl):
+    """base and full of one call on the kernels against the oracle and each other;
+    returns (inputs, rows, base, full)."""
     inputs, rows = call_inputs(call, DTYPES[dtype], seed=1)
     top_k = call.cases[0].top_k
     base = jsparse.indexer_topk(**inputs, top_k=top_k, method="base", implementation=kernel_impl)
@@ -202,21 +216,78 @@ def test_triton_methods_match_oracle_and_each_other(call, dtype, kernel_impl):
     np.testing.assert_array_equal(full.scores, base.scores)
     assert not np.any(full.fallback)
     visible = np.asarray(inputs["kv_end"] - inputs["kv_start"])
-    assert np.all(np.asarray(full.candidates) <= visible)
+    candidates = np.asarray(full.candidates)
+    assert np.all(candidates <= visible)
+    for c in call.cases:
+        if c.keys == "structured":  # the seed threshold prunes most writes
+            sl = rows[c.name]
+            assert np.all(candidates[sl] < visible[sl] // 8), (c.name, candidates[sl])
+    return inputs, rows, base, full
+
+
+@pytest.mark.parametrize(("call", "dtype"), TRITON_CASES, ids=lambda x: str(x))
+def test_triton_methods_match_oracle_and_each_other(call, dtype, kernel_impl):
+    triton_call_matches_oracle(call, dtype, kernel_impl)
+
+
+def test_prefill_chunk_unsorted_seeds_and_record_overflow(kernel_impl):
+    """The prefill-chunk call (bf16) against the oracle, then on its inputs: unsorted
+    results are the same sets, explicit seeds give base's answer, and a record buffer far
+    too small falls back to base exactly."""
+    from jsparse.ops.indexer import methods
+
+    call = next(c for c in CALLS if c.name == "prefill-chunk")
+    inputs, _, base, full = triton_call_matches_oracle(call, "bf16", kernel_impl)
+    case, top_k = call.cases[0], call.cases[0].top_k
+
+    for ordered in (base, full):
+        method = "base" if ordered is base else "full"
+        loose = jsparse.indexer_topk(
+            **inputs, top_k=top_k, method=method, sorted=False, implementation=kernel_impl
+        )
+        for t in range(case.t):
+            a, b = np.asarray(ordered.indices[t]), np.asarray(loose.indices[t])
+            assert sorted(a.tolist()) == sorted(b.tolist()), method
+            score_of = dict(zip(b.tolist(), np.asarray(loose.scores[t]).tolist(), strict=True))
+            np.testing.assert_array_equal([score_of[i] for i in a], np.asarray(ordered.scores[t]))
+
+    end = np.asarray(inputs["kv_end"])
+    seeds = jnp.asarray(np.stack([np.arange(e - 60, e) for e in end]).astype(np.int32))
+    for impl in ("reference", kernel_impl):
+        want = base
+        if impl == "reference":
+            want = jsparse.indexer_topk(**inputs, top_k=top_k, implementation=impl)
+        seeded = jsparse.indexer_topk(
+            **inputs, top_k=top_k, method="full", seeds=seeds, implementation=impl
+        )
+        np.testing.assert_array_equal(seeded.indices, want.indices)
+
+    args = [inputs[n] for n in ("q", "weights", "k")]
+    overflow = methods.topk_full(
+        *args, top_k, inputs["k_scale"], inputs["kv_start"], inputs["kv_end"],
+        capacity=top_k,  # far too small: every query overflows
+    )  # fmt: skip
+    assert np.all(np.asarray(overflow.fallback)[np.asarray(overflow.visible) > top_k])
+    np.testing.assert_array_equal(overflow.indices, base.indices)
+    np.testing.assert_array_equal(overflow.scores, base.scores)
 
 
 def test_fp8_widened_in_memory_gives_the_same_answer(kernel_impl, fp8_widening):
-    case = next(c for c in CASES if c.name == "odd")
-    inputs = make_inputs(case, DTYPES["fp8"], seed=1)
+    # The odd call (fp8) against the oracle in registers (as at the default threshold:
+    # 5 queries), then widened in memory.
+    from jsparse.ops.indexer import triton as scorer
+
+    call = next(c for c in CALLS if c.name == "odd")
+    assert not scorer.widens_fp8_in_memory(call.cases[0].t)
+    fp8_widening.set_threshold(None)
+    inputs, _, before, _ = triton_call_matches_oracle(call, "fp8", kernel_impl)
+    assert fp8_widening.decisions and not any(fp8_widening.decisions)
 
     def run(method):
         return jsparse.indexer_topk(
-            **inputs, top_k=case.top_k, method=method, implementation=kernel_impl
+            **inputs, top_k=call.cases[0].top_k, method=method, implementation=kernel_impl
         )
 
-    fp8_widening.set_threshold(None)
-    before = run("base")
-    assert fp8_widening.decisions and not any(fp8_widening.decisions)
     fp8_widening.set_threshold(1)
     base, full = run("base"), run("full")
     assert fp8_widening.decisions and all(fp8_widening.decisions)  # every launch widened
@@ -291,23 +362,6 @@ def test_scorer_written_report_is_the_reports(case, kernel_impl, monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("method", ["base", "full"])
-def test_unsorted_is_the_same_set(method, kernel_impl):
-    case = CASES[2]
-    inputs = make_inputs(case, jnp.bfloat16, seed=8)
-    ordered = jsparse.indexer_topk(
-        **inputs, top_k=case.top_k, method=method, implementation=kernel_impl
-    )
-    loose = jsparse.indexer_topk(
-        **inputs, top_k=case.top_k, method=method, sorted=False, implementation=kernel_impl
-    )
-    for t in range(case.t):
-        a, b = np.asarray(ordered.indices[t]), np.asarray(loose.indices[t])
-        assert sorted(a.tolist()) == sorted(b.tolist())
-        score_of = dict(zip(b.tolist(), np.asarray(loose.scores[t]).tolist(), strict=True))
-        np.testing.assert_array_equal([score_of[i] for i in a], np.asarray(ordered.scores[t]))
-
-
 def test_one_query_block_matches_oracle(kernel_impl):
     """A single query runs the scorer's one-query block (its own epilogue, runs 104-105):
     odd heads (padded), scaled keys, a range that starts and ends inside a key tile."""
@@ -372,49 +426,6 @@ def test_ties_resolve_by_id(kernel_impl):
             r = jsparse.indexer_topk(**inputs, top_k=top_k, method=method, implementation=impl)
             for i, a in zip(range(eq.start, eq.stop), first, strict=True):
                 np.testing.assert_array_equal(r.indices[i], np.arange(a, a + top_k))
-
-
-def test_full_records_fewer_than_visible_on_structured_keys(kernel_impl):
-    """With recent keys scoring highest, the seed threshold prunes most writes."""
-    rng = np.random.default_rng(5)
-    t, h, d, s, top_k = 2, 4, 16, 2048, 16
-    q = np.abs(rng.standard_normal((t, h, d))).astype(np.float32)
-    k = rng.standard_normal((s, d)).astype(np.float32) + np.linspace(-3, 3, s)[:, None]
-    inputs = dict(q=jnp.asarray(q, jnp.bfloat16), weights=jnp.ones((t, h), jnp.float32),
-                  k=jnp.asarray(k, jnp.bfloat16))  # fmt: skip
-    base = jsparse.indexer_topk(**inputs, top_k=top_k, method="base", implementation=kernel_impl)
-    full = jsparse.indexer_topk(**inputs, top_k=top_k, method="full", implementation=kernel_impl)
-    np.testing.assert_array_equal(full.indices, base.indices)
-    assert np.all(np.asarray(full.candidates) < s // 8)
-
-
-def test_explicit_seeds(kernel_impl):
-    case = CASES[2]
-    inputs = make_inputs(case, jnp.bfloat16, seed=4)
-    end = np.asarray(inputs["kv_end"])
-    seeds = np.stack([np.arange(e - 60, e) for e in end]).astype(np.int32)
-    for impl in ("reference", kernel_impl):
-        base = jsparse.indexer_topk(**inputs, top_k=case.top_k, implementation=impl)
-        full = jsparse.indexer_topk(
-            **inputs, top_k=case.top_k, method="full", seeds=jnp.asarray(seeds), implementation=impl
-        )
-        np.testing.assert_array_equal(full.indices, base.indices)
-
-
-def test_record_overflow_falls_back_exactly(interpret):
-    from jsparse.ops.indexer import methods
-
-    case = CASES[2]
-    inputs = make_inputs(case, jnp.bfloat16, seed=6)
-    base = jsparse.indexer_topk(**inputs, top_k=case.top_k, implementation="triton")
-    args = [inputs[n] for n in ("q", "weights", "k")]
-    full = methods.topk_full(
-        *args, case.top_k, inputs["k_scale"], inputs["kv_start"], inputs["kv_end"],
-        capacity=case.top_k,  # far too small: every query overflows
-    )  # fmt: skip
-    assert np.all(np.asarray(full.fallback)[np.asarray(full.visible) > case.top_k])
-    np.testing.assert_array_equal(full.indices, base.indices)
-    np.testing.assert_array_equal(full.scores, base.scores)
 
 
 class TestNonFinite:
