@@ -240,8 +240,7 @@ def test_prefill_chunk_unsorted_seeds_and_record_overflow(kernel_impl):
     inputs, _, base, full = triton_call_matches_oracle(call, "bf16", kernel_impl)
     case, top_k = call.cases[0], call.cases[0].top_k
 
-    for ordered in (base, full):
-        method = "base" if ordered is base else "full"
+    for method, ordered in (("base", base), ("full", full)):
         loose = jsparse.indexer_topk(
             **inputs, top_k=top_k, method=method, sorted=False, implementation=kernel_impl
         )
