@@ -23,6 +23,18 @@ from jsparse._environment import environment  # noqa: F401  (bench modules call 
 
 ROOT = Path(__file__).resolve().parents[1]
 L2_BYTES = 60 * 2**20  # H200; rotating inputs only matters when a set fits in L2
+MAX_INPUT_SETS = 16
+
+
+def rotation_sets(bytes_per_set: int) -> int:
+    """How many input sets a timing loop rotates over so that a set's bytes have left the
+    L2 before the set comes round again: the others span ≥ 2× the L2 (at most
+    MAX_INPUT_SETS). Three sets of a 16 MiB one-query key cache were 48 MiB, less than
+    the L2, so part of each call's keys was still there from its last turn."""
+    if bytes_per_set >= 2 * L2_BYTES:
+        return 1
+    return min(MAX_INPUT_SETS, 1 + -(-2 * L2_BYTES // max(bytes_per_set, 1)))
+
 
 BACKENDS = {"pallas-gpu": "triton", "interpret": "triton", "xla": "reference"}
 

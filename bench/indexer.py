@@ -131,7 +131,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
         label = f"T{case['t']} S{case['s']} {case['ranges']} {case['dtype']}"
         inputs = make_inputs(case, seed=0)
         bytes_per_set = sum(v.nbytes for v in inputs.values() if v is not None)
-        n_sets = 3 if bytes_per_set < 2 * common.L2_BYTES else 1
+        n_sets = common.rotation_sets(bytes_per_set)
         sets = [inputs] + [make_inputs(case, seed=i) for i in range(1, n_sets)]
         flops, nbytes = counts(case, inputs)
         rate = floors.matmul_flops_per_s.get(case["dtype"], float("nan"))
