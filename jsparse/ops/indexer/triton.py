@@ -50,7 +50,9 @@ WIDEN_FP8_IN_MEMORY_FROM: int | None = 16
 
 @dataclasses.dataclass(frozen=True)
 class ScorerConfig:
-    """Tiles of the scorer kernel. Every launch of one indexer call uses one config."""
+    """Tiles of the scorer kernel. Every launch of one indexer call uses one config: the
+    dot's decomposition, and so the f32 rounding of a score, can change with the tiles
+    (64-key tiles at 8 warps give other scores than at 4, run 113)."""
 
     block_t: int = 2  # queries per program; they share every key tile
     block_s: int = 128  # keys per tile (M of the dot)
