@@ -112,7 +112,8 @@ def test_scores_match_reference(case, dtype, mosaic_interpret):
 
 
 def test_block_sizes_and_pipeline_depth(mosaic_interpret):
-    """Other tiles give the same scores: BT = 1 and 3, BS = 64, a single-buffered pipeline."""
+    """Other tiles give the same scores: BT = 1 and 3, BS = 64, a single-buffered pipeline,
+    key tiles split over several CTAs."""
     x = make_inputs(7, 16, 64, 200, FP8, ranges="odd", scale=True, seed=4)
     want = jsparse.indexer_scores(**x, implementation="reference")
     bound = error_bound(x, F32_UNIT_ROUNDOFF)
@@ -120,6 +121,9 @@ def test_block_sizes_and_pipeline_depth(mosaic_interpret):
     for cfg in (
         mosaic.MosaicScorerConfig(block_t=1, block_s=64, max_concurrent_steps=1),
         mosaic.MosaicScorerConfig(block_t=3, block_s=128, max_concurrent_steps=2),
+        # 4 key tiles over 3 CTAs a block (runs of 2, 2, 0): visible and filled tiles
+        # in every run, and a CTA with no tile at all
+        mosaic.MosaicScorerConfig(block_t=2, block_s=64, max_concurrent_steps=2, key_splits=3),
     ):
         assert_scores_close(mosaic.indexer_scores_mosaic(*args, cfg=cfg), want, bound)
 

@@ -17,7 +17,8 @@ interpreter and both value-preserving: ``layout_cast`` is skipped (no interprete
 and each block's queries arrive pre-transposed instead of as a transposed view (the
 interpreter's wgmma cannot apply one). The cross-lowering test covers the compiled path.
 
-Tiling (one CTA = one warpgroup = one block of BT queries):
+Tiling (one CTA = one warpgroup = one block of BT queries × one run of key tiles; a
+block's tiles are split over several CTAs when there are few blocks, as in decode):
 
     queries  q_smem [BT·H, D]     loaded once per CTA by TMA (rows t·H + h of q)
     keys     k_smem [BS, D]       one tile per pipeline step, multi-buffered TMA
@@ -75,6 +76,9 @@ class MosaicScorerConfig:
     block_t: int = 2  # queries per CTA: N = block_t·H of the wgmma (≤ 256)
     block_s: int = 128  # keys per tile: M of the wgmma (a multiple of 64)
     max_concurrent_steps: int = 3  # key tiles in flight through shared memory
+    # CTAs a query block's key tiles are split over (None: enough for ~2 CTAs an SM, as
+    # the Triton scorer does for decode; a few query blocks alone would leave most SMs idle)
+    key_splits: int | None = None
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t > (_META - 2) // 2:
@@ -88,11 +92,25 @@ class MosaicScorerConfig:
                 "MosaicScorerConfig.max_concurrent_steps must be ≥ 1, "
                 f"got {self.max_concurrent_steps}"
             )
+        if self.key_splits is not None and self.key_splits < 1:
+            raise ValueError(f"MosaicScorerConfig.key_splits must be ≥ 1, got {self.key_splits}")
 
 
-def default_config(heads: int) -> MosaicScorerConfig:
-    """Two queries per CTA at H=64 (N = 128), one at H > 128 (N ≤ 256). Unmeasured."""
-    return MosaicScorerConfig(block_t=max(1, min(2, 256 // max(heads, 1))))
+def default_config(heads: int, num_queries: int = 2) -> MosaicScorerConfig:
+    """Two queries per CTA at H=64 (N = 128), one at H > 128 (N ≤ 256) or for a single
+    query (a second, padded row would double the dot for nothing)."""
+    return MosaicScorerConfig(block_t=max(1, min(2, 256 // max(heads, 1), num_queries)))
+
+
+# CTAs a launch aims at (132 SMs, two CTAs an SM) when it splits key tiles.
+CTAS_TARGET = 2 * 132
+
+
+def key_splits(n_blocks: int, n_tiles: int, cfg: MosaicScorerConfig) -> int:
+    """CTAs per query block: the config's, or enough that the launch has ~CTAS_TARGET."""
+    if cfg.key_splits is not None:
+        return max(1, min(cfg.key_splits, n_tiles))
+    return max(1, min(n_tiles, -(-CTAS_TARGET // n_blocks)))
 
 
 def interpret_params():
@@ -143,7 +161,9 @@ def check_supported(q_shape, q_dtype, k_dtype, cfg: MosaicScorerConfig) -> None:
         )
 
 
-def _kernel(q_ref, w_ref, k_ref, scale_ref, meta_ref, out_ref, scratch, *, cfg, heads, interpret):
+def _kernel(
+    q_ref, w_ref, k_ref, scale_ref, meta_ref, out_ref, scratch, *, cfg, heads, splits, interpret
+):
     q_smem, w_smem, meta_smem, out_smem, fill_smem, barriers = scratch
     # Register layouts matter only to the compiler; the interpreter has no rule for
     # layout_cast (jax 0.10.2), and it is the identity on values.
@@ -151,6 +171,7 @@ def _kernel(q_ref, w_ref, k_ref, scale_ref, meta_ref, out_ref, scratch, *, cfg, 
     bt, bs = cfg.block_t, cfg.block_s
     n = bt * heads
     blk = lax.axis_index("blocks")
+    split = lax.axis_index("splits")
 
     # Everything the CTA needs besides keys, once: its query rows, weights and ranges.
     rows = q_smem.shape[0]  # n compiled ([BT·H, D]); D interpreted ([D, BT·H], see _scores)
@@ -159,8 +180,15 @@ def _kernel(q_ref, w_ref, k_ref, scale_ref, meta_ref, out_ref, scratch, *, cfg, 
     plgpu.copy_gmem_to_smem(meta_ref.at[blk], meta_smem, barriers.at[2])
     for i in range(3):
         plgpu.barrier_wait(barriers.at[i])
-    first = meta_smem[0]
-    n_visible = meta_smem[1]
+    # This CTA's key tiles: [r0, r1), one of ``splits`` equal runs of the row's tiles;
+    # the visible ones among them, [first, first + n_visible), stream through the
+    # pipeline and the rest are filled with -inf.
+    n_tiles = out_ref.shape[1] // bs
+    per_split = -(-n_tiles // splits)
+    r0 = jnp.minimum(split * per_split, n_tiles)
+    r1 = jnp.minimum(r0 + per_split, n_tiles)
+    first = jnp.clip(meta_smem[0], r0, r1)
+    n_visible = jnp.clip(meta_smem[0] + meta_smem[1], r0, r1) - first
     starts = [meta_smem[2 + b] for b in range(bt)]
     ends = [meta_smem[2 + bt + b] for b in range(bt)]
 
@@ -216,11 +244,10 @@ def _kernel(q_ref, w_ref, k_ref, scale_ref, meta_ref, out_ref, scratch, *, cfg, 
     for b in range(bt):
         fill_smem[b] = neg_inf_row
     plgpu.commit_smem()
-    n_tiles = out_ref.shape[1] // bs
 
-    @pl.loop(0, n_tiles - n_visible)
+    @pl.loop(0, r1 - r0 - n_visible)
     def _fill(i):
-        tile = jnp.where(i < first, i, i + n_visible)
+        tile = r0 + jnp.where(i < first - r0, i, i + n_visible)
         plgpu.copy_smem_to_gmem(fill_smem, out_ref.at[pl.ds(blk * bt, bt), pl.ds(tile * bs, bs)])
         # Bound the number of stores in flight; the source tile is never rewritten.
         plgpu.wait_smem_to_gmem(8, wait_read_only=True)
@@ -295,11 +322,12 @@ def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret):
         q2 = q2.reshape(n_blocks, n, d).transpose(0, 2, 1).reshape(n_blocks * d, n)
         q_smem = plgpu.SMEM((d, n), q.dtype)
 
+    splits = key_splits(n_blocks, s_pad // bs, cfg)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, heads=h, interpret=interpret),
+        functools.partial(_kernel, cfg=cfg, heads=h, splits=splits, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((t_pad, s_pad), jnp.float32),
-        grid=(n_blocks,),
-        grid_names=("blocks",),
+        grid=(n_blocks, splits),
+        grid_names=("blocks", "splits"),
         scratch_types=[
             (
                 q_smem,
@@ -322,7 +350,7 @@ def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret):
 
 def indexer_scores_mosaic(q, weights, k, k_scale, start, end, *, cfg=None):
     """Dense [T, S] f32 scores with -inf where not visible (the public ``indexer_scores``)."""
-    cfg = cfg or default_config(q.shape[1])
+    cfg = cfg or default_config(q.shape[1], q.shape[0])
     check_supported(q.shape, q.dtype, k.dtype, cfg)
     return _scores(q, weights, k, k_scale, start, end, cfg=cfg, interpret=backend.is_interpret())
 
@@ -337,7 +365,7 @@ def _topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg, sort, interpre
 def topk_base_mosaic(q, weights, k, top_k, k_scale, start, end, seeds, sort=True, *, cfg=None):
     """``base``: every visible score from the Mosaic GPU scorer, then exact selection."""
     del seeds
-    cfg = cfg or default_config(q.shape[1])
+    cfg = cfg or default_config(q.shape[1], q.shape[0])
     check_supported(q.shape, q.dtype, k.dtype, cfg)
     return _topk_base(
         q, weights, k, top_k, k_scale, start, end,
