@@ -102,15 +102,21 @@ def default_config(heads: int, num_queries: int = 2) -> MosaicScorerConfig:
     return MosaicScorerConfig(block_t=max(1, min(2, 256 // max(heads, 1), num_queries)))
 
 
-# CTAs a launch aims at (132 SMs, two CTAs an SM) when it splits key tiles.
-CTAS_TARGET = 2 * 132
+# A launch that splits key tiles aims at one wave: as many CTAs as fit the 132 SMs at
+# once by shared memory, at most two an SM. One query × 64K keys (run 115): bf16 CTAs
+# (~120 KB) fit one an SM, and 132 CTAs scored in 7.4 µs where 264 (two waves) took
+# 9.5; fp8 CTAs (~64 KB) ran 5.6 µs at 264 and 5.8 at 132.
+SMS = 132
+MAX_CTAS_PER_SM = 2
+_SMEM_PER_SM = 228 * 1024
 
 
-def key_splits(n_blocks: int, n_tiles: int, cfg: MosaicScorerConfig) -> int:
-    """CTAs per query block: the config's, or enough that the launch has ~CTAS_TARGET."""
+def key_splits(n_blocks: int, n_tiles: int, cfg: MosaicScorerConfig, smem_bytes: int) -> int:
+    """CTAs per query block: the config's, or enough that the launch fills one wave."""
     if cfg.key_splits is not None:
         return max(1, min(cfg.key_splits, n_tiles))
-    return max(1, min(n_tiles, -(-CTAS_TARGET // n_blocks)))
+    per_sm = max(1, min(MAX_CTAS_PER_SM, _SMEM_PER_SM // (smem_bytes + 1024)))
+    return max(1, min(n_tiles, -(-SMS * per_sm // n_blocks)))
 
 
 def interpret_params():
@@ -322,7 +328,7 @@ def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret):
         q2 = q2.reshape(n_blocks, n, d).transpose(0, 2, 1).reshape(n_blocks * d, n)
         q_smem = plgpu.SMEM((d, n), q.dtype)
 
-    splits = key_splits(n_blocks, s_pad // bs, cfg)
+    splits = key_splits(n_blocks, s_pad // bs, cfg, _smem_bytes(n, d, q.dtype.itemsize, cfg))
     kernel = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg, heads=h, splits=splits, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((t_pad, s_pad), jnp.float32),
