@@ -76,8 +76,8 @@ class MosaicScorerConfig:
     block_t: int = 2  # queries per CTA: N = block_t·H of the wgmma (≤ 256)
     block_s: int = 128  # keys per tile: M of the wgmma (a multiple of 64)
     max_concurrent_steps: int = 3  # key tiles in flight through shared memory
-    # CTAs a query block's key tiles are split over (None: enough for ~2 CTAs an SM, as
-    # the Triton scorer does for decode; a few query blocks alone would leave most SMs idle)
+    # CTAs a query block's key tiles are split over (None: :func:`key_splits` decides; a
+    # few query blocks alone, as in decode, would leave most SMs idle)
     key_splits: int | None = None
 
     def __post_init__(self):
