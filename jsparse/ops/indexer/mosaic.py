@@ -96,7 +96,7 @@ class MosaicScorerConfig:
             raise ValueError(f"MosaicScorerConfig.key_splits must be ≥ 1, got {self.key_splits}")
 
 
-def default_config(heads: int, num_queries: int = 2) -> MosaicScorerConfig:
+def default_config(heads: int, num_queries: int) -> MosaicScorerConfig:
     """Two queries per CTA at H=64 (N = 128), one at H > 128 (N ≤ 256) or for a single
     query (a second, padded row would double the dot for nothing)."""
     return MosaicScorerConfig(block_t=max(1, min(2, 256 // max(heads, 1), num_queries)))
