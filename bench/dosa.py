@@ -20,8 +20,8 @@ pay. Seed deficit b = τ* − τ and bound slack δ = U − s come from
 :func:`jsparse.certified.diagnose` on a sample of queries.
 
 Decode (MATH.md §1.10): B sequences × context, a few steps; witness thresholds against
-``base`` on the same flattened cache: latency, records written per query, and the cut
-in written records (visible keys / records).
+``base`` over the same batch (``jsparse.indexer_topk_batch``): latency, records written
+per query, and the cut in written records (visible keys / records).
 """
 
 from __future__ import annotations
@@ -236,10 +236,7 @@ def _print_tables(rows):
 def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
     steps = args.decode_steps
     wl = workloads.make_decode(name, batch, length, steps, heads=heads, dim=dim, seed=0)
-    b, s_max, d = wl.k_cache.shape
-    flat = wl.k_cache.reshape(b * s_max, d)
-    flat_scale = wl.k_scale.reshape(-1)
-    offset = jnp.arange(b, dtype=jnp.int32) * s_max
+    b = wl.k_cache.shape[0]
     top_k = min(args.top_k, int(np.min(np.asarray(wl.lengths))))
     witnesses = jnp.full((b, 2 * top_k), -1, jnp.int32)
     paged_witnesses = None
@@ -253,10 +250,10 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
         q, w, lengths = wl.step(n)
 
         base_fn = _jitted(
-            lambda q, w, k, ks, st, en: jsparse.indexer_topk(
-                q, w, k, top_k, k_scale=ks, kv_start=st, kv_end=en
+            lambda q, w, kc, ks, lens: jsparse.indexer_topk_batch(
+                q, w, kc, top_k, k_scale=ks, lengths=lens
             ),
-            q, w, flat, flat_scale, offset, offset + lengths,
+            q, w, wl.k_cache, wl.k_scale, lengths,
         )  # fmt: skip
 
         def decode_fn(cache, scale, wit, tab=None, q=q, w=w, lengths=lengths):
@@ -273,7 +270,7 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
 
         base = base_fn()
         res, new_witnesses = dosa_fn()
-        base_ids = jnp.where(base.indices >= 0, base.indices - offset[:, None], -1)
+        base_ids = base.indices
         exact = bool(np.array_equal(np.asarray(res.indices), np.asarray(base_ids)))
         if args.page_size:
             paged, paged_witnesses_next = paged_fn()

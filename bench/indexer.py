@@ -48,20 +48,30 @@ def add_arguments(parser):
     )  # fmt: skip
 
 
+def is_batch(case: dict) -> bool:
+    """A batch of sequences: query t over keys of its own (``indexer_topk_batch``)."""
+    return case["ranges"] == "batch"
+
+
 def make_inputs(case: dict, seed: int):
-    """i.i.d. Gaussian indexer inputs; FP8 keys carry a per-key scale as DeepSeek stores them."""
+    """i.i.d. Gaussian indexer inputs; FP8 keys carry a per-key scale as DeepSeek stores
+    them. A batch case gives each of its T queries a cache of S keys of its own."""
     t, s, h, d = case["t"], case["s"], case["h"], case["d"]
     dtype = DTYPES[case["dtype"]]
     key = jax.random.PRNGKey(seed)
     kq, kk, kw = jax.random.split(key, 3)
     q = jax.random.normal(kq, (t, h, d), jnp.float32)
-    k = jax.random.normal(kk, (s, d), jnp.float32)
+    k = jax.random.normal(kk, (t, s, d) if is_batch(case) else (s, d), jnp.float32)
     w = jax.random.normal(kw, (t, h), jnp.float32) / np.sqrt(h * d)
     k_scale = None
     if case["dtype"] == "fp8":
-        k_scale = jnp.max(jnp.abs(k), axis=1) / FP8_MAX
-        k = k / k_scale[:, None]
+        k_scale = jnp.max(jnp.abs(k), axis=-1) / FP8_MAX
+        k = k / k_scale[..., None]
         q = q * (FP8_MAX / 4.0) / jnp.max(jnp.abs(q))
+    if is_batch(case):
+        lengths = jnp.full((t,), s, jnp.int32)
+        return dict(q=q.astype(dtype), weights=w, k_cache=k.astype(dtype), k_scale=k_scale,
+                    lengths=lengths)  # fmt: skip
     if case["ranges"] == "causal":
         end = jnp.arange(s - t + 1, s + 1, dtype=jnp.int32)
     else:
@@ -74,6 +84,8 @@ def make_inputs(case: dict, seed: int):
 
 def visible_pairs(inputs) -> float:
     """Visible (query, key) pairs, summed in int64 (a 64K causal prefill has 2^31)."""
+    if "lengths" in inputs:
+        return float(np.asarray(inputs["lengths"], np.int64).sum())
     lengths = np.asarray(inputs["kv_end"], np.int64) - np.asarray(inputs["kv_start"], np.int64)
     return float(lengths.sum())
 
@@ -83,7 +95,8 @@ def counts(case, inputs):
     h, d, top_k = case["h"], case["d"], case["top_k"]
     pairs = visible_pairs(inputs)
     flops = pairs * 2 * h * d
-    nbytes = inputs["q"].nbytes + inputs["k"].nbytes + inputs["weights"].nbytes
+    keys = inputs["k_cache"] if "k_cache" in inputs else inputs["k"]
+    nbytes = inputs["q"].nbytes + keys.nbytes + inputs["weights"].nbytes
     nbytes += 0 if inputs["k_scale"] is None else inputs["k_scale"].nbytes
     nbytes += case["t"] * top_k * 8  # the answer: ids and scores
     return flops, nbytes
@@ -93,11 +106,21 @@ def check(case, inputs, result, rows: int) -> list[str]:
     """The result on a sample of rows against the jnp reference scorer."""
     t = case["t"]
     pick = np.unique(np.linspace(0, t - 1, min(rows, t)).astype(int))
-    sub = {
-        k: (v[pick] if k in ("q", "weights", "kv_start", "kv_end") else v)
-        for k, v in inputs.items()
-    }
-    oracle = np.asarray(jsparse.indexer_scores(**sub, implementation="reference"), np.float64)
+    if is_batch(case):  # each picked query over its own cache
+        oracle = np.stack([
+            np.asarray(jsparse.indexer_scores(
+                inputs["q"][r : r + 1], inputs["weights"][r : r + 1], inputs["k_cache"][r],
+                k_scale=None if inputs["k_scale"] is None else inputs["k_scale"][r],
+                kv_end=inputs["lengths"][r : r + 1], implementation="reference",
+            ), np.float64)[0]
+            for r in pick
+        ])  # fmt: skip
+    else:
+        sub = {
+            k: (v[pick] if k in ("q", "weights", "kv_start", "kv_end") else v)
+            for k, v in inputs.items()
+        }
+        oracle = np.asarray(jsparse.indexer_scores(**sub, implementation="reference"), np.float64)
     scale = np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0.0) + 1e-12
     atol = CHECK_RTOL[case["dtype"]] * scale
     indices, scores = np.asarray(result.indices)[pick], np.asarray(result.scores)[pick]
@@ -147,7 +170,11 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             kwargs = dict(top_k=case["top_k"], method=method, implementation=impl)
             if args.unsorted and method != "xla":
                 kwargs["sorted"] = False
-            if cfg is not None and method in ("base", "full"):
+            if is_batch(case):
+                if cfg is not None:
+                    raise SystemExit("--scorer-config: batch cases run the batch tiles")
+                fn = functools.partial(jsparse.indexer_topk_batch, **kwargs)
+            elif cfg is not None and method in ("base", "full"):
                 kwargs.pop("implementation")
                 fn = functools.partial(_with_config, cfg=cfg, **kwargs)
             else:

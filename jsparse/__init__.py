@@ -35,7 +35,7 @@ from jsparse.calibration import (
     update_moments,
 )
 from jsparse.checkpoint import load_bases, save_bases
-from jsparse.ops.indexer import IndexerTopK, indexer_scores, indexer_topk
+from jsparse.ops.indexer import IndexerTopK, indexer_scores, indexer_topk, indexer_topk_batch
 from jsparse.ops.topk import topk
 from jsparse.selectors import DEFAULT_SELECTOR, SELECTORS, Selector, make_selector
 
@@ -54,6 +54,7 @@ __all__ = [
     "finalize_moments",
     "indexer_scores",
     "indexer_topk",
+    "indexer_topk_batch",
     "indexer_topk_decode",
     "init_moments",
     "jssa_basis",

@@ -32,10 +32,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, backend
+from jsparse.ops.indexer import batch
 from jsparse.ops.indexer import reference as scorer
 from jsparse.ops.indexer.result import IndexerTopK
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
@@ -43,64 +43,8 @@ from jsparse.ops.topk.reference import select_topk_reference
 
 
 def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table):
-    paged = page_table is not None
-    cache_layout = "[n_pages, P, D]" if paged else "[B, S_max, D]"
-    _checks.check_rank("q", q, 3, "[B, H, D]")
-    _checks.check_rank("weights", weights, 2, "[B, H]")
-    _checks.check_rank("k_cache", k_cache, 3, cache_layout)
-    _checks.check_dtype("q", q, _checks.INPUT_FLOATS)
-    _checks.check_dtype("k_cache", k_cache, _checks.INPUT_FLOATS)
-    _checks.check_dtype("weights", weights, (jnp.float32,))
-    b, h, d = q.shape
-    if weights.shape != (b, h):
-        raise ValueError(f"weights: shape {tuple(weights.shape)}; expected [B, H] = ({b}, {h})")
-    if (not paged and k_cache.shape[0] != b) or k_cache.shape[2] != d:
-        raise ValueError(
-            f"k_cache: shape {tuple(k_cache.shape)}; expected {cache_layout} with "
-            + ("" if paged else f"B = {b}, ")
-            + f"D = {d}"
-        )
-    if paged:
-        _checks.check_rank("page_table", page_table, 2, "[B, max_pages]")
-        _checks.check_dtype("page_table", page_table, (jnp.int32,))
-        if page_table.shape[0] != b:
-            raise ValueError(
-                f"page_table: shape {tuple(page_table.shape)}; expected [B, max_pages] with B = {b}"
-            )
-        n_pages, page_size = k_cache.shape[:2]
-        s_max = page_table.shape[1] * page_size
-    else:
-        s_max = k_cache.shape[1]
-    if k_scale is not None:
-        _checks.check_dtype("k_scale", k_scale, (jnp.float32,))
-        want = k_cache.shape[:2]
-        if k_scale.shape != want:
-            raise ValueError(
-                f"k_scale: shape {tuple(k_scale.shape)}; expected {cache_layout[:-4]}] = {want}"
-            )
-    _checks.check_rank("lengths", lengths, 1, "[B]")
-    _checks.check_dtype("lengths", lengths, (jnp.int32,))
-    if lengths.shape[0] != b:
-        raise ValueError(f"lengths: shape {tuple(lengths.shape)}; expected [B] = ({b},)")
-    values = _checks.concrete(lengths)
-    if values is not None and ((values < 0) | (values > s_max)).any():
-        raise ValueError(f"lengths: every length must lie in [0, S_max = {s_max}], got {values}")
-    table = _checks.concrete(page_table) if paged else None
-    if table is not None:
-        if ((table < -1) | (table >= n_pages)).any():
-            raise ValueError(
-                f"page_table: entries must lie in [-1, n_pages = {n_pages}), got min "
-                f"{table.min()} max {table.max()}"
-            )
-        if values is not None:
-            used = np.arange(table.shape[1])[None, :] * page_size < values[:, None]
-            missing = np.argwhere(used & (table < 0))
-            if missing.size:
-                seq, page = missing[0]
-                raise ValueError(
-                    f"page_table: sequence {seq} has length {values[seq]} but no page at "
-                    f"slot {page} (-1); every page below its length must be allocated"
-                )
+    batch.validate_cache(q, weights, k_cache, k_scale, lengths, page_table)
+    b = q.shape[0]
     if witnesses is not None:
         _checks.check_rank("witnesses", witnesses, 2, "[B, W]")
         _checks.check_dtype("witnesses", witnesses, (jnp.int32,))
@@ -166,32 +110,10 @@ def indexer_topk_decode(
 def _flat(k_cache, k_scale, lengths, witnesses, s_max):
     """Keys as rows [N, D] (the dense cache or the page pool), each sequence's range of
     B·S_max virtual ids, and witness ids made global."""
-    b = lengths.shape[0]
-    d = k_cache.shape[2]
-    offset = jnp.arange(b, dtype=jnp.int32) * s_max
-    start = offset
-    end = offset + lengths
+    k, scale, start, end = batch.flat_keys(k_cache, k_scale, lengths, s_max)
     ok = (witnesses >= 0) & (witnesses < lengths[:, None])
-    wit = jnp.where(ok, witnesses + offset[:, None], -1)
-    rows = k_cache.shape[0] * k_cache.shape[1]
-    scale = None if k_scale is None else k_scale.reshape(rows)
-    return k_cache.reshape(rows, d), scale, start, end, wit, offset
-
-
-def _s_max(k_cache, page_table):
-    return k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
-
-
-def _dense_view(k_cache, k_scale, page_table):
-    """The paged cache gathered into [B, S_max, D] (the reference's clarity over speed)."""
-    if page_table is None:
-        return k_cache, k_scale
-    b, m = page_table.shape
-    n, p, d = k_cache.shape
-    pages = jnp.clip(page_table, 0, n - 1)  # unallocated pages lie past every length
-    dense = k_cache[pages].reshape(b, m * p, d)
-    scale = None if k_scale is None else k_scale[pages].reshape(b, m * p)
-    return dense, scale
+    wit = jnp.where(ok, witnesses + start[:, None], -1)
+    return k, scale, start, end, wit, start
 
 
 def _seeds(wit, start, end, top_k, num_keys):
@@ -276,7 +198,7 @@ def _decode_reference(
 ):
     from jsparse.ops.indexer.api import seed_threshold_code
 
-    k_cache, k_scale = _dense_view(k_cache, k_scale, page_table)
+    k_cache, k_scale = batch.dense_view(k_cache, k_scale, page_table)
     k, scale, start, end, wit, offset = _flat(
         k_cache, k_scale, lengths, witnesses, k_cache.shape[1]
     )
@@ -320,16 +242,13 @@ def _decode_triton_jit(
     from jsparse.ops.indexer import triton as scorer_triton
     from jsparse.ops.topk import triton as select
 
-    s_max = _s_max(k_cache, page_table)
+    s_max = batch.s_max_of(k_cache, page_table)
     k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses, s_max)
     b = q.shape[0]
-    cfg = scorer_triton.default_config(b, q.shape[1], k.dtype == jnp.float8_e4m3fn)
-    # Each sequence's keys are its query's alone: never widened in memory (that would
-    # copy the whole cache on every step).
-    key_layout = dict(shared_keys=False)
-    if page_table is not None:
-        # Ids are the B·S_max virtual slots; the scorer reads each key in its page.
-        key_layout.update(page_table=page_table.reshape(-1), page_size=k_cache.shape[1])
+    # The tiles of indexer_topk_batch's base: one query a block, keys never widened in
+    # memory (each sequence's keys are its query's alone), so the answers agree id for id.
+    cfg = scorer_triton.batch_config(q.shape[1])
+    key_layout = batch.paged_layout(k_cache, page_table)
     seeds = _seeds(wit, start, end, top_k, b * s_max)
     lists, listed = _block_lists(seeds, cfg.block_t)
     keep_all = jnp.full((b,), EMPTY_CODE, jnp.int32)
@@ -393,7 +312,7 @@ def _decode_triton(
     from jsparse.ops.indexer import methods
 
     n_seeds = max(witnesses.shape[1], 2 * top_k)  # the width of the seed lists (_seeds)
-    cap = methods.default_record_capacity(top_k, _s_max(k_cache, page_table), n_seeds)
+    cap = methods.default_record_capacity(top_k, batch.s_max_of(k_cache, page_table), n_seeds)
     return _decode_triton_jit(
         q, weights, k_cache, top_k, k_scale, lengths, witnesses, page_table, capacity=cap,
         witness_capacity=witness_capacity,

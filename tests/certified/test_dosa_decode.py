@@ -33,15 +33,11 @@ def _sequence(seed=0, steps=3):
 
 
 def _base(q, w, k_cache, scale, lengths, impl):
-    flat = k_cache.reshape(B * S_MAX, D)
-    start = jnp.arange(B, dtype=jnp.int32) * S_MAX
-    end = start + lengths
-    res = jsparse.indexer_topk(
-        q, w, flat, K, k_scale=scale.reshape(-1), kv_start=start, kv_end=end,
-        implementation=impl,
-    )  # fmt: skip
-    ids = jnp.where(res.indices >= 0, res.indices - start[:, None], -1)
-    return ids, res.scores
+    # base over the same batch: the decode's scorer tiles, so equal id for id
+    res = jsparse.indexer_topk_batch(
+        q, w, k_cache, K, k_scale=scale, lengths=lengths, implementation=impl
+    )
+    return res.indices, res.scores
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
@@ -184,8 +180,8 @@ def test_paged_decode_validates_the_page_table():
 def test_fp8_decode_never_widens_the_cache_and_still_equals_base(interpret, fp8_widening):
     # Each sequence's keys are its query's alone: widening them in memory would copy the
     # whole cache on every step. The threshold is lowered so that the batch of 3 would
-    # widen if the decode let it; base over the same flattened keys does widen, and the
-    # two must still agree id for id (same operands reach the same dot).
+    # widen if the decode let it. The flattened cache through indexer_topk (queries
+    # assumed to share keys) does widen, and all three agree id for id.
     k_cache, scale, qs, ws, lengths0 = _sequence(seed=2, steps=1)
     k_cache = k_cache.astype(jnp.float8_e4m3fn)
     q = qs[0].astype(jnp.float8_e4m3fn)
@@ -195,12 +191,19 @@ def test_fp8_decode_never_widens_the_cache_and_still_equals_base(interpret, fp8_
         q, ws[0], k_cache, K, k_scale=scale, lengths=lengths,
         witnesses=jnp.full((B, 2 * K), -1, jnp.int32), implementation="triton",
     )  # fmt: skip
+    ids, scores = _base(q, ws[0], k_cache, scale, lengths, "triton")
     assert fp8_widening.decisions and not any(fp8_widening.decisions)
     fp8_widening.decisions.clear()
-    ids, scores = _base(q, ws[0], k_cache, scale, lengths, "triton")
+    start = jnp.arange(B, dtype=jnp.int32) * S_MAX
+    flat = jsparse.indexer_topk(
+        q, ws[0], k_cache.reshape(B * S_MAX, D), K, k_scale=scale.reshape(-1), kv_start=start,
+        kv_end=start + lengths, implementation="triton",
+    )  # fmt: skip
     assert fp8_widening.decisions and all(fp8_widening.decisions)
     np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
     np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(scores))
+    flat_ids = jnp.where(flat.indices >= 0, flat.indices - start[:, None], -1)
+    np.testing.assert_array_equal(np.asarray(flat_ids), np.asarray(ids))
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

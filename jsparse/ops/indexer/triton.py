@@ -102,6 +102,16 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
     return ScorerConfig(block_t=2)
 
 
+def batch_config(heads: int) -> ScorerConfig:
+    """Tiles for a batch of sequences, each query over keys of its own (serving decode).
+
+    A block of one query, whatever the batch size: in a block of several, every key tile
+    belongs to one sequence and the dot would compute the others' masked scores too. So
+    these are the one-query decode tiles, and FP8 keys are widened in registers.
+    """
+    return default_config(1, heads)
+
+
 def widens_fp8_in_memory(num_queries: int) -> bool:
     """Whether a launch of this many queries over shared keys widens FP8 in memory (see
     ``WIDEN_FP8_IN_MEMORY_FROM``); the screening kernel of DoSA follows the same rule."""
@@ -188,6 +198,10 @@ class _Plan:
     # Records of a split launch: slots per (program, query) of a staging buffer (0: none,
     # each tile reserves its rows' room with a fetch-and-add; see STAGED_SPLIT_RECORDS).
     stage: int = 0
+    # Dense output per query instead of per key (> 0): [T, row_cols], key id i of query t
+    # at column i - start[t]. A batch of sequences, each query over its own keys, then
+    # writes [B, S_max] instead of a [B, B·S_max] matrix that is mostly never read.
+    row_cols: int = 0
 
 
 # Records of launches whose splits share a query. False: every tile reserves room in
@@ -324,8 +338,13 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         ids = tile_ids(j)
         scores, visible = tile_scores(ids)
         scores = jnp.where(visible, scores, _NEG_INF)
-        in_bounds = row_ok[:, None] & (ids[None, :] < p.s)
-        col = jnp.where(in_bounds, ids[None, :], p.s)
+        if p.row_cols:
+            col = ids[None, :] - start[:, None]
+            in_bounds = row_ok[:, None] & (col >= 0) & (col < p.row_cols)
+            col = jnp.where(in_bounds, col, p.row_cols)
+        else:
+            in_bounds = row_ok[:, None] & (ids[None, :] < p.s)
+            col = jnp.where(in_bounds, ids[None, :], p.s)
         plt.store(out_ref.at[rows[:, None], col], scores, mask=in_bounds)
         return carry
 
@@ -474,17 +493,20 @@ def _num_keys(k, page_table, page_size):
 def _launch(
     q, weights, k, k_scale, start, end, *,
     tau_codes=None, key_ids=None, key_counts=None, records_cap=None, fill=False, cfg=None,
-    splits=None, page_table=None, page_size=0, shared_keys=True, report=False,
+    splits=None, page_table=None, page_size=0, shared_keys=True, report=False, row_cols=0,
 ):  # fmt: skip
     """One scorer launch. ``page_table`` [n_pages] int32 (-1: no page) with ``page_size``
     P: key ids run over n_pages·P virtual slots, id i stored at row
     page_table[i // P]·P + i % P of ``k`` (and of ``k_scale``). ``shared_keys`` False:
     each query sees keys of its own, which are then never widened in memory (see
     :func:`_widen_in_memory`); a paged pool is always so. ``report`` (dense, no fill):
-    also returns the exhaustive report's five [T] rows after the scores."""
+    also returns the exhaustive report's five [T] rows after the scores. ``row_cols`` > 0
+    (dense, no fill): scores as [T, row_cols], query t's key i at column i - start[t]."""
     t, _, _ = q.shape
     if report and (records_cap is not None or fill):
         raise ValueError("_launch: report is for a dense launch without fill")
+    if row_cols and (records_cap is not None or fill):
+        raise ValueError("_launch: row_cols is for a dense launch without fill")
     s = _num_keys(k, page_table, page_size)
     cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
@@ -513,7 +535,7 @@ def _launch(
         t=t, s=s, heads=hp, dim=dp, cfg=cfg, compute=cdt, key_list=key_ids is not None,
         list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill_only=False,
         interpret=backend.is_interpret(), page_size=page_size if page_table is not None else 0,
-        has_scale=k_scale is not None, report=report, stage=stage,
+        has_scale=k_scale is not None, report=report, stage=stage, row_cols=row_cols,
     )  # fmt: skip
     pages = None if page_table is None else page_table.astype(jnp.int32)
     given = dict(scale=k_scale, tau=tau, ids=ids, n_ids=n_ids, pages=pages)
@@ -532,7 +554,7 @@ def _launch(
             stage_slots = n_tb * splits * cfg.block_t * p.stage
             out_shape += (jax.ShapeDtypeStruct((stage_slots,), jnp.int32),) * 2
     else:
-        out_shape = (jax.ShapeDtypeStruct((t, s), jnp.float32),)
+        out_shape = (jax.ShapeDtypeStruct((t, row_cols or s), jnp.float32),)
         initial = ()
         if report:
             rows = jax.ShapeDtypeStruct((t,), jnp.int32)

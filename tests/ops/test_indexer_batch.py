@@ -1,0 +1,198 @@
+"""The indexer over a batch of sequences (one query each, over its own keys) against an
+independent numpy oracle: dense and paged caches, every dtype, empty and short
+sequences, ties, negative weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.testing import topk_mismatches
+from tests.lowering import lower_for_h200
+
+FP8 = jnp.float8_e4m3fn
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}
+# Four sequences: Gaussian and whole, empty, shorter than K, and one whose keys take
+# only five values (scores tie in groups) under negative weights only (every score ≤ 0,
+# most of them exactly 0: the order among them is by id).
+B, S_MAX, H, D, K, P = 4, 300, 4, 16, 17, 20
+LENGTHS = np.array([300, 0, 5, 223], np.int32)
+
+
+def make_batch(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, D)).astype(np.float32)
+    w = rng.standard_normal((B, H)).astype(np.float32)
+    k = rng.standard_normal((B, S_MAX, D)).astype(np.float32)
+    k[3] = k[3][rng.integers(0, 5, S_MAX)]
+    w[3] = -np.abs(w[3])
+    scale = rng.uniform(0.25, 4.0, (B, S_MAX)).astype(np.float32)
+    return dict(
+        q=jnp.asarray(q, dtype),
+        weights=jnp.asarray(w),
+        k_cache=jnp.asarray(k, dtype),
+        k_scale=jnp.asarray(scale),
+        lengths=jnp.asarray(LENGTHS),
+    )
+
+
+def paged(batch, seed=0):
+    """The same keys in a shuffled page pool with spare pages of noise; pages past each
+    sequence's length unallocated (-1)."""
+    rng = np.random.default_rng(seed)
+    m = S_MAX // P
+    n_pages = B * m + 3
+    slots = rng.permutation(n_pages)[: B * m].reshape(B, m)
+    dtype = batch["k_cache"].dtype
+    pool = rng.standard_normal((n_pages, P, D)).astype(np.float32)
+    pool_scale = np.ones((n_pages, P), np.float32)
+    dense = np.asarray(batch["k_cache"].astype(jnp.float32)).reshape(B, m, P, D)
+    dense_scale = np.asarray(batch["k_scale"]).reshape(B, m, P)
+    table = np.full((B, m), -1, np.int32)
+    for b in range(B):
+        for i in range(m):
+            pool[slots[b, i]], pool_scale[slots[b, i]] = dense[b, i], dense_scale[b, i]
+            if i * P < LENGTHS[b]:
+                table[b, i] = slots[b, i]
+    out = dict(batch, k_cache=jnp.asarray(pool, dtype), k_scale=jnp.asarray(pool_scale))
+    return dict(out, page_table=jnp.asarray(table))
+
+
+def oracle_scores(batch):
+    """float64 scores [B, S_MAX], -inf past each length (inputs rounded to their dtype)."""
+    q = np.asarray(batch["q"].astype(jnp.float32), np.float64)
+    k = np.asarray(batch["k_cache"].astype(jnp.float32), np.float64)
+    w = np.asarray(batch["weights"], np.float64)
+    s = np.einsum("bh,bhs->bs", w, np.maximum(np.einsum("bhd,bsd->bhs", q, k), 0.0))
+    s = s * np.asarray(batch["k_scale"], np.float64)
+    return np.where(np.arange(S_MAX)[None, :] < LENGTHS[:, None], s, -np.inf)
+
+
+def assert_matches_oracle(result, batch, rtol=1e-5):
+    oracle = oracle_scores(batch)
+    atol = rtol * np.max(np.abs(oracle[np.isfinite(oracle)]))
+    problems = topk_mismatches(result.indices, result.scores, oracle, K, atol)
+    assert not problems, "\n".join(problems)
+    np.testing.assert_array_equal(np.asarray(result.visible), LENGTHS)
+    assert not np.asarray(result.fallback).any()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_reference_and_xla_match_the_oracle(dtype):
+    batch = make_batch(DTYPES[dtype])
+    ref = jsparse.indexer_topk_batch(top_k=K, implementation="reference", **batch)
+    assert_matches_oracle(ref, batch)
+    # Ties broken by id: sequence 3's zero scores come in ascending id order.
+    row = np.asarray(ref.indices[3])
+    zeros = row[np.asarray(ref.scores[3]) == 0]
+    assert zeros.size > 1 and np.all(np.diff(zeros) > 0)
+    assert_matches_oracle(jsparse.indexer_topk_batch(top_k=K, method="xla", **batch), batch)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_base_kernels_match_the_oracle(dtype, kernel_impl):
+    batch = make_batch(DTYPES[dtype], seed=1)
+    result = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
+    assert_matches_oracle(result, batch)
+    unsorted = jsparse.indexer_topk_batch(
+        top_k=K, implementation=kernel_impl, sorted=False, **batch
+    )
+    for b in range(B):  # the same set
+        assert set(np.asarray(unsorted.indices[b]).tolist()) == set(
+            np.asarray(result.indices[b]).tolist()
+        )
+
+
+def test_paged_base_equals_dense_base(kernel_impl):
+    # The scorer reads each key in its page: every id and score equals the dense cache's.
+    batch = make_batch(jnp.bfloat16, seed=2)
+    dense = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
+    from_pages = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **paged(batch))
+    np.testing.assert_array_equal(np.asarray(from_pages.indices), np.asarray(dense.indices))
+    np.testing.assert_array_equal(np.asarray(from_pages.scores), np.asarray(dense.scores))
+    assert_matches_oracle(dense, batch)
+    ref = jsparse.indexer_topk_batch(top_k=K, implementation="reference", **paged(batch))
+    assert_matches_oracle(ref, batch)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_base_at_decode_size():
+    # 64 sequences of up to 64K keys, FP8 with scales, compiled.
+    rng = np.random.default_rng(3)
+    b, s_max, h, d, k = 64, 65536, 64, 128, 2048
+    lengths = rng.integers(1, s_max + 1, b).astype(np.int32)
+    lengths[:3] = [s_max, 1000, 0]
+    cache = jax.random.normal(jax.random.PRNGKey(0), (b, s_max, d)).astype(FP8)
+    q = jax.random.normal(jax.random.PRNGKey(1), (b, h, d)).astype(FP8)
+    w = jax.random.normal(jax.random.PRNGKey(2), (b, h)) / np.sqrt(h * d)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, (b, s_max)).astype(np.float32))
+    args = dict(k_scale=scale, lengths=jnp.asarray(lengths))
+    result = jsparse.indexer_topk_batch(q, w, cache, k, implementation="triton", **args)
+    pick = [0, 1, 2, 5, 63]
+    oracle = np.full((len(pick), s_max), -np.inf)
+    for r, seq in enumerate(pick):  # float64 numpy, per sequence
+        n = lengths[seq]
+        qs = np.asarray(q[seq].astype(jnp.float32), np.float64)
+        ks = np.asarray(cache[seq, :n].astype(jnp.float32), np.float64)
+        logits = np.maximum(qs @ ks.T, 0.0)
+        oracle[r, :n] = (np.asarray(w[seq], np.float64) @ logits) * np.asarray(scale[seq, :n])
+    atol = 1e-3 * np.max(np.abs(oracle[np.isfinite(oracle)]))
+    problems = topk_mismatches(result.indices[pick], result.scores[pick], oracle, k, atol)
+    assert not problems, "\n".join(problems)
+
+
+def test_fp8_cache_is_never_widened_in_memory(interpret, fp8_widening):
+    # Each key is its own query's: widening would copy the whole cache every step.
+    fp8_widening.set_threshold(1)
+    batch = make_batch(FP8, seed=4)
+    result = jsparse.indexer_topk_batch(top_k=K, implementation="triton", **batch)
+    assert fp8_widening.decisions and not any(fp8_widening.decisions)
+    assert_matches_oracle(result, batch)
+
+
+def test_bad_input_raises_value_errors():
+    batch = make_batch(jnp.bfloat16)
+    cases = [
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=K, method="full"), "method"),
+        (dict(top_k=K, lengths=jnp.asarray([1, 2, 3, S_MAX + 1], jnp.int32)), "lengths"),
+        (dict(top_k=K, lengths=jnp.asarray(LENGTHS[:3])), "lengths: shape"),
+        (dict(top_k=K, k_cache=batch["k_cache"][:3]), "k_cache: shape"),
+        (dict(top_k=K, k_scale=batch["k_scale"].at[2, 7].set(0.0)), r"k_scale\[\(2, 7\)\]"),
+        (dict(top_k=K, weights=batch["weights"].astype(jnp.bfloat16)), "weights: dtype"),
+        (dict(top_k=K, q=batch["q"][:, :, :8]), "k_cache: shape"),
+    ]
+    for override, message in cases:
+        with pytest.raises(ValueError, match=message):
+            jsparse.indexer_topk_batch(**dict(batch, **override))
+    pages = paged(batch)
+    holed = pages["page_table"].at[3, 1].set(-1)
+    with pytest.raises(ValueError, match="page_table: sequence 3 has length 223"):
+        jsparse.indexer_topk_batch(top_k=K, **dict(pages, page_table=holed))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("paged_cache", [False, True], ids=["dense", "paged"])
+def test_batch_base_lowers_to_cuda(dtype, paged_cache):
+    from jsparse.ops.indexer import batch as batch_lib
+
+    b, s_max, h, d, p = 8, 8192, 64, 128, 64
+    f32, i32 = jnp.float32, jnp.int32
+    pages = b * s_max // p
+    shape = (pages, p, d) if paged_cache else (b, s_max, d)
+    args = [
+        jax.ShapeDtypeStruct((b, h, d), dtype),
+        jax.ShapeDtypeStruct((b, h), f32),
+        jax.ShapeDtypeStruct(shape, dtype),
+        jax.ShapeDtypeStruct(shape[:2], f32),
+        jax.ShapeDtypeStruct((b,), i32),
+        jax.ShapeDtypeStruct((b, s_max // p), i32) if paged_cache else None,
+    ]
+
+    def fn(q, w, kc, ks, n, table=None):
+        return batch_lib._base_triton(q, w, kc, 2048, ks, n, table)
+
+    lower_for_h200(fn, *[a for a in args if a is not None])
