@@ -89,7 +89,9 @@ def test_reference_and_xla_match_the_oracle(dtype):
     row = np.asarray(ref.indices[3])
     zeros = row[np.asarray(ref.scores[3]) == 0]
     assert zeros.size > 1 and np.all(np.diff(zeros) > 0)
-    assert_matches_oracle(jsparse.indexer_topk_batch(top_k=K, method="xla", **batch), batch)
+    # XLA's f32 dot is TF32 on the GPU (what a user writing the einsum gets).
+    xla = jsparse.indexer_topk_batch(top_k=K, method="xla", **batch)
+    assert_matches_oracle(xla, batch, rtol=5e-3 if dtype == "f32" else 1e-5)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -140,7 +142,8 @@ def test_gpu_batch_base_at_decode_size():
         logits = np.maximum(qs @ ks.T, 0.0)
         oracle[r, :n] = (np.asarray(w[seq], np.float64) @ logits) * np.asarray(scale[seq, :n])
     atol = 1e-3 * np.max(np.abs(oracle[np.isfinite(oracle)]))
-    problems = topk_mismatches(result.indices[pick], result.scores[pick], oracle, k, atol)
+    indices, scores = np.asarray(result.indices)[pick], np.asarray(result.scores)[pick]
+    problems = topk_mismatches(indices, scores, oracle, k, atol)
     assert not problems, "\n".join(problems)
 
 
