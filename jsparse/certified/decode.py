@@ -263,8 +263,9 @@ def _decode_triton_jit(
     )  # fmt: skip
     _, _, tau = select.select_candidates(seed_codes, seed_ids, seed_counts, top_k)
     codes, ids, counts, ordered = scorer_triton.score_records_triton(
-        q, weights, k, scale, start, end, tau, capacity, cfg=cfg, **key_layout
-    )
+        q, weights, k, scale, start, end, tau, capacity, cfg=cfg,
+        splits=scorer_triton.batch_splits(b, s_max, cfg), **key_layout,
+    )  # fmt: skip
     # Fewer records than min(K, visible) would mean τ above the K-th score (seeds that
     # were not distinct); more than the buffer, lost records. Either way: every key.
     missed = (counts > capacity) | (counts < jnp.minimum(top_k, lengths))

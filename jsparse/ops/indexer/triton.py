@@ -485,6 +485,23 @@ def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
     return int(max(1, min(n_key_tiles, -(-target // n_query_blocks))))
 
 
+# Programs a batch launch (one query a block, each over keys of its own) aims at beyond
+# SMALL_LAUNCH_BLOCKS sequences: eight an SM, more than PROGRAMS_TARGET's four. At 64
+# sequences of 64K and 128K keys, 1056 programs beat 528 by 8% (bf16) and 12-15% (FP8,
+# widened in registers: its loads wait on the conversion, so more programs keep more
+# loads in flight), and 264 were no better than 528 (WORKSPACE.md, run 117b).
+BATCH_PROGRAMS_TARGET = 8 * 132
+
+
+def batch_splits(num_sequences: int, s_max: int, cfg: ScorerConfig) -> int:
+    """Key splits of each sequence's range in a batch launch (see BATCH_PROGRAMS_TARGET);
+    a few sequences split as decode does."""
+    n_tiles = -(-s_max // cfg.block_s)
+    if num_sequences <= SMALL_LAUNCH_BLOCKS:
+        return _default_splits(num_sequences, n_tiles)
+    return int(max(1, min(n_tiles, -(-BATCH_PROGRAMS_TARGET // num_sequences))))
+
+
 def _num_keys(k, page_table, page_size):
     """Key ids of a launch: rows of ``k``, or the page table's virtual slots."""
     return k.shape[0] if page_table is None else page_table.shape[0] * page_size
@@ -590,7 +607,7 @@ def indexer_scores_triton(q, weights, k, k_scale, start, end, *, cfg=None):
 
 def score_records_triton(
     q, weights, k, k_scale, start, end, tau_codes, capacity, *, key_ids=None, key_counts=None,
-    cfg=None, page_table=None, page_size=0, shared_keys=True,
+    cfg=None, page_table=None, page_size=0, shared_keys=True, splits=None,
 ):  # fmt: skip
     """Records (code, key id) of every visible score with code ≥ ``tau_codes[t]``.
 
@@ -602,11 +619,12 @@ def score_records_triton(
     are not stored), and whether each row's records are in ascending id order (one
     program per query block: the key range or list is not split). ``page_table`` and
     ``page_size``: a paged key cache (see :func:`_launch`); ids are virtual slots.
-    ``shared_keys``: see :func:`_launch`.
+    ``shared_keys``: see :func:`_launch`. ``splits``: key splits of each query block's
+    range (default: the rule for the launch's shape).
     """
     fp8_keys = k.dtype == jnp.float8_e4m3fn
     s = _num_keys(k, page_table, page_size)
-    splits = _splits_for(q.shape[0], q.shape[1], s, key_ids, cfg, fp8_keys)
+    splits = splits or _splits_for(q.shape[0], q.shape[1], s, key_ids, cfg, fp8_keys)
     codes, ids, counts = _launch(
         q, weights, k, k_scale, start, end,
         tau_codes=tau_codes, key_ids=key_ids, key_counts=key_counts, records_cap=capacity,
