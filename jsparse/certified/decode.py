@@ -69,6 +69,9 @@ def indexer_topk_decode(
 ) -> tuple[IndexerTopK, Int[Array, "B W"]]:
     """Exact Top-K of one decode step per sequence, thresholded by witnesses.
 
+    Equal id for id to :func:`jsparse.indexer_topk_batch` (``base``, the same scorer
+    tiles), which was faster at every batch size measured (WORKSPACE.md, run 118).
+
     Args:
       q: [B, H, D] the step's query of each sequence.
       weights: [B, H] float32 head weights.
