@@ -133,9 +133,9 @@ def indexer_topk(
     """Exact Top-K keys of the indexer score for every query.
 
     Queries may share keys (prefill, several decode queries over one cache). For a batch
-    of sequences, each query over keys of its own, use :func:`indexer_topk_batch`: here
-    a flattened cache would be treated as shared (FP8 widened in memory every call,
-    several queries dotted with each key tile).
+    of sequences, each query over keys of its own, use
+    :func:`jsparse.indexer_topk_batch`: here a flattened cache would be treated as shared
+    (FP8 widened in memory every call, several queries dotted with each key tile).
 
     Args:
       q, weights, k, k_scale, kv_start, kv_end: as in :func:`indexer_scores`.
