@@ -3,8 +3,8 @@
 #
 #     OUT=out bash bench/indexer_gpu.sh [step ...]
 #
-# Steps (default: all, in this order): tests, prefill, mosaic, causal, decode, dosa,
-# dosa-causal, dosa-decode. Also by name: mosaic-decode, mosaic-causal (the opt-in Mosaic
+# Steps (default: all, in this order): tests, prefill, mosaic, causal, decode,
+# decode-batch, dosa, dosa-causal, dosa-decode. Also by name: mosaic-decode, mosaic-causal (the opt-in Mosaic
 # scorer on the decode and causal presets). Each step has a time limit (seconds, STEP_LIMIT,
 # default 300; TESTS_LIMIT, default 900, for the tests) and writes
 # its log and JSON under $OUT; a step that fails or runs out of time does not stop the
@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 status=0
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests prefill mosaic causal decode dosa dosa-causal dosa-decode)
+[ ${#steps[@]} -eq 0 ] && steps=(tests prefill mosaic causal decode decode-batch dosa dosa-causal dosa-decode)
 
 run() {  # run NAME CMD...: log to $OUT/NAME.log
   local name=$1
@@ -42,6 +42,8 @@ for s in "${steps[@]}"; do
       --method xla base full --json "$OUT/causal.json" --quiet ;;
     decode) run decode "$PY" bench/run.py --backend pallas-gpu --preset decode \
       --method xla base full --device-time --json "$OUT/decode.json" --quiet ;;
+    decode-batch) run decode-batch "$PY" bench/run.py --backend pallas-gpu --preset decode-batch \
+      --method xla base --device-time --json "$OUT/decode_batch.json" --quiet ;;
     dosa) run dosa "$PY" -m bench.dosa --prefill --shapes 8192x32768 8192x65536 8192x131072 \
       --json "$OUT/dosa.json" ;;
     dosa-causal) run dosa-causal "$PY" -m bench.dosa --prefill --shapes 65536x65536 \
