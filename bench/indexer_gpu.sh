@@ -7,9 +7,9 @@
 # decode-batch, dosa, dosa-causal, dosa-decode. Also by name: mosaic-decode,
 # mosaic-causal (the opt-in Mosaic scorer on the decode and causal presets). Each step
 # has a time limit (seconds, STEP_LIMIT, default 300; TESTS_LIMIT, default 900, for the
-# tests) and writes
-# its log and JSON under $OUT; a step that fails or runs out of time does not stop the
-# others. Every bench row is checked against the reference or `base` before it is timed.
+# tests) and writes its log and JSON under $OUT; a step that fails or runs out of time
+# does not stop the others. Every bench row is checked against the reference or `base`
+# before it is timed.
 set -uo pipefail
 OUT=${OUT:-out}
 PY=${PYTHON:-python3}
