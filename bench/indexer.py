@@ -70,8 +70,9 @@ def make_inputs(case: dict, seed: int):
         q = q * (FP8_MAX / 4.0) / jnp.max(jnp.abs(q))
     if is_batch(case):
         lengths = jnp.full((t,), s, jnp.int32)
-        return dict(q=q.astype(dtype), weights=w, k_cache=k.astype(dtype), k_scale=k_scale,
-                    lengths=lengths)  # fmt: skip
+        inputs = dict(q=q.astype(dtype), weights=w, k_cache=k.astype(dtype), k_scale=k_scale,
+                      lengths=lengths)  # fmt: skip
+        return _paged(inputs, case["page_size"], seed) if case.get("page_size") else inputs
     if case["ranges"] == "causal":
         end = jnp.arange(s - t + 1, s + 1, dtype=jnp.int32)
     else:
@@ -80,6 +81,35 @@ def make_inputs(case: dict, seed: int):
     return dict(
         q=q.astype(dtype), weights=w, k=k.astype(dtype), k_scale=k_scale, kv_start=start, kv_end=end
     )
+
+
+def _paged(inputs, page_size: int, seed: int):
+    """A batch's caches as pages of ``page_size`` keys, shuffled in one pool, with the
+    page table (as a serving engine's paged cache)."""
+    t, s, d = inputs["k_cache"].shape
+    m = s // page_size
+    order = jax.random.permutation(jax.random.PRNGKey(1000 + seed), t * m)
+    pool = inputs["k_cache"].reshape(t * m, page_size, d)[order]
+    table = jnp.argsort(order).astype(jnp.int32).reshape(t, m)  # page j of b at table[b, j]
+    scale = inputs["k_scale"]
+    scale = None if scale is None else scale.reshape(t * m, page_size)[order]
+    return dict(inputs, k_cache=pool, k_scale=scale, page_table=table)
+
+
+def _batch_oracle_row(inputs, r):
+    """Reference scores [S] of batch sequence r's query over its own keys (dense or paged)."""
+    keys, scale = inputs["k_cache"], inputs["k_scale"]
+    if "page_table" in inputs:
+        pages = inputs["page_table"][r]
+        keys, scale = keys[pages], None if scale is None else scale[pages]
+    else:
+        keys, scale = keys[r], None if scale is None else scale[r]
+    scores = jsparse.indexer_scores(
+        inputs["q"][r : r + 1], inputs["weights"][r : r + 1], keys.reshape(-1, keys.shape[-1]),
+        k_scale=None if scale is None else scale.reshape(-1),
+        kv_end=inputs["lengths"][r : r + 1], implementation="reference",
+    )  # fmt: skip
+    return np.asarray(scores, np.float64)[0]
 
 
 def visible_pairs(inputs) -> float:
@@ -107,14 +137,7 @@ def check(case, inputs, result, rows: int) -> list[str]:
     t = case["t"]
     pick = np.unique(np.linspace(0, t - 1, min(rows, t)).astype(int))
     if is_batch(case):  # each picked query over its own cache
-        oracle = np.stack([
-            np.asarray(jsparse.indexer_scores(
-                inputs["q"][r : r + 1], inputs["weights"][r : r + 1], inputs["k_cache"][r],
-                k_scale=None if inputs["k_scale"] is None else inputs["k_scale"][r],
-                kv_end=inputs["lengths"][r : r + 1], implementation="reference",
-            ), np.float64)[0]
-            for r in pick
-        ])  # fmt: skip
+        oracle = np.stack([_batch_oracle_row(inputs, r) for r in pick])
     else:
         sub = {
             k: (v[pick] if k in ("q", "weights", "kv_start", "kv_end") else v)
@@ -151,7 +174,8 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     rows = []
     progress = tqdm(total=len(cases) * len(args.method), desc="indexer", disable=args.quiet)
     for case in cases:
-        label = f"T{case['t']} S{case['s']} {case['ranges']} {case['dtype']}"
+        paged = f" P{case['page_size']}" if case.get("page_size") else ""
+        label = f"T{case['t']} S{case['s']} {case['ranges']}{paged} {case['dtype']}"
         inputs = make_inputs(case, seed=0)
         bytes_per_set = sum(v.nbytes for v in inputs.values() if v is not None)
         n_sets = common.rotation_sets(bytes_per_set)

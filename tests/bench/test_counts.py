@@ -27,3 +27,22 @@ def test_batch_case_inputs_give_each_query_its_own_keys():
     flops, nbytes = counts(case, inputs)
     assert flops == 3 * 40 * 2 * 2 * 8
     assert nbytes >= inputs["k_cache"].nbytes
+
+
+def test_paged_batch_inputs_hold_the_dense_keys_and_the_check_catches_a_wrong_id():
+    import jax.numpy as jnp
+
+    import jsparse
+    from bench.indexer import check, make_inputs
+
+    case = dict(t=3, s=256, h=2, d=8, top_k=16, dtype="fp8", ranges="batch")
+    dense = make_inputs(case, seed=0)
+    paged = make_inputs(dict(case, page_size=64), seed=0)
+    assert paged["k_cache"].shape == (12, 64, 8) and paged["page_table"].shape == (3, 4)
+    for inputs in (dense, paged):
+        result = jsparse.indexer_topk_batch(top_k=16, implementation="reference", **inputs)
+        assert check(case, inputs, result, rows=3) == []
+    wrong = result.replace(indices=result.indices.at[1, 0].set(result.indices[1, 15] ^ 1))
+    assert check(case, paged, wrong, rows=3)
+    ref = jsparse.indexer_topk_batch(top_k=16, implementation="reference", **dense)
+    assert jnp.array_equal(ref.indices, result.indices)
