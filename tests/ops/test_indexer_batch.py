@@ -120,6 +120,23 @@ def test_paged_base_equals_dense_base(kernel_impl):
     assert_matches_oracle(ref, batch)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_base_walks_several_tiles_a_program(splits, kernel_impl, monkeypatch):
+    # A program reads each tile's pages one tile ahead: with every sequence's 5 tiles in
+    # one or two programs, a wrong prefetch would read another tile's keys.
+    from jsparse.ops.indexer import triton as scorer
+
+    monkeypatch.setattr(scorer, "batch_splits", lambda *args: splits)
+    jax.clear_caches()
+    batch = make_batch(jnp.bfloat16, seed=5)
+    dense = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
+    from_pages = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **paged(batch))
+    jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(from_pages.indices), np.asarray(dense.indices))
+    np.testing.assert_array_equal(np.asarray(from_pages.scores), np.asarray(dense.scores))
+    assert_matches_oracle(dense, batch)
+
+
 @pytest.mark.gpu
 def test_gpu_batch_base_at_decode_size():
     # 64 sequences of up to 64K keys, FP8 with scales, compiled.

@@ -204,6 +204,11 @@ class _Plan:
     row_cols: int = 0
 
 
+# Dense launches over a paged cache load each tile's page-table entries one tile ahead,
+# so the key loads do not wait on them (see WORKSPACE.md, run 120).
+PREFETCH_PAGES = True
+
+
 # Records of launches whose splits share a query. False: every tile reserves room in
 # its rows' buffers with a scalar fetch-and-add, whose answer the tile's stores wait on.
 # True: each program stages its records in STAGE_SLOTS slots a query of its own, with
@@ -245,13 +250,17 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
     dims = jnp.arange(p.dim, dtype=jnp.int32)
 
-    def tile_scores(ids):
-        """ids [BS] (-1 or ≥ S: no key) -> (scores [BT, BS], visible [BT, BS])."""
+    def tile_pages(ids, ok):
+        # Paged cache: the page table maps the id's page to a physical page (-1: none).
+        return plt.load(pages_ref.at[jnp.where(ok, ids, 0) // p.page_size], mask=ok, other=-1)
+
+    def tile_scores(ids, page=None):
+        """ids [BS] (-1 or ≥ S: no key) -> (scores [BT, BS], visible [BT, BS]). ``page``:
+        the ids' pages when already loaded (paged caches)."""
         ok = (ids >= 0) & (ids < p.s)
         safe = jnp.where(ok, ids, 0)
         if p.page_size:
-            # Paged cache: the page table maps the id's page to a physical page (-1: none).
-            page = plt.load(pages_ref.at[safe // p.page_size], mask=ok, other=-1)
+            page = tile_pages(ids, ok) if page is None else page
             ok = ok & (page >= 0)
             row = jnp.where(ok, page * p.page_size + safe % p.page_size, 0)
         else:
@@ -334,9 +343,19 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     else:
         out_ref = refs[-1]  # (the fill launch also sees the aliased scores before it)
 
-    def dense_body(j, carry):
+    def next_pages(j):  # tile j's pages, none past the split's last tile
         ids = tile_ids(j)
-        scores, visible = tile_scores(ids)
+        return tile_pages(ids, (ids >= 0) & (ids < p.s) & (j < stop))
+
+    prefetch = bool(p.page_size) and PREFETCH_PAGES
+
+    def dense_body(j, pages):
+        ids = tile_ids(j)
+        if prefetch:  # the next tile's pages, loaded while this tile's keys are
+            pages, ahead = next_pages(j + 1), pages
+            scores, visible = tile_scores(ids, ahead)
+        else:
+            scores, visible = tile_scores(ids)
         scores = jnp.where(visible, scores, _NEG_INF)
         if p.row_cols:
             col = ids[None, :] - start[:, None]
@@ -346,10 +365,10 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             in_bounds = row_ok[:, None] & (ids[None, :] < p.s)
             col = jnp.where(in_bounds, ids[None, :], p.s)
         plt.store(out_ref.at[rows[:, None], col], scores, mask=in_bounds)
-        return carry
+        return pages
 
     if not p.fill_only:
-        jax.lax.fori_loop(begin, stop, dense_body, 0)
+        jax.lax.fori_loop(begin, stop, dense_body, next_pages(begin) if prefetch else 0)
     else:
         # Tiles outside [first, last) are invisible to every query of the block.
         n_all = (p.s + bs - 1) // bs
