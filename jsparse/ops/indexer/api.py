@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 from jsparse import _checks, _chunking, backend
 from jsparse.ops.indexer import reference
 from jsparse.ops.indexer.methods import default_seed_count, recent_and_strided_ids
-from jsparse.ops.indexer.result import IndexerTopK
+from jsparse.ops.indexer.result import IndexerTopK, exhaustive_result
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 from jsparse.ops.topk.reference import select_topk_reference
 
@@ -228,21 +228,15 @@ def default_seed_ids(
 
 def _topk_xla(q, weights, k, k_scale, start, end, top_k):
     scores = reference.indexer_scores_einsum(q, weights, k, k_scale, start, end)
-    t, s = scores.shape
+    s = scores.shape[1]
     pad = max(0, top_k - s)
     if pad:
         scores = jnp.pad(scores, ((0, 0), (0, pad)), constant_values=-jnp.inf)
     values, idx = jax.lax.top_k(scores, top_k)
     visible = (end - start).astype(jnp.int32)
     empty = jnp.arange(top_k)[None, :] >= visible[:, None]
-    return IndexerTopK(
-        indices=jnp.where(empty, -1, idx).astype(jnp.int32),
-        scores=jnp.where(empty, -jnp.inf, values),
-        visible=visible,
-        candidates=visible,
-        survivors=visible,
-        threshold=jnp.full((t,), -jnp.inf, jnp.float32),
-        fallback=jnp.zeros((t,), bool),
+    return exhaustive_result(
+        jnp.where(empty, -1, idx).astype(jnp.int32), jnp.where(empty, -jnp.inf, values), visible
     )
 
 
@@ -252,17 +246,7 @@ def _topk_base_reference(q, weights, k, top_k, k_scale, start, end, seeds, sort=
     ids = reference.visible_key_ids(start, end, k.shape[0])
     scores = reference.score_keys_reference(q, weights, k, ids, k_scale)
     indices, values = select_topk_reference(scores, ids, top_k)
-    visible = (end - start).astype(jnp.int32)
-    t = q.shape[0]
-    return IndexerTopK(
-        indices=indices,
-        scores=values,
-        visible=visible,
-        candidates=visible,
-        survivors=visible,
-        threshold=jnp.full((t,), -jnp.inf, jnp.float32),
-        fallback=jnp.zeros((t,), bool),
-    )
+    return exhaustive_result(indices, values, (end - start).astype(jnp.int32))
 
 
 def _topk_full_reference(q, weights, k, top_k, k_scale, start, end, seeds, sort=True):

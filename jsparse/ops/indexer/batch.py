@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, _chunking, backend
 from jsparse.ops.indexer import reference
-from jsparse.ops.indexer.result import IndexerTopK
+from jsparse.ops.indexer.result import IndexerTopK, exhaustive_result
 from jsparse.ops.topk.reference import select_topk_reference
 
 METHODS = ("xla", "base")
@@ -218,19 +218,6 @@ def _relative(indices, offset):
     return jnp.where(indices >= 0, indices - offset[:, None], -1).astype(jnp.int32)
 
 
-def _exhaustive(indices, values, lengths):
-    b = lengths.shape[0]
-    return IndexerTopK(
-        indices=indices,
-        scores=values,
-        visible=lengths,
-        candidates=lengths,
-        survivors=lengths,
-        threshold=jnp.full((b,), -jnp.inf, jnp.float32),
-        fallback=jnp.zeros((b,), bool),
-    )
-
-
 @functools.partial(jax.jit, static_argnames=("top_k", "sort"))
 def _base_reference(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
     del sort  # the reference always sorts
@@ -241,7 +228,7 @@ def _base_reference(q, weights, k_cache, top_k, k_scale, lengths, page_table, so
     ids = jnp.where(rel < lengths[:, None], rel + start[:, None], -1)
     scores = reference.score_keys_reference(q, weights, k, ids, scale)
     indices, values = select_topk_reference(scores, ids, top_k)
-    return _exhaustive(_relative(indices, start), values, lengths)
+    return exhaustive_result(_relative(indices, start), values, lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "sort"))
@@ -301,6 +288,6 @@ def _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table):
         scores = jnp.pad(scores, ((0, 0), (0, top_k - s_max)), constant_values=-jnp.inf)
     values, idx = jax.lax.top_k(scores, top_k)
     empty = jnp.arange(top_k)[None, :] >= lengths[:, None]
-    return _exhaustive(
+    return exhaustive_result(
         jnp.where(empty, -1, idx).astype(jnp.int32), jnp.where(empty, -jnp.inf, values), lengths
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
@@ -30,3 +31,17 @@ class IndexerTopK:
     survivors: Int[Array, " T"]
     threshold: Float[Array, " T"]
     fallback: Bool[Array, " T"]
+
+
+def exhaustive_result(indices, scores, visible) -> IndexerTopK:
+    """The result of a method that scored every visible key: no threshold, no fallback."""
+    t = visible.shape[0]
+    return IndexerTopK(
+        indices=indices,
+        scores=scores,
+        visible=visible,
+        candidates=visible,
+        survivors=visible,
+        threshold=jnp.full((t,), -jnp.inf, jnp.float32),
+        fallback=jnp.zeros((t,), bool),
+    )
