@@ -36,8 +36,9 @@ from jsparse.ops.topk.reference import select_topk_reference
 METHODS = ("xla", "base")
 
 
-def validate_cache(q, weights, k_cache, k_scale, lengths, page_table) -> int:
-    """Checks a batch's queries and key cache (dense or paged); returns S_max."""
+def validate_cache(q, weights, k_cache, k_scale, lengths, page_table, *, chunked=False) -> int:
+    """Checks a batch's queries and key cache (dense or paged); returns S_max. ``chunked``:
+    the caller runs a dense cache in chunks of sequences, so its rows may pass 2^31."""
     paged = page_table is not None
     cache_layout = "[n_pages, P, D]" if paged else "[B, S_max, D]"
     _checks.check_rank("q", q, 3, "[B, H, D]")
@@ -107,10 +108,10 @@ def validate_cache(q, weights, k_cache, k_scale, lengths, page_table) -> int:
                     f"page_table: sequence {seq} has length {values[seq]} but no page at "
                     f"slot {page} (-1); every page below its length must be allocated"
                 )
-    if k_cache.shape[0] * k_cache.shape[1] > _chunking.INDEX_LIMIT:
+    if (paged or not chunked) and k_cache.shape[0] * k_cache.shape[1] > _chunking.INDEX_LIMIT:
         raise NotImplementedError(
             f"k_cache: {k_cache.shape[0]}·{k_cache.shape[1]} key rows; the kernels address "
-            f"at most 2^31 - 1"
+            "at most 2^31 - 1" + ("" if paged else " (split the batch)")
         )
     return s_max
 
@@ -182,7 +183,7 @@ def indexer_topk_batch(
       :class:`IndexerTopK` with ids relative to each sequence, ordered by score
       descending then id ascending, -1 / -inf padded past ``lengths[b]``.
     """
-    s_max = validate_cache(q, weights, k_cache, k_scale, lengths, page_table)
+    s_max = validate_cache(q, weights, k_cache, k_scale, lengths, page_table, chunked=True)
     top_k = _checks.check_top_k(top_k)
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
