@@ -216,3 +216,34 @@ def test_batch_base_lowers_to_cuda(dtype, paged_cache):
         return batch_lib._base_triton(q, w, kc, 2048, ks, n, table)
 
     lower_for_h200(fn, *[a for a in args if a is not None])
+
+
+def test_a_batch_past_the_int32_limit_runs_in_chunks_of_sequences(monkeypatch):
+    # Virtual key ids are int32: B·S_max past the limit splits the batch (here a limit
+    # of 2048 rows makes 300 sequences of 8 keys run as 256 + 44), the same answer.
+    from jsparse import _chunking
+
+    rng = np.random.default_rng(6)
+    b, s_max = 300, 8
+    args = dict(
+        q=jnp.asarray(rng.standard_normal((b, 2, 4)), jnp.float32),
+        weights=jnp.asarray(rng.standard_normal((b, 2)), jnp.float32),
+        k_cache=jnp.asarray(rng.standard_normal((b, s_max, 4)), jnp.float32),
+        top_k=3,
+        lengths=jnp.asarray(rng.integers(0, s_max + 1, b), jnp.int32),
+        implementation="reference",
+    )
+    whole = jsparse.indexer_topk_batch(**args)
+    calls = []
+    real = _chunking.over_query_chunks
+
+    def counting(fn, chunk, *per_query):
+        calls.append(chunk)
+        return real(fn, chunk, *per_query)
+
+    monkeypatch.setattr(_chunking, "INDEX_LIMIT", 2048)
+    monkeypatch.setattr(_chunking, "over_query_chunks", counting)
+    chunked = jsparse.indexer_topk_batch(**args)
+    assert calls == [256]
+    np.testing.assert_array_equal(np.asarray(chunked.indices), np.asarray(whole.indices))
+    np.testing.assert_array_equal(np.asarray(chunked.scores), np.asarray(whole.scores))
