@@ -96,6 +96,8 @@ def indexer_topk_decode(
       order (the GPU writes records in arbitrary order), -1 padded).
     """
     _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table)
+    # Traced lengths cannot be checked: clamped, no sequence reads another's keys.
+    lengths = jnp.clip(lengths, 0, batch.s_max_of(k_cache, page_table))
     b = q.shape[0]
     if witnesses is None:
         witnesses = jnp.full((b, 1), -1, jnp.int32)

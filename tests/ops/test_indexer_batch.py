@@ -247,3 +247,21 @@ def test_a_batch_past_the_int32_limit_runs_in_chunks_of_sequences(monkeypatch):
     assert calls == [256]
     np.testing.assert_array_equal(np.asarray(chunked.indices), np.asarray(whole.indices))
     np.testing.assert_array_equal(np.asarray(chunked.scores), np.asarray(whole.scores))
+
+
+def test_traced_lengths_past_s_max_are_clamped(kernel_impl):
+    # Inside jit a length cannot be checked; past S_max it is clamped, so no sequence
+    # reads the next one's keys (the kernels address all sequences as one flat range).
+    batch = make_batch(jnp.bfloat16, seed=7)
+    over = jnp.asarray([S_MAX + 50, 0, 5, 223], jnp.int32)
+
+    @jax.jit
+    def run(lengths):
+        return jsparse.indexer_topk_batch(
+            top_k=K, implementation=kernel_impl, **dict(batch, lengths=lengths)
+        )
+
+    np.testing.assert_array_equal(
+        np.asarray(run(over).indices), np.asarray(run(jnp.asarray(LENGTHS)).indices)
+    )
+    assert int(run(over).visible[0]) == S_MAX

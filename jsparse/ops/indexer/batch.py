@@ -171,7 +171,8 @@ def indexer_topk_batch(
       k_cache: [B, S_max, D] keys, sequence b's first ``lengths[b]`` valid; with
         ``page_table``, a page pool [n_pages, P, D].
       top_k: K.
-      lengths: [B] int32 visible keys per sequence (0 ≤ lengths[b] ≤ S_max).
+      lengths: [B] int32 visible keys per sequence (0 ≤ lengths[b] ≤ S_max; checked when
+        concrete, clamped to that range when traced, so no sequence reads another's keys).
       k_scale: optional float32 > 0 per-key scales, shaped like ``k_cache`` without D.
       page_table: optional [B, max_pages] int32 (-1: no page; every page below a
         sequence's length must be allocated). S_max = max_pages·P.
@@ -189,6 +190,7 @@ def indexer_topk_batch(
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
 
     def call(q, weights, lengths, page_table, k_cache, k_scale):
+        lengths = jnp.clip(lengths, 0, s_max)
         if method == "xla":
             return _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table)
         return backend.dispatch(
