@@ -347,7 +347,8 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         ids = tile_ids(j)
         return tile_pages(ids, (ids >= 0) & (ids < p.s) & (j < stop))
 
-    prefetch = bool(p.page_size) and PREFETCH_PAGES
+    # (Key ranges only: a list's tile past its last would be read out of bounds.)
+    prefetch = bool(p.page_size) and not p.key_list and PREFETCH_PAGES
 
     def dense_body(j, pages):
         ids = tile_ids(j)
