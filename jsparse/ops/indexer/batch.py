@@ -265,24 +265,23 @@ def _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table):
     compute = jnp.promote_types(q.dtype, k_cache.dtype)
     if compute == jnp.float8_e4m3fn:
         compute = jnp.bfloat16  # XLA has no generic fp8 einsum; fp8 widens to bf16 exactly
-    chunk = min(XLA_SEQUENCES_PER_STEP, b)
-    pad = (-b) % chunk
-    qp = jnp.pad(q.astype(compute), ((0, pad), (0, 0), (0, 0)))
-    wp = jnp.pad(weights, ((0, pad), (0, 0)))
-    kp = jnp.pad(k_cache, ((0, pad), (0, 0), (0, 0)))
+    # The largest chunk that divides B: padding B would copy the whole cache.
+    chunk = max(c for c in range(1, XLA_SEQUENCES_PER_STEP + 1) if b % c == 0)
 
     def one_chunk(args):
         qc, wc, kc = args
         logits = jnp.einsum(
-            "bhd,bsd->bhs", qc, kc.astype(compute), preferred_element_type=jnp.float32
-        )
+            "bhd,bsd->bhs", qc.astype(compute), kc.astype(compute),
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
         return jnp.einsum("bh,bhs->bs", wc, reference.relu_keep_nan(logits))
 
-    n = (b + pad) // chunk
+    n = b // chunk
     scores = jax.lax.map(
         one_chunk,
-        (qp.reshape(n, chunk, h, d), wp.reshape(n, chunk, h), kp.reshape(n, chunk, s_max, d)),
-    ).reshape(n * chunk, s_max)[:b]
+        (q.reshape(n, chunk, h, d), weights.reshape(n, chunk, h),
+         k_cache.reshape(n, chunk, s_max, d)),
+    ).reshape(b, s_max)  # fmt: skip
     if k_scale is not None:
         scores = scores * k_scale
     visible = jnp.arange(s_max)[None, :] < lengths[:, None]
