@@ -84,29 +84,29 @@ def make_inputs(case: dict, seed: int):
 
 
 def _paged(inputs, page_size: int, seed: int):
-    """A batch's caches as pages of ``page_size`` keys, shuffled in one pool, with the
-    page table (as a serving engine's paged cache)."""
-    t, s, d = inputs["k_cache"].shape
-    m = s // page_size
-    order = jax.random.permutation(jax.random.PRNGKey(1000 + seed), t * m)
-    pool = inputs["k_cache"].reshape(t * m, page_size, d)[order]
-    table = jnp.argsort(order).astype(jnp.int32).reshape(t, m)  # page j of b at table[b, j]
-    scale = inputs["k_scale"]
-    scale = None if scale is None else scale.reshape(t * m, page_size)[order]
+    """A batch's caches as pages of ``page_size`` keys shuffled in one pool, with the page
+    table (as a serving engine's paged cache)."""
+    from jsparse.certified import workloads
+
+    pool, scale, table = workloads.page_cache(
+        inputs["k_cache"], inputs["k_scale"], page_size, seed=seed
+    )
     return dict(inputs, k_cache=pool, k_scale=scale, page_table=table)
 
 
 def _batch_oracle_row(inputs, r):
     """Reference scores [S] of batch sequence r's query over its own keys (dense or paged)."""
-    keys, scale = inputs["k_cache"], inputs["k_scale"]
-    if "page_table" in inputs:
-        pages = inputs["page_table"][r]
-        keys, scale = keys[pages], None if scale is None else scale[pages]
+    from jsparse.ops.indexer.batch import dense_view
+
+    keys, scale, table = inputs["k_cache"], inputs["k_scale"], inputs.get("page_table")
+    if table is None:  # a dense cache: sequence r's own rows
+        keys, scale = keys[r : r + 1], None if scale is None else scale[r : r + 1]
     else:
-        keys, scale = keys[r], None if scale is None else scale[r]
+        table = table[r : r + 1]
+    keys, scale = dense_view(keys, scale, table)  # [1, S, D]
+    scale = None if scale is None else scale[0]
     scores = jsparse.indexer_scores(
-        inputs["q"][r : r + 1], inputs["weights"][r : r + 1], keys.reshape(-1, keys.shape[-1]),
-        k_scale=None if scale is None else scale.reshape(-1),
+        inputs["q"][r : r + 1], inputs["weights"][r : r + 1], keys[0], k_scale=scale,
         kv_end=inputs["lengths"][r : r + 1], implementation="reference",
     )  # fmt: skip
     return np.asarray(scores, np.float64)[0]
