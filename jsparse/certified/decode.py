@@ -118,7 +118,7 @@ def _flat(k_cache, k_scale, lengths, witnesses, s_max):
     k, scale, start, end = batch.flat_keys(k_cache, k_scale, lengths, s_max)
     ok = (witnesses >= 0) & (witnesses < lengths[:, None])
     wit = jnp.where(ok, witnesses + start[:, None], -1)
-    return k, scale, start, end, wit, start
+    return k, scale, start, end, wit
 
 
 def _seeds(wit, start, end, top_k, num_keys):
@@ -131,11 +131,6 @@ def _seeds(wit, start, end, top_k, num_keys):
     wit = jnp.pad(wit, ((0, 0), (0, width - wit.shape[1])), constant_values=-1)
     default = jnp.pad(default, ((0, 0), (0, width - default.shape[1])), constant_values=-1)
     return jnp.where(enough[:, None], wit, default)
-
-
-def _relative(result, offset):
-    ids = jnp.where(result.indices >= 0, result.indices - offset[:, None], -1)
-    return result.replace(indices=ids.astype(jnp.int32))
 
 
 def _block_lists(seeds, block_t):
@@ -193,8 +188,7 @@ def _carry_witnesses(top_ids, seed_ids, seed_codes, capacity, offset, s_max, bes
             ids = jnp.pad(ids, extra, constant_values=-1)
         count = jnp.sum(fresh, axis=1).astype(jnp.int32)
         chosen = jnp.concatenate([top_ids, best_seeds(codes, ids, count, n)], axis=1)
-    chosen = jnp.where(chosen >= 0, chosen - offset[:, None], -1)
-    return chosen[:, :capacity].astype(jnp.int32)
+    return batch.relative_ids(chosen[:, :capacity], offset)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "capacity"))
@@ -204,9 +198,7 @@ def _decode_reference(
     from jsparse.ops.indexer.api import seed_threshold_code
 
     k_cache, k_scale = batch.dense_view(k_cache, k_scale, page_table)
-    k, scale, start, end, wit, offset = _flat(
-        k_cache, k_scale, lengths, witnesses, k_cache.shape[1]
-    )
+    k, scale, start, end, wit = _flat(k_cache, k_scale, lengths, witnesses, k_cache.shape[1])
     seeds = _seeds(wit, start, end, top_k, k.shape[0])
     seed_scores = scorer.score_keys_reference(q, weights, k, seeds, scale)
     tau = seed_threshold_code(seed_scores, seeds, top_k)
@@ -233,9 +225,9 @@ def _decode_reference(
     )
     seed_codes = jnp.where(seeds >= 0, score_code(seed_scores), EMPTY_CODE)
     new_witnesses = _carry_witnesses(
-        indices, seeds, seed_codes, capacity, offset, s_max, _best_seeds_reference
+        indices, seeds, seed_codes, capacity, start, s_max, _best_seeds_reference
     )
-    return _relative(result, offset), new_witnesses
+    return result.replace(indices=batch.relative_ids(result.indices, start)), new_witnesses
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "capacity", "witness_capacity"))
@@ -248,12 +240,12 @@ def _decode_triton_jit(
     from jsparse.ops.topk import triton as select
 
     s_max = batch.s_max_of(k_cache, page_table)
-    k, scale, start, end, wit, offset = _flat(k_cache, k_scale, lengths, witnesses, s_max)
+    k, scale, start, end, wit = _flat(k_cache, k_scale, lengths, witnesses, s_max)
     b = q.shape[0]
     # The tiles of indexer_topk_batch's base: one query a block, keys never widened in
     # memory (each sequence's keys are its query's alone), so the answers agree id for id.
     cfg = scorer_triton.batch_config(q.shape[1])
-    key_layout = batch.paged_layout(k_cache, page_table)
+    key_layout = batch.key_layout(k_cache, page_table)
     seeds = _seeds(wit, start, end, top_k, b * s_max)
     lists, listed = _block_lists(seeds, cfg.block_t)
     keep_all = jnp.full((b,), EMPTY_CODE, jnp.int32)
@@ -307,9 +299,9 @@ def _decode_triton_jit(
         return select.select_candidates(codes, ids, count, n)[1]
 
     new_witnesses = _carry_witnesses(
-        indices, seed_ids, seed_codes, witness_capacity, offset, s_max, best_seeds
+        indices, seed_ids, seed_codes, witness_capacity, start, s_max, best_seeds
     )
-    return _relative(result, offset), new_witnesses
+    return result.replace(indices=batch.relative_ids(result.indices, start)), new_witnesses
 
 
 def _decode_triton(

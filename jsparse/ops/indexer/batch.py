@@ -129,7 +129,12 @@ def flat_keys(k_cache, k_scale, lengths, s_max):
     return k_cache.reshape(rows, k_cache.shape[2]), scale, offset, offset + lengths
 
 
-def paged_layout(k_cache, page_table) -> dict:
+def relative_ids(ids, start):
+    """Flat key ids [B, N] as positions within each sequence (-1 stays -1)."""
+    return jnp.where(ids >= 0, ids - start[:, None], -1).astype(jnp.int32)
+
+
+def key_layout(k_cache, page_table) -> dict:
     """The scorer's key layout arguments: each sequence's keys are its own (never widened
     in memory), read through the flattened page table when paged."""
     layout = dict(shared_keys=False)
@@ -194,7 +199,7 @@ def indexer_topk_batch(
         if method == "xla":
             return _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table)
         return backend.dispatch(
-            "indexer_topk_batch[base]", _base_implementations(), implementation,
+            "indexer_topk_batch[base]", _BASE_IMPLEMENTATIONS, implementation,
             q, weights, k_cache, top_k, k_scale, lengths, page_table, sorted,
         )  # fmt: skip
 
@@ -212,15 +217,6 @@ def indexer_topk_batch(
     )  # fmt: skip
 
 
-@functools.cache
-def _base_implementations():
-    return {"triton": _base_triton, "reference": _base_reference}
-
-
-def _relative(indices, offset):
-    return jnp.where(indices >= 0, indices - offset[:, None], -1).astype(jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnames=("top_k", "sort"))
 def _base_reference(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
     del sort  # the reference always sorts
@@ -231,7 +227,7 @@ def _base_reference(q, weights, k_cache, top_k, k_scale, lengths, page_table, so
     ids = jnp.where(rel < lengths[:, None], rel + start[:, None], -1)
     scores = reference.score_keys_reference(q, weights, k, ids, scale)
     indices, values = select_topk_reference(scores, ids, top_k)
-    return exhaustive_result(_relative(indices, start), values, lengths)
+    return exhaustive_result(relative_ids(indices, start), values, lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "sort"))
@@ -245,11 +241,14 @@ def _base_triton(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=
     scores, *report = scorer._launch(
         q, weights, k, scale, start, end, cfg=cfg, report=methods.SCORER_WRITES_REPORT,
         row_cols=s_max, splits=scorer.batch_splits(q.shape[0], s_max, cfg),
-        **paged_layout(k_cache, page_table),
+        **key_layout(k_cache, page_table),
     )  # fmt: skip
     # scores [B, S_max]: sequence b's key i at column i, so the rows' ranges are [0, length).
     zero = jnp.zeros_like(lengths)
     return methods.topk_from_scores(scores, zero, lengths, top_k, sort=sort, report=report)
+
+
+_BASE_IMPLEMENTATIONS = {"triton": _base_triton, "reference": _base_reference}
 
 
 # Sequences per einsum of the ``xla`` method: bounds its [chunk, H, S_max] f32 logits.
