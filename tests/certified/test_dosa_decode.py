@@ -9,6 +9,7 @@ import pytest
 import jsparse
 from jsparse.certified import indexer_topk_decode
 from jsparse.ops.topk.codes import EMPTY_CODE
+from tests.paging import shuffled_pages
 
 B, S_MAX, H, D, K = 3, 160, 8, 16, 8
 
@@ -85,28 +86,7 @@ P = 16  # page size of the paged tests (S_MAX = 10 pages)
 
 
 def _paged(k_cache, scale, lengths, seed=0):
-    """The dense cache scattered into a shuffled page pool with spare pages, and the
-    table; pages past each sequence's length are left unallocated (-1)."""
-    rng = np.random.default_rng(seed)
-    m = S_MAX // P
-    n_pages = B * m + 5
-    slots = rng.permutation(n_pages)[: B * m].reshape(B, m)
-    pool = rng.standard_normal((n_pages, P, D)).astype(np.float32)  # spare pages: noise
-    pool_scale = np.ones((n_pages, P), np.float32)
-    dense = np.asarray(k_cache.astype(jnp.float32)).reshape(B, m, P, D)
-    dense_scale = np.asarray(scale).reshape(B, m, P)
-    table = np.full((B, m), -1, np.int32)
-    for b in range(B):
-        for i in range(m):
-            pool[slots[b, i]] = dense[b, i]
-            pool_scale[slots[b, i]] = dense_scale[b, i]
-            if i * P < lengths[b]:
-                table[b, i] = slots[b, i]
-    return (
-        jnp.asarray(pool, k_cache.dtype),
-        jnp.asarray(pool_scale),
-        jnp.asarray(table),
-    )
+    return shuffled_pages(k_cache, scale, lengths, P, spare_pages=5, seed=seed)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

@@ -12,6 +12,7 @@ import pytest
 import jsparse
 from jsparse.testing import topk_mismatches
 from tests.lowering import lower_for_h200
+from tests.paging import shuffled_pages
 
 FP8 = jnp.float8_e4m3fn
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}
@@ -42,23 +43,10 @@ def make_batch(dtype, seed=0):
 def paged(batch, seed=0):
     """The same keys in a shuffled page pool with spare pages of noise; pages past each
     sequence's length unallocated (-1)."""
-    rng = np.random.default_rng(seed)
-    m = S_MAX // P
-    n_pages = B * m + 3
-    slots = rng.permutation(n_pages)[: B * m].reshape(B, m)
-    dtype = batch["k_cache"].dtype
-    pool = rng.standard_normal((n_pages, P, D)).astype(np.float32)
-    pool_scale = np.ones((n_pages, P), np.float32)
-    dense = np.asarray(batch["k_cache"].astype(jnp.float32)).reshape(B, m, P, D)
-    dense_scale = np.asarray(batch["k_scale"]).reshape(B, m, P)
-    table = np.full((B, m), -1, np.int32)
-    for b in range(B):
-        for i in range(m):
-            pool[slots[b, i]], pool_scale[slots[b, i]] = dense[b, i], dense_scale[b, i]
-            if i * P < LENGTHS[b]:
-                table[b, i] = slots[b, i]
-    out = dict(batch, k_cache=jnp.asarray(pool, dtype), k_scale=jnp.asarray(pool_scale))
-    return dict(out, page_table=jnp.asarray(table))
+    pool, pool_scale, table = shuffled_pages(
+        batch["k_cache"], batch["k_scale"], LENGTHS, P, spare_pages=3, seed=seed
+    )
+    return dict(batch, k_cache=pool, k_scale=pool_scale, page_table=table)
 
 
 def oracle_scores(batch):
