@@ -270,11 +270,10 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
 
         base = base_fn()
         res, new_witnesses = dosa_fn()
-        base_ids = base.indices
-        exact = bool(np.array_equal(np.asarray(res.indices), np.asarray(base_ids)))
+        exact = bool(np.array_equal(np.asarray(res.indices), np.asarray(base.indices)))
         if args.page_size:
             paged, paged_witnesses_next = paged_fn()
-            exact &= bool(np.array_equal(np.asarray(paged.indices), np.asarray(base_ids)))
+            exact &= bool(np.array_equal(np.asarray(paged.indices), np.asarray(base.indices)))
         if n > 0:  # step 0 has no witnesses yet (default seeds)
             tb, td = _time(base_fn, args.iters), _time(dosa_fn, args.iters)
             records = np.asarray(res.candidates, np.float64)
