@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from jsparse.ops.indexer import triton as scorer
 from jsparse.ops.indexer.report import exhaustive_report
 from jsparse.ops.indexer.result import IndexerTopK
-from jsparse.ops.topk import histogram
 from jsparse.ops.topk import triton as select
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score
 
@@ -153,19 +152,6 @@ SCORER_WRITES_REPORT = True
 @functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
 def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True):
     """Every visible score written, then exact selection."""
-    t, s = q.shape[0], k.shape[0]
-    cfg = cfg or scorer.default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
-    if cfg.block_t == 1 and histogram.selects(t, s, top_k):
-        # the scorer counts its scores into histograms; the selection starts from them
-        scores, *report, hist = scorer._launch(
-            q, weights, k, k_scale, start, end, cfg=cfg, report=SCORER_WRITES_REPORT,
-            hist=histogram.zeroed(t),
-        )  # fmt: skip
-        indices, values = histogram.select(scores, hist, start, end, top_k)
-        visible, candidates, survivors, threshold, fallback = report or exhaustive_report(
-            start, end
-        )
-        return IndexerTopK(indices, values, visible, candidates, survivors, threshold, fallback)
     scores, *report = scorer._launch(
         q, weights, k, k_scale, start, end, cfg=cfg, report=SCORER_WRITES_REPORT
     )  # report: the five rows, or none

@@ -35,7 +35,6 @@ from jax.experimental.pallas import triton as plt
 from jsparse import backend
 from jsparse.ops.indexer.report import store_report
 from jsparse.ops.topk import codes as codes_lib
-from jsparse.ops.topk import histogram
 
 _NEG_INF = float("-inf")
 # FP8 inputs of a launch with at least this many queries are widened to the compute
@@ -203,9 +202,6 @@ class _Plan:
     # at column i - start[t]. A batch of sequences, each query over its own keys, then
     # writes [B, S_max] instead of a [B, B·S_max] matrix that is mostly never read.
     row_cols: int = 0
-    # Dense launches of one query a block may also count each score's code into its
-    # row's histogram (:mod:`jsparse.ops.topk.histogram`), the last output.
-    histogram: bool = False
 
 
 # Dense launches over a paged cache load each tile's page-table entries one tile ahead,
@@ -237,8 +233,6 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     names = _optional_inputs(p)
     optional = dict(zip(names, refs[: len(names)], strict=True))
     refs = refs[len(names) :]  # the outputs (and aliased inputs)
-    if p.histogram:
-        hist_ref, refs = refs[-1], refs[:-1]
     scale_ref, tau_ref, pages_ref = (optional.get(n) for n in ("scale", "tau", "pages"))
     ids_ref, n_ids_ref = optional.get("ids"), optional.get("n_ids")
     bt, bs = p.cfg.block_t, p.cfg.block_s
@@ -364,9 +358,6 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         else:
             scores, visible = tile_scores(ids)
         scores = jnp.where(visible, scores, _NEG_INF)
-        if p.histogram:  # one query a block (see _launch)
-            codes = codes_lib.score_code(scores[0])
-            histogram.count_bins(hist_ref, i, codes, visible[0], interpret=p.interpret, copy=split)
         if p.row_cols:
             col = ids[None, :] - start[:, None]
             in_bounds = row_ok[:, None] & (col >= 0) & (col < p.row_cols)
@@ -540,7 +531,6 @@ def _launch(
     q, weights, k, k_scale, start, end, *,
     tau_codes=None, key_ids=None, key_counts=None, records_cap=None, fill=False, cfg=None,
     splits=None, page_table=None, page_size=0, shared_keys=True, report=False, row_cols=0,
-    hist=None,
 ):  # fmt: skip
     """One scorer launch. ``page_table`` [n_pages] int32 (-1: no page) with ``page_size``
     P: key ids run over n_pages·P virtual slots, id i stored at row
@@ -548,10 +538,7 @@ def _launch(
     each query sees keys of its own, which are then never widened in memory (see
     :func:`_widen_in_memory`); a paged pool is always so. ``report`` (dense, no fill):
     also returns the exhaustive report's five [T] rows after the scores. ``row_cols`` > 0
-    (dense, no fill): scores as [T, row_cols], query t's key i at column i - start[t].
-    ``hist`` (dense, no fill, one query a block): zeroed histograms
-    (:func:`jsparse.ops.topk.histogram.zeroed`) that every visible score is counted
-    into; returned, filled, after the other outputs."""
+    (dense, no fill): scores as [T, row_cols], query t's key i at column i - start[t]."""
     t, _, _ = q.shape
     if report and (records_cap is not None or fill):
         raise ValueError("_launch: report is for a dense launch without fill")
@@ -559,8 +546,6 @@ def _launch(
         raise ValueError("_launch: row_cols is for a dense launch without fill")
     s = _num_keys(k, page_table, page_size)
     cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
-    if hist is not None and (records_cap is not None or fill or cfg.block_t != 1):
-        raise ValueError("_launch: hist is for a dense launch without fill, one query a block")
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
     shared_keys = shared_keys and page_table is None
     if _widen_in_memory(t, q.dtype, k.dtype, cdt, shared_keys=shared_keys):
@@ -588,7 +573,6 @@ def _launch(
         list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill_only=False,
         interpret=backend.is_interpret(), page_size=page_size if page_table is not None else 0,
         has_scale=k_scale is not None, report=report, stage=stage, row_cols=row_cols,
-        histogram=hist is not None,
     )  # fmt: skip
     pages = None if page_table is None else page_table.astype(jnp.int32)
     given = dict(scale=k_scale, tau=tau, ids=ids, n_ids=n_ids, pages=pages)
@@ -613,20 +597,14 @@ def _launch(
             rows = jax.ShapeDtypeStruct((t,), jnp.int32)
             flags = (jax.ShapeDtypeStruct((t,), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.bool_))
             out_shape += (rows, rows, rows, *flags)
-        if hist is not None:
-            out_shape += (jax.ShapeDtypeStruct(hist.shape, jnp.float32),)
-            initial = (hist,)
     inputs = (q, weights, k, start, end, *(given[n] for n in _optional_inputs(p)))
 
     def call(plan, initial, name):
-        # Aliased initial values: the records' buffers and the fill's scores come first
-        # among the outputs, a histogram last.
-        at = len(out_shape) - 1 if plan.histogram else 0
         return pl.pallas_call(
             functools.partial(_kernel, p=plan),
             grid=(n_tb, splits),
             out_shape=out_shape,
-            input_output_aliases={len(inputs) + j: at + j for j in range(len(initial))},
+            input_output_aliases={len(inputs) + j: j for j in range(len(initial))},
             compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             interpret=plan.interpret,
             name=name,
@@ -634,7 +612,7 @@ def _launch(
 
     if records:
         return call(p, initial, "jsparse_indexer_records")[:3]
-    outs = call(p, initial, "jsparse_indexer_scores")
+    outs = call(p, (), "jsparse_indexer_scores")
     if fill:
         outs = call(dataclasses.replace(p, fill_only=True), outs, "jsparse_indexer_fill")
     return outs
