@@ -53,6 +53,20 @@ _log = logging.getLogger("jsparse")
 _state = threading.local()
 
 
+# The H200's SM count: the launch planners' unit where no GPU is visible (CPU tests,
+# lowering for an abstract H200), and the count their per-SM targets were measured at.
+DEFAULT_SM_COUNT = 132
+
+
+@functools.cache
+def sm_count() -> int:
+    """Streaming multiprocessors of the default GPU (its ``core_count``), else
+    ``DEFAULT_SM_COUNT``: the unit in which every launch planner counts programs."""
+    if not has_nvidia_gpu():
+        return DEFAULT_SM_COUNT
+    return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_SM_COUNT)
+
+
 @functools.cache
 def has_nvidia_gpu() -> bool:
     """True when jax's default backend is an NVIDIA GPU."""

@@ -309,7 +309,7 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
     block_class = jnp.max(jnp.pad(cls, (0, pad), constant_values=-1).reshape(-1, block_t), axis=1)
     if splits is None:
         # Decode-sized batches split the key range over programs; prefill does not.
-        splits = int(max(1, min(-(-s // cfg.block_s), -(-4 * 132 // n_blocks))))
+        splits = int(max(1, min(-(-s // cfg.block_s), -(-4 * backend.sm_count() // n_blocks))))
     scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale
     lists = jnp.full((n_blocks * cap,), -1, jnp.int32)
     counts = jnp.zeros((n_blocks,), jnp.int32)

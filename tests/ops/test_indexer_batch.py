@@ -258,3 +258,29 @@ def test_traced_lengths_past_s_max_are_clamped(kernel_impl):
         np.asarray(run(over).indices), np.asarray(run(jnp.asarray(LENGTHS)).indices)
     )
     assert int(run(over).visible[0]) == S_MAX
+
+
+def test_batch_splits_follow_the_measured_rule(monkeypatch):
+    from jsparse import backend
+    from jsparse.ops.indexer import triton as scorer
+
+    monkeypatch.setattr(backend, "sm_count", lambda: 132)
+    cfg = scorer.batch_config(64)
+    # bf16: 8 programs an SM; FP8 16 where each keeps ≥ 16 tiles (64 sequences), not at 8
+    assert 64 * scorer.batch_splits(64, 65536, cfg) == 64 * 17
+    assert 64 * scorer.batch_splits(64, 65536, cfg, fp8_keys=True) == 2112
+    assert 8 * scorer.batch_splits(8, 131072, cfg, fp8_keys=True) == 1056
+    # a few sequences split as one-query decode does, whatever the dtype
+    assert scorer.batch_splits(1, 65536, cfg, fp8_keys=True) == scorer.batch_splits(1, 65536, cfg)
+    # the unit is the device's SM count
+    monkeypatch.setattr(backend, "sm_count", lambda: 66)
+    assert 64 * scorer.batch_splits(64, 65536, cfg, fp8_keys=True) == 1088
+
+
+def test_sm_count_is_the_devices():
+    from jsparse import backend
+
+    if backend.has_nvidia_gpu():
+        assert backend.sm_count() == jax.devices()[0].core_count
+    else:
+        assert backend.sm_count() == backend.DEFAULT_SM_COUNT

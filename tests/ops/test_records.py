@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jsparse import backend
 from jsparse.ops.indexer import triton as scorer
 from jsparse.ops.topk import codes as codes_lib
 from tests.lowering import lower_for_h200
@@ -36,7 +37,7 @@ def test_staged_split_records_equal_per_tile_reservation(monkeypatch, kernel_imp
     q, w, k, start, end = _inputs()
     s = k.shape[0]
     cfg = scorer.ScorerConfig(block_t=2, block_s=16, num_warps=4, num_stages=1)
-    monkeypatch.setattr(scorer, "PROGRAMS_TARGET", 8)  # two splits a block: many tiles each
+    monkeypatch.setattr(backend, "sm_count", lambda: 2)  # 8 programs: two splits a block
     # τ: about a quarter of each row's visible scores
     dense = np.asarray(scorer.indexer_scores_triton(q, w, k, None, start, end, cfg=cfg))
     quarter = np.nanquantile(np.where(np.isinf(dense), np.nan, dense), 0.75, axis=1)

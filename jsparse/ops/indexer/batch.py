@@ -238,9 +238,10 @@ def _base_triton(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=
     s_max = s_max_of(k_cache, page_table)
     k, scale, start, end = flat_keys(k_cache, k_scale, lengths, s_max)
     cfg = scorer.batch_config(q.shape[1])
+    fp8_keys = k.dtype == jnp.float8_e4m3fn
     scores, *report = scorer._launch(
         q, weights, k, scale, start, end, cfg=cfg, report=methods.SCORER_WRITES_REPORT,
-        row_cols=s_max, splits=scorer.batch_splits(q.shape[0], s_max, cfg),
+        row_cols=s_max, splits=scorer.batch_splits(q.shape[0], s_max, cfg, fp8_keys),
         **key_layout(k_cache, page_table),
     )  # fmt: skip
     # scores [B, S_max]: sequence b's key i at column i, so the rows' ranges are [0, length).

@@ -102,13 +102,12 @@ def default_config(heads: int, num_queries: int) -> MosaicScorerConfig:
     return MosaicScorerConfig(block_t=max(1, min(2, 256 // max(heads, 1), num_queries)))
 
 
-# CTAs a launch that splits key tiles aims at (132 SMs). Up to SMALL_LAUNCH_BLOCKS query
+# CTAs a launch that splits key tiles aims at (H200: 132 SMs). Up to SMALL_LAUNCH_BLOCKS query
 # blocks (1-8 queries): one wave, as many CTAs as fit the SMs by shared memory, at most
 # two an SM: bf16 CTAs (~120-136 KB) fit one, and one query × 64K scored in 7.4 µs at
 # 132 CTAs against 9.5 at 264, 8 queries 23.9 against 26.6; fp8 CTAs (~63-72 KB) fit
 # two (5.6 µs at 264, 5.8 at 132). More blocks: 2 × 132, as before: 64 queries bf16 ran
 # 229 µs at 288 CTAs and 264 at 160 (runs 114-116).
-SMS = 132
 MAX_CTAS_PER_SM = 2
 SMALL_LAUNCH_BLOCKS = 4
 _SMEM_PER_SM = 228 * 1024
@@ -121,7 +120,7 @@ def key_splits(n_blocks: int, n_tiles: int, cfg: MosaicScorerConfig, smem_bytes:
     per_sm = MAX_CTAS_PER_SM
     if n_blocks <= SMALL_LAUNCH_BLOCKS:
         per_sm = max(1, min(MAX_CTAS_PER_SM, _SMEM_PER_SM // (smem_bytes + 1024)))
-    return max(1, min(n_tiles, -(-SMS * per_sm // n_blocks)))
+    return max(1, min(n_tiles, -(-backend.sm_count() * per_sm // n_blocks)))
 
 
 def interpret_params():

@@ -491,35 +491,48 @@ def _splits_for(t, h, s, key_ids, cfg, fp8_keys):
     return _default_splits(n_tb, -(-n // cfg.block_s))
 
 
-# Programs a launch aims at: a few per SM (132 SMs). Decode launches of at most
-# SMALL_LAUNCH_BLOCKS query blocks split their keys into half as many: their programs are
-# short, and two per SM beat four at 1 and 8 queries × 64K and 128K, bf16 and fp8, while
-# 64 queries (16-32 query blocks) lost 25% at two (WORKSPACE.md runs 61-62).
-PROGRAMS_TARGET = 4 * 132
+# Programs a launch aims at, per SM (:func:`jsparse.backend.sm_count`; H200: 132).
+# Decode launches of at most SMALL_LAUNCH_BLOCKS query blocks split their keys into half
+# as many: their programs are short, and two per SM beat four at 1 and 8 queries × 64K
+# and 128K, bf16 and fp8, while 64 queries (16-32 query blocks) lost 25% at two
+# (WORKSPACE.md runs 61-62).
+PROGRAMS_PER_SM = 4
 SMALL_LAUNCH_BLOCKS = 4
 
 
 def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
     # decode (few queries) splits the key range instead of the queries
-    target = PROGRAMS_TARGET // (2 if n_query_blocks <= SMALL_LAUNCH_BLOCKS else 1)
+    target = PROGRAMS_PER_SM * backend.sm_count()
+    target //= 2 if n_query_blocks <= SMALL_LAUNCH_BLOCKS else 1
     return int(max(1, min(n_key_tiles, -(-target // n_query_blocks))))
 
 
 # Programs a batch launch (one query a block, each over keys of its own) aims at beyond
-# SMALL_LAUNCH_BLOCKS sequences: eight an SM, more than PROGRAMS_TARGET's four. At 64
+# SMALL_LAUNCH_BLOCKS sequences, per SM: eight, more than PROGRAMS_PER_SM's four. At 64
 # sequences of 64K and 128K keys, 1056 programs beat 528 by 8% (bf16) and 12-15% (FP8,
 # widened in registers: its loads wait on the conversion, so more programs keep more
-# loads in flight), and 264 were no better than 528 (WORKSPACE.md, run 117b).
-BATCH_PROGRAMS_TARGET = 8 * 132
+# loads in flight), and 264 were no better than 528 (WORKSPACE.md, run 117b). FP8 keys
+# gain again at sixteen an SM where each program keeps at least FP8_MIN_TILES tiles:
+# 64 × 64K / 128K 213 → 203 / 424 → 388 µs, but 8 × 64K / 128K (4 / 8 tiles a program)
+# 31.0 → 33.7 / 55.6 → 57.1; bf16 lost at 64 sequences (run 118).
+BATCH_PROGRAMS_PER_SM = 8
+BATCH_FP8_PROGRAMS_PER_SM = 16
+BATCH_FP8_MIN_TILES = 16
 
 
-def batch_splits(num_sequences: int, s_max: int, cfg: ScorerConfig) -> int:
-    """Key splits of each sequence's range in a batch launch (see BATCH_PROGRAMS_TARGET);
-    a few sequences split as decode does."""
+def batch_splits(num_sequences: int, s_max: int, cfg: ScorerConfig, fp8_keys: bool = False) -> int:
+    """Key splits of each sequence's range in a batch launch (see BATCH_PROGRAMS_PER_SM);
+    a few sequences split as decode does. ``fp8_keys``: FP8 keys, widened in registers."""
     n_tiles = -(-s_max // cfg.block_s)
     if num_sequences <= SMALL_LAUNCH_BLOCKS:
         return _default_splits(num_sequences, n_tiles)
-    return int(max(1, min(n_tiles, -(-BATCH_PROGRAMS_TARGET // num_sequences))))
+
+    def splits(per_sm):
+        return int(max(1, min(n_tiles, -(-per_sm * backend.sm_count() // num_sequences))))
+
+    if fp8_keys and n_tiles // splits(BATCH_FP8_PROGRAMS_PER_SM) >= BATCH_FP8_MIN_TILES:
+        return splits(BATCH_FP8_PROGRAMS_PER_SM)
+    return splits(BATCH_PROGRAMS_PER_SM)
 
 
 def _num_keys(k, page_table, page_size):

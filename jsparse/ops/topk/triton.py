@@ -834,11 +834,11 @@ MAX_CHUNKS = 64
 
 
 def default_chunks(rows: int, length: int) -> int:
-    """Programs per row: enough rows × chunks to fill an H200 (four per SM), each chunk
+    """Programs per row: enough rows × chunks to fill the GPU (four per SM), each chunk
     at least ``MIN_CHUNK_ENTRIES`` long (``ONE_ROW_CHUNK_ENTRIES`` for a single row),
     at most ``MAX_CHUNKS`` of them."""
     entries = ONE_ROW_CHUNK_ENTRIES if rows == 1 else MIN_CHUNK_ENTRIES
-    return int(max(1, min(-(-4 * 132 // rows), length // entries, MAX_CHUNKS)))
+    return int(max(1, min(-(-4 * backend.sm_count() // rows), length // entries, MAX_CHUNKS)))
 
 
 def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
