@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import jsparse
+from jsparse import backend
+from jsparse.ops.indexer import triton as scorer
 from jsparse.testing import topk_mismatches
 from tests.lowering import lower_for_h200
 from tests.paging import shuffled_pages
@@ -112,7 +114,6 @@ def test_paged_base_equals_dense_base(kernel_impl):
 def test_paged_base_walks_several_tiles_a_program(splits, kernel_impl, monkeypatch):
     # A program reads each tile's pages one tile ahead: with every sequence's 5 tiles in
     # one or two programs, a wrong prefetch would read another tile's keys.
-    from jsparse.ops.indexer import triton as scorer
 
     monkeypatch.setattr(scorer, "batch_splits", lambda *args: splits)
     jax.clear_caches()
@@ -261,9 +262,6 @@ def test_traced_lengths_past_s_max_are_clamped(kernel_impl):
 
 
 def test_batch_splits_follow_the_measured_rule(monkeypatch):
-    from jsparse import backend
-    from jsparse.ops.indexer import triton as scorer
-
     monkeypatch.setattr(backend, "sm_count", lambda: 132)
     cfg = scorer.batch_config(64)
     # bf16: 8 programs an SM; FP8 16 where each keeps ≥ 16 tiles (64 sequences), not at 8
@@ -278,8 +276,6 @@ def test_batch_splits_follow_the_measured_rule(monkeypatch):
 
 
 def test_sm_count_is_the_devices():
-    from jsparse import backend
-
     if backend.has_nvidia_gpu():
         assert backend.sm_count() == jax.devices()[0].core_count
     else:

@@ -512,7 +512,7 @@ def _default_splits(n_query_blocks: int, n_key_tiles: int) -> int:
 # sequences of 64K and 128K keys, 1056 programs beat 528 by 8% (bf16) and 12-15% (FP8,
 # widened in registers: its loads wait on the conversion, so more programs keep more
 # loads in flight), and 264 were no better than 528 (WORKSPACE.md, run 117b). FP8 keys
-# gain again at sixteen an SM where each program keeps at least FP8_MIN_TILES tiles:
+# gain again at sixteen an SM where each program keeps BATCH_FP8_MIN_TILES tiles or more:
 # 64 × 64K / 128K 213 → 203 / 424 → 388 µs, but 8 × 64K / 128K (4 / 8 tiles a program)
 # 31.0 → 33.7 / 55.6 → 57.1; bf16 lost at 64 sequences (run 118).
 BATCH_PROGRAMS_PER_SM = 8
