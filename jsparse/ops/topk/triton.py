@@ -1088,8 +1088,18 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
     plt.store(kth_ref.at[row], kth)
 
 
+# Fewer rows than SMs (a decode step's 64): each row's program runs alone on its SM,
+# and the kernel lasts as long as one program, so warps that shorten a program's chain
+# can pay where they lose throughput over thousands of rows (run 126).
+FEW_ROWS_SELECT_WARPS = 4
+FEW_ROWS_BITONIC_WARPS = 8
+
+
 def _select_call(src, ids, counts, top_k, gather, cfg, scores_out=False):
     t, cap = ids.shape
+    if cfg is None:
+        few = t < backend.sm_count()
+        cfg = SelectConfig(num_warps=FEW_ROWS_SELECT_WARPS) if few else SelectConfig()
     kernel = functools.partial(
         _select_kernel, top_k=top_k, cap=cap, gather=gather, cfg=cfg, scores_out=scores_out
     )
@@ -1108,7 +1118,7 @@ def _select_call(src, ids, counts, top_k, gather, cfg, scores_out=False):
     return out_codes.reshape(t, top_k), out_ids.reshape(t, top_k), kth
 
 
-def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig(), *, scores_out=False):
+def select_candidates(codes, ids, counts, top_k, cfg=None, *, scores_out=False):
     """Exact Top-K set of each row's candidates, in input order.
 
     codes, ids: [T, cap]; counts: [T] (values beyond cap are clipped: callers handle
@@ -1116,11 +1126,12 @@ def select_candidates(codes, ids, counts, top_k, cfg=SelectConfig(), *, scores_o
     kth [T]: the K-th largest code, EMPTY_CODE when a row has fewer than K candidates).
     ``scores_out``: scores [T, K] (padding -inf) in place of the codes: the final
     unsorted output, without a conversion pass over it (63 µs at 8192 rows, run 90).
+    ``cfg`` None: the default, at FEW_ROWS_SELECT_WARPS for fewer rows than SMs.
     """
     return _select_call(codes.reshape(-1), ids, counts, top_k, False, cfg, scores_out)
 
 
-def select_rows(scores, ids, counts, top_k, cfg=SelectConfig(), *, scores_out=False):
+def select_rows(scores, ids, counts, top_k, cfg=None, *, scores_out=False):
     """:func:`select_candidates` for the candidate ids of dense score rows [T, S] (from
     :func:`compact_rows`): each candidate's score is gathered from its row by id."""
     return _select_call(scores, ids, counts, top_k, True, cfg, scores_out)
@@ -1495,12 +1506,15 @@ def _bitonic_order_kernel(codes_ref, ids_ref, out_ids_ref, out_scores_ref, *, k,
     plt.store(out_scores_ref.at[row, slot], code_to_score(~keys))
 
 
-def bitonic_order(codes, ids, *, num_warps=8):
+def bitonic_order(codes, ids, *, num_warps=None):
     """:func:`order_topk` for many rows: one program per row sorts it in registers with
     a bitonic network (no shared memory or gathers in this backend: sums along the
     row's axes exchange the partners). Any row order of the entries: ties break by id.
-    8 warps: 490 µs at 8192 × 2048 against 541 at 4 and 548 at 16 (runs 85, 87)."""
+    8 warps: 490 µs at 8192 × 2048 against 541 at 4 and 548 at 16 (runs 85, 87); None:
+    8, or FEW_ROWS_BITONIC_WARPS for fewer rows than SMs."""
     t, k = codes.shape
+    if num_warps is None:
+        num_warps = FEW_ROWS_BITONIC_WARPS if t < backend.sm_count() else 8
     n = 1 << (k - 1).bit_length()
     out_ids, out_scores = pl.pallas_call(
         functools.partial(_bitonic_order_kernel, k=k, n=n),
