@@ -1,5 +1,7 @@
 """Every Triton kernel lowers to CUDA for an H200 (no GPU needed)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -109,6 +111,25 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
     few, few_counts = jax.ShapeDtypeStruct((8, cap), i32), jax.ShapeDtypeStruct((8,), i32)
     lower_for_h200(lambda c, i, m: select.rank_select(c, i, m, K), few, few, few_counts)
     lower_for_h200(lambda c, i, m: select.block_rank_select(c, i, m, K), few, few, few_counts)
+
+
+def _num_warps(lowered):
+    return sorted(set(re.findall(r"num_warps = (\d+)", lowered.as_text())))
+
+
+def test_fewer_rows_than_sms_select_and_order_with_more_warps():
+    # below the SM count one program's chain is the kernel: 8 warps for the select and
+    # 16 for the bitonic order (run 126); from there on, the throughput configs 4 and 8
+    i32 = jnp.int32
+    for rows, select_warps, order_warps in ((64, "8", "16"), (256, "4", "8")):
+        scores = jax.ShapeDtypeStruct((rows, 4096), jnp.float32)
+        buf, counts = jax.ShapeDtypeStruct((rows, 256), i32), jax.ShapeDtypeStruct((rows,), i32)
+        lowered = lower_for_h200(
+            lambda x, i, m: select.select_rows(x, i, m, 64), scores, buf, counts
+        )
+        assert _num_warps(lowered) == [select_warps]
+        topk = jax.ShapeDtypeStruct((rows, 64), i32)
+        assert _num_warps(lower_for_h200(select.bitonic_order, topk, topk)) == [order_warps]
 
 
 @pytest.mark.parametrize(

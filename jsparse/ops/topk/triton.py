@@ -1090,9 +1090,11 @@ def _select_kernel(src_ref, ids_ref, count_ref, out_codes_ref, out_ids_ref, kth_
 
 # Fewer rows than SMs (a decode step's 64): each row's program runs alone on its SM,
 # and the kernel lasts as long as one program, so warps that shorten a program's chain
-# can pay where they lose throughput over thousands of rows (run 126).
-FEW_ROWS_SELECT_WARPS = 4
-FEW_ROWS_BITONIC_WARPS = 8
+# pay where they lose throughput over thousands of rows. 64 rows × 64K / 128K (run 126,
+# µs): select_rows 25.3 → 14.1 at 8 warps (against 4), the bitonic order 14.8 → 12.7 at
+# 16 (against 8). 16 warps for the select were not measured.
+FEW_ROWS_SELECT_WARPS = 8
+FEW_ROWS_BITONIC_WARPS = 16
 
 
 def _select_call(src, ids, counts, top_k, gather, cfg, scores_out=False):
