@@ -228,16 +228,8 @@ def default_seed_ids(
 
 def _topk_xla(q, weights, k, k_scale, start, end, top_k):
     scores = reference.indexer_scores_einsum(q, weights, k, k_scale, start, end)
-    s = scores.shape[1]
-    pad = max(0, top_k - s)
-    if pad:
-        scores = jnp.pad(scores, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-    values, idx = jax.lax.top_k(scores, top_k)
     visible = (end - start).astype(jnp.int32)
-    empty = jnp.arange(top_k)[None, :] >= visible[:, None]
-    return exhaustive_result(
-        jnp.where(empty, -1, idx).astype(jnp.int32), jnp.where(empty, -jnp.inf, values), visible
-    )
+    return exhaustive_result(*reference.lax_topk(scores, visible, top_k), visible)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "sort"))

@@ -286,10 +286,4 @@ def _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table):
         scores = scores * k_scale
     visible = jnp.arange(s_max)[None, :] < lengths[:, None]
     scores = jnp.where(visible, scores, -jnp.inf)
-    if top_k > s_max:
-        scores = jnp.pad(scores, ((0, 0), (0, top_k - s_max)), constant_values=-jnp.inf)
-    values, idx = jax.lax.top_k(scores, top_k)
-    empty = jnp.arange(top_k)[None, :] >= lengths[:, None]
-    return exhaustive_result(
-        jnp.where(empty, -1, idx).astype(jnp.int32), jnp.where(empty, -jnp.inf, values), lengths
-    )
+    return exhaustive_result(*reference.lax_topk(scores, lengths, top_k), lengths)

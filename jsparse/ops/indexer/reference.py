@@ -150,3 +150,15 @@ def indexer_scores_einsum(
     ids = jnp.arange(s)[None, :]
     visible = (ids >= kv_start[:, None]) & (ids < kv_end[:, None])
     return jnp.where(visible, out, -jnp.inf)
+
+
+def lax_topk(scores: Float[Array, "T S"], visible: Int[Array, " T"], top_k: int):
+    """The ``xla`` baseline's selection: ``lax.top_k`` of score rows (-inf where not
+    visible), padded to K columns, -1 / -inf past each row's ``visible`` count.
+    Returns (indices [T, K] int32, values [T, K])."""
+    pad = max(0, top_k - scores.shape[1])
+    if pad:
+        scores = jnp.pad(scores, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    values, idx = jax.lax.top_k(scores, top_k)
+    empty = jnp.arange(top_k)[None, :] >= visible[:, None]
+    return jnp.where(empty, -1, idx).astype(jnp.int32), jnp.where(empty, -jnp.inf, values)
