@@ -207,7 +207,6 @@ class _Plan:
 # Dense launches over a paged cache load each tile's page-table entries one tile ahead,
 # so the key loads do not wait on them (see WORKSPACE.md, run 120).
 PREFETCH_PAGES = True
-PREFETCH_WIDENED_KEYS = False
 
 
 # Records of launches whose splits share a query. False: every tile reserves room in
@@ -255,9 +254,9 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         # Paged cache: the page table maps the id's page to a physical page (-1: none).
         return plt.load(pages_ref.at[jnp.where(ok, ids, 0) // p.page_size], mask=ok, other=-1)
 
-    def tile_keys(ids, page=None):
-        """ids [BS] (-1 or ≥ S: no key) -> (keys [BS, D] as stored, scales [BS] or None,
-        ok [BS]: the id names a key). ``page``: the ids' pages when already loaded."""
+    def tile_scores(ids, page=None):
+        """ids [BS] (-1 or ≥ S: no key) -> (scores [BT, BS], visible [BT, BS]). ``page``:
+        the ids' pages when already loaded (paged caches)."""
         ok = (ids >= 0) & (ids < p.s)
         safe = jnp.where(ok, ids, 0)
         if p.page_size:
@@ -272,18 +271,9 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             other=jnp.zeros((), k_ref.dtype),
         )
         scale = plt.load(scale_ref.at[row], mask=ok, other=0.0) if p.has_scale else None
-        return k_tile, scale, ok
-
-    def keys_scores(ids, k_tile, scale, ok):
-        """(scores [BT, BS], visible [BT, BS]) of loaded keys (see ``tile_keys``)."""
         scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
         return scores, visible
-
-    def tile_scores(ids, page=None):
-        """ids [BS] (-1 or ≥ S: no key) -> (scores [BT, BS], visible [BT, BS]). ``page``:
-        the ids' pages when already loaded (paged caches)."""
-        return keys_scores(ids, *tile_keys(ids, page))
 
     if p.key_list:
         # Only the tiles holding the block's listed ids (lists are filled from the front).
@@ -359,22 +349,12 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
 
     # (Key ranges only: a list's tile past its last would be read out of bounds.)
     prefetch = bool(p.page_size) and not p.key_list and PREFETCH_PAGES
-    # Keys that are widened in registers: the next tile's keys, loaded while this tile's
-    # are scored (such a load cannot stream to shared memory ahead of its use).
-    widened = jnp.dtype(k_ref.dtype) != jnp.dtype(p.compute)
-    prefetch_keys = PREFETCH_WIDENED_KEYS and widened and not p.page_size and not p.key_list
-
-    def next_keys(j):  # tile j's keys, none past the split's last tile
-        return tile_keys(jnp.where(j < stop, tile_ids(j), -1))
 
     def dense_body(j, pages):
         ids = tile_ids(j)
         if prefetch:  # the next tile's pages, loaded while this tile's keys are
             pages, ahead = next_pages(j + 1), pages
             scores, visible = tile_scores(ids, ahead)
-        elif prefetch_keys:
-            pages, ahead = next_keys(j + 1), pages
-            scores, visible = keys_scores(ids, *ahead)
         else:
             scores, visible = tile_scores(ids)
         scores = jnp.where(visible, scores, _NEG_INF)
@@ -389,8 +369,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         return pages
 
     if not p.fill_only:
-        first_carry = next_pages(begin) if prefetch else next_keys(begin) if prefetch_keys else 0
-        jax.lax.fori_loop(begin, stop, dense_body, first_carry)
+        jax.lax.fori_loop(begin, stop, dense_body, next_pages(begin) if prefetch else 0)
     else:
         # Tiles outside [first, last) are invisible to every query of the block.
         n_all = (p.s + bs - 1) // bs
