@@ -829,6 +829,9 @@ MERGE_WRITES_CODES = True
 # one row gains from chunks of 1024 (64 chunks of a 64K row: −1.3 to −2.0 µs a step,
 # run 76), eight rows lose (+4 to +5 µs with 64 chunks a row, 512 programs).
 MIN_CHUNK_ENTRIES = 4096
+# Split rows from this many: θ found once a row by a kernel of its own, which the chunk
+# programs read, instead of each chunk program repeating the row's search. None: never.
+SHARED_THETA_MIN_ROWS: int | None = None
 ONE_ROW_CHUNK_ENTRIES = 1024
 MAX_CHUNKS = 64
 
@@ -894,8 +897,25 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
     else:  # the merge kernel takes flagged rows' slow path itself
         n_seg = t * chunks
         seg_codes = codes and not (dense and MERGE_WRITES_CODES)
+        shared_theta = SHARED_THETA_MIN_ROWS is not None and t >= SHARED_THETA_MIN_ROWS
+        theta = ()
+        if shared_theta:
+            theta = (
+                pl.pallas_call(
+                    functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
+                    grid=(t,),
+                    out_shape=flag,
+                    compiler_params=plt.CompilerParams(
+                        num_warps=cfg.split_num_warps, num_stages=cfg.num_stages
+                    ),
+                    interpret=interpret,
+                    name="jsparse_topk_theta",
+                )(*inputs),
+            )
         segments = pl.pallas_call(
-            functools.partial(_chunk_kernel, **statics | dict(codes=seg_codes), theta_given=False),
+            functools.partial(
+                _chunk_kernel, **statics | dict(codes=seg_codes), theta_given=shared_theta
+            ),
             grid=(t, chunks),
             out_shape=buffers(n_seg, seg_codes),
             compiler_params=plt.CompilerParams(
@@ -903,7 +923,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
             ),
             interpret=interpret,
             name="jsparse_topk_compact_chunks",
-        )(*inputs)
+        )(*inputs, *theta)
         *bufs, slow = pl.pallas_call(
             functools.partial(_merge_kernel, **statics, seg_codes=seg_codes),
             grid=(t, chunks),
