@@ -127,7 +127,8 @@ def test_paged_base_walks_several_tiles_a_program(splits, kernel_impl, monkeypat
 
 
 @pytest.mark.gpu
-def test_gpu_batch_base_at_decode_size():
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_gpu_batch_base_at_decode_size(implementation):
     # 64 sequences of up to 64K keys, FP8 with scales, compiled.
     rng = np.random.default_rng(3)
     b, s_max, h, d, k = 64, 65536, 64, 128, 2048
@@ -138,7 +139,7 @@ def test_gpu_batch_base_at_decode_size():
     w = jax.random.normal(jax.random.PRNGKey(2), (b, h)) / np.sqrt(h * d)
     scale = jnp.asarray(rng.uniform(0.5, 2.0, (b, s_max)).astype(np.float32))
     args = dict(k_scale=scale, lengths=jnp.asarray(lengths))
-    result = jsparse.indexer_topk_batch(q, w, cache, k, implementation="triton", **args)
+    result = jsparse.indexer_topk_batch(q, w, cache, k, implementation=implementation, **args)
     pick = [0, 1, 2, 5, 63]
     oracle = np.full((len(pick), s_max), -np.inf)
     for r, seq in enumerate(pick):  # float64 numpy, per sequence

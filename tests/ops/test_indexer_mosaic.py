@@ -180,6 +180,103 @@ def test_falls_back_when_named_in_a_sequence():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def make_batch(dtype, lengths, s_max, h=16, d=64, *, scale, seed=0):
+    """A batch of sequences, one query each over a dense cache of its own."""
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    return dict(
+        q=jnp.asarray(rng.standard_normal((b, h, d)), dtype),
+        weights=jnp.asarray(rng.standard_normal((b, h)), jnp.float32),
+        k_cache=jnp.asarray(rng.standard_normal((b, s_max, d)), dtype),
+        k_scale=jnp.asarray(rng.uniform(0.25, 4.0, (b, s_max)), jnp.float32) if scale else None,
+        lengths=jnp.asarray(lengths, jnp.int32),
+    )
+
+
+def batch_error_bound(x, unit_roundoff):
+    """[B, S_max] summation-order bound (module docstring) for a batch's scores."""
+    q = np.abs(np.asarray(x["q"].astype(jnp.float32), np.float64))
+    k = np.abs(np.asarray(x["k_cache"].astype(jnp.float32), np.float64))
+    w = np.abs(np.asarray(x["weights"], np.float64))
+    magnitude = np.einsum("bh,bhd,bsd->bs", w, q, k)
+    if x["k_scale"] is not None:
+        magnitude = magnitude * np.asarray(x["k_scale"], np.float64)
+    return 2.0 * (q.shape[2] + q.shape[1]) * unit_roundoff * magnitude
+
+
+@pytest.mark.parametrize("scale", [True, False], ids=["scaled", "unscaled"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_batch_base_matches_reference(dtype, scale, mosaic_interpret):
+    """Each query over its own cache: a whole one, an empty one, one shorter than K and
+    one ending mid-tile; three tiles a sequence split over CTAs."""
+    x = make_batch(DTYPES[dtype], [384, 0, 5, 200], 384, scale=scale, seed=6)
+    top_k = 40
+    got = jsparse.indexer_topk_batch(**x, top_k=top_k, implementation="mosaic")
+    want = jsparse.indexer_topk_batch(**x, top_k=top_k, implementation="reference")
+    s_max = x["k_cache"].shape[1]
+    visible = np.arange(s_max)[None, :] < np.asarray(x["lengths"])[:, None]
+    oracle = np.where(visible, np.asarray(scores_of_batch(x)), -np.inf)
+    atol = float(np.max(batch_error_bound(x, F32_UNIT_ROUNDOFF)))
+    problems = topk_mismatches(got.indices, got.scores, oracle, top_k, atol)
+    assert not problems, "\n".join(problems[:10])
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+    np.testing.assert_array_equal(np.asarray(got.visible), np.asarray(want.visible))
+
+
+def scores_of_batch(x):
+    """float64 scores [B, S_max] of every key of each sequence's cache."""
+    q = np.asarray(x["q"].astype(jnp.float32), np.float64)
+    k = np.asarray(x["k_cache"].astype(jnp.float32), np.float64)
+    w = np.asarray(x["weights"], np.float64)
+    s = np.einsum("bh,bhs->bs", w, np.maximum(np.einsum("bhd,bsd->bhs", q, k), 0.0))
+    return s if x["k_scale"] is None else s * np.asarray(x["k_scale"], np.float64)
+
+
+def test_batch_scores_split_over_ctas(mosaic_interpret):
+    """Five tiles a sequence over three CTAs (runs of 2, 2, 1), 64-key tiles."""
+    x = make_batch(FP8, [320, 1, 130], 320, scale=True, seed=7)
+    cfg = mosaic.MosaicScorerConfig(block_t=1, block_s=64, max_concurrent_steps=2, key_splits=3)
+    args = (x["q"], x["weights"], x["k_cache"], x["k_scale"], x["lengths"])
+    got = np.asarray(mosaic.batch_scores_mosaic(*args, cfg=cfg), np.float64)
+    visible = np.arange(320)[None, :] < np.asarray(x["lengths"])[:, None]
+    want = np.where(visible, scores_of_batch(x), -np.inf)
+    assert_scores_close(got, want, batch_error_bound(x, F32_UNIT_ROUNDOFF))
+
+
+def test_batch_declines_what_it_cannot_read():
+    """Paged pools and caches of partial tiles raise NotImplementedError by name, and a
+    sequence of implementations falls back to Triton."""
+    x = make_batch(jnp.bfloat16, [300, 7], 300, scale=False, seed=8)
+    with backend.interpret_mode(True):
+        with pytest.raises(NotImplementedError, match="multiple of block_s"):
+            jsparse.indexer_topk_batch(**x, top_k=8, implementation="mosaic")
+        table = jnp.zeros((2, 3), jnp.int32)
+        pool = jnp.zeros((4, 128, 64), jnp.bfloat16)
+        with pytest.raises(NotImplementedError, match="page pool"):
+            jsparse.indexer_topk_batch(
+                x["q"], x["weights"], pool, 8, lengths=x["lengths"], page_table=table,
+                implementation="mosaic",
+            )  # fmt: skip
+        got = jsparse.indexer_topk_batch(**x, top_k=8, implementation=("mosaic", "triton"))
+    want = jsparse.indexer_topk_batch(**x, top_k=8, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_batch_lowers_to_cuda(dtype):
+    """Serving decode's shape: 64 sequences × 8192 keys, H = 64, D = 128."""
+    b, s, h, d = 64, 8192, 64, 128
+    structs = (
+        jax.ShapeDtypeStruct((b, h, d), DTYPES[dtype]),
+        jax.ShapeDtypeStruct((b, h), jnp.float32),
+        jax.ShapeDtypeStruct((b, s, d), DTYPES[dtype]),
+        jax.ShapeDtypeStruct((b, s), jnp.float32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+    )
+    lowered = lower_for_h200(mosaic.batch_scores_mosaic, *structs)
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 # (name, T, H, D, S, config or None for the default)
 LOWERING_CASES = [
     ("decode", 1, 64, 128, 8192, None),

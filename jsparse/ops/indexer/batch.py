@@ -183,7 +183,9 @@ def indexer_topk_batch(
         sequence's length must be allocated). S_max = max_pages·P.
       method: ``"xla"`` or ``"base"`` (module doc).
       sorted: as in :func:`jsparse.indexer_topk`.
-      implementation: see :mod:`jsparse.backend`; ignored by ``xla``.
+      implementation: see :mod:`jsparse.backend`; ignored by ``xla``. ``"mosaic"``
+        (opt-in): the Mosaic GPU scorer, for dense caches whose S_max is a multiple of
+        128, q and keys both bfloat16 or both float8_e4m3fn.
 
     Returns:
       :class:`IndexerTopK` with ids relative to each sequence, ordered by score
@@ -249,7 +251,36 @@ def _base_triton(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=
     return methods.topk_from_scores(scores, zero, lengths, top_k, sort=sort, report=report)
 
 
-_BASE_IMPLEMENTATIONS = {"triton": _base_triton, "reference": _base_reference}
+def _base_mosaic(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
+    """``base`` with the Mosaic GPU scorer (opt-in, dense caches only): FP8 × FP8 on the
+    FP8 tensor cores, so FP8 scores round differently from the Triton scorer's."""
+    from jsparse.ops.indexer import mosaic
+
+    if page_table is not None:
+        raise NotImplementedError(
+            "indexer_topk_batch: the mosaic scorer reads dense caches only, not a page pool "
+            "(use implementation='triton')"
+        )
+    cfg = mosaic.batch_config(q.shape[1])
+    mosaic.check_supported(q.shape, q.dtype, k_cache.dtype, cfg)
+    return _base_mosaic_jit(q, weights, k_cache, top_k, k_scale, lengths, cfg=cfg, sort=sort)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
+def _base_mosaic_jit(q, weights, k_cache, top_k, k_scale, lengths, *, cfg, sort):
+    from jsparse.ops.indexer import methods, mosaic
+
+    scores = mosaic.batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, cfg=cfg)
+    zero = jnp.zeros_like(lengths)
+    return methods.topk_from_scores(scores, zero, lengths, top_k, sort=sort)
+
+
+# Preferred order; "mosaic" is opt-in (jsparse.backend.OPT_IN_IMPLEMENTATIONS).
+_BASE_IMPLEMENTATIONS = {
+    "triton": _base_triton,
+    "mosaic": _base_mosaic,
+    "reference": _base_reference,
+}
 
 
 # Sequences per einsum of the ``xla`` method: bounds its [chunk, H, S_max] f32 logits.

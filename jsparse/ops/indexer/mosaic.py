@@ -171,9 +171,12 @@ def check_supported(q_shape, q_dtype, k_dtype, cfg: MosaicScorerConfig) -> None:
         )
 
 
-def _kernel(
-    q_ref, w_ref, k_ref, scale_ref, meta_ref, out_ref, scratch, *, cfg, heads, splits, interpret
-):
+def _kernel(*refs, cfg, heads, splits, seq_tiles, interpret):
+    """``refs``: q, w, k, (k_scale,) meta, out, scratch. ``seq_tiles`` > 0: a batch of
+    sequences, block b's keys the ``seq_tiles`` tiles from tile b·seq_tiles of ``k``
+    (its output row's key ids are positions in its own sequence); 0: keys shared."""
+    has_scale = len(refs) == 7
+    q_ref, w_ref, k_ref, *scale_ref, meta_ref, out_ref, scratch = refs
     q_smem, w_smem, meta_smem, out_smem, fill_smem, barriers = scratch
     # Register layouts matter only to the compiler; the interpreter has no rule for
     # layout_cast (jax 0.10.2), and it is the identity on values.
@@ -206,7 +209,9 @@ def _kernel(
     w_cols = cast(w_smem[...], plgpu.Layout.WGMMA.reduce(0))
     w_tile = lax.broadcast_in_dim(w_cols, (bs, n), (1,))  # [BS, BT·H]
 
-    def step(indices, k_smem, scale_smem):
+    key_base = blk * seq_tiles  # the block's sequence, in tiles of k (0: shared keys)
+
+    def step(indices, k_smem, *scale_smem):
         (j,) = indices
         tile = first + j
         slot = lax.rem(j, 2)
@@ -219,11 +224,14 @@ def _kernel(
         logits = pl.run_scoped(mma, plgpu.ACC((bs, n), jnp.float32))  # [BS, BT·H]
         # relu as where(x < 0): NaN propagates, as in the reference.
         weighted = jnp.where(logits < 0, 0.0, logits) * w_tile
-        scale = cast(scale_smem[...], plgpu.Layout.WGMMA.reduce(1))  # [BS]
+        if has_scale:
+            scale = cast(scale_smem[0][...], plgpu.Layout.WGMMA.reduce(1))  # [BS]
         ids = tile * bs + cast(lax.iota(jnp.int32, bs), plgpu.Layout.WGMMA.reduce(1))
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot is done
         for b in range(bt):
-            scores = jnp.sum(weighted[:, b * heads : (b + 1) * heads], axis=1) * scale  # [BS]
+            scores = jnp.sum(weighted[:, b * heads : (b + 1) * heads], axis=1)  # [BS]
+            if has_scale:
+                scores = scores * scale
             visible = (ids >= starts[b]) & (ids < ends[b])
             out_smem[slot, b] = jnp.where(visible, scores, _NEG_INF)
         # Stores are ours, not the pipeline's (its out_specs copy with a predicate,
@@ -239,13 +247,15 @@ def _kernel(
         grid=(n_visible,),
         in_specs=[
             plgpu.BlockSpec(
-                (bs, k_ref.shape[1]), lambda j: (first + j, 0), transforms=_transforms(k_ref)
+                (bs, k_ref.shape[1]),
+                lambda j: (key_base + first + j, 0),
+                transforms=_transforms(k_ref),
             ),
-            plgpu.BlockSpec((bs,), lambda j: (first + j,)),
+            *[plgpu.BlockSpec((bs,), lambda j: (key_base + first + j,))] * has_scale,
         ],
         max_concurrent_steps=cfg.max_concurrent_steps,
     )
-    pipeline(k_ref, scale_ref)
+    pipeline(k_ref, *scale_ref)
 
     # Tiles no query of the block can see: -inf, straight from shared memory.
     # Row by row in the scores' own layout: a whole-tile splat has no register layout
@@ -305,10 +315,13 @@ def _block_meta(start, end, t_pad, cfg):
     return jnp.pad(meta, ((0, 0), (0, _META - meta.shape[1])))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret):
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "seq_len"))
+def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret, seq_len=0):
+    """[T, S] scores; ``seq_len`` > 0: a batch, query t over keys [t·seq_len, (t + 1)·
+    seq_len) of ``k`` (a multiple of block_s; block_t 1), ranges and the [T, seq_len]
+    output in positions within that sequence."""
     t, h, d = q.shape
-    s = k.shape[0]
+    s = seq_len or k.shape[0]
     bt, bs = cfg.block_t, cfg.block_s
     hp = padded_heads(h, bt)
     if hp != h:
@@ -321,9 +334,11 @@ def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret):
     n_blocks = t_pad // bt
     q2 = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0))).reshape(t_pad * h, d)
     w2 = jnp.pad(weights.astype(jnp.float32), ((0, t_pad - t), (0, 0))).reshape(t_pad * h)
-    k2 = jnp.pad(k, ((0, s_pad - s), (0, 0)))
-    scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale.astype(jnp.float32)
-    scale = jnp.pad(scale, (0, s_pad - s), constant_values=1.0)
+    # A batch's cache is whole tiles a sequence (checked): padding it would copy it.
+    k2 = k if seq_len else jnp.pad(k, ((0, s_pad - s), (0, 0)))
+    scale = () if k_scale is None else (k_scale.astype(jnp.float32),)
+    if scale and not seq_len:
+        scale = (jnp.pad(scale[0], (0, s_pad - s), constant_values=1.0),)
     meta = _block_meta(start, end, t_pad, cfg)
     q_smem = plgpu.SMEM((n, d), q.dtype, transforms=_transforms(q2))
     if interpret:
@@ -334,7 +349,9 @@ def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret):
 
     splits = key_splits(n_blocks, s_pad // bs, cfg, _smem_bytes(n, d, q.dtype.itemsize, cfg))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, heads=h, splits=splits, interpret=interpret),
+        functools.partial(
+            _kernel, cfg=cfg, heads=h, splits=splits, seq_tiles=seq_len // bs, interpret=interpret
+        ),
         out_type=jax.ShapeDtypeStruct((t_pad, s_pad), jnp.float32),
         grid=(n_blocks, splits),
         grid_names=("blocks", "splits"),
@@ -352,10 +369,41 @@ def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret):
         interpret=interpret_params() if interpret else None,
         kernel_name="jsparse_indexer_scores_mosaic",
     )
-    out = kernel(q2, w2, k2, scale, meta)
+    out = kernel(q2, w2, k2, *scale, meta)
     if (t_pad, s_pad) != (t, s):
         out = out[:t, :s]
     return out
+
+
+def batch_config(heads: int) -> MosaicScorerConfig:
+    """A batch of sequences: one query a CTA, since every key tile belongs to one sequence
+    (a second query's half of the dot would be masked away)."""
+    del heads
+    return MosaicScorerConfig(block_t=1)
+
+
+def batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, *, cfg=None):
+    """[B, S_max] scores of a batch (query b over the first ``lengths[b]`` keys of its own
+    dense cache ``k_cache[b]``), -inf past each length. Raises ``NotImplementedError``
+    where the cache is not whole tiles a sequence (S_max a multiple of block_s)."""
+    cfg = cfg or batch_config(q.shape[1])
+    check_supported(q.shape, q.dtype, k_cache.dtype, cfg)
+    if cfg.block_t != 1:
+        raise ValueError(f"batch_scores_mosaic: block_t must be 1, got {cfg.block_t}")
+    b, s_max, d = k_cache.shape
+    if s_max % cfg.block_s:
+        raise NotImplementedError(
+            f"mosaic indexer batch: S_max = {s_max} must be a multiple of block_s = "
+            f"{cfg.block_s} (each sequence's keys are read in whole tiles; padding the "
+            "cache would copy it every call; use implementation='triton')"
+        )
+    k = k_cache.reshape(b * s_max, d)
+    scale = None if k_scale is None else k_scale.reshape(b * s_max)
+    zero = jnp.zeros_like(lengths)
+    return _scores(
+        q, weights, k, scale, zero, lengths, cfg=cfg, interpret=backend.is_interpret(),
+        seq_len=s_max,
+    )  # fmt: skip
 
 
 def indexer_scores_mosaic(q, weights, k, k_scale, start, end, *, cfg=None):
