@@ -77,6 +77,12 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
                 ),
                 scores, rng, rng,
             )  # fmt: skip
+    # split rows below SHARED_THETA_MIN_ROWS: each chunk program searches θ itself
+    few = jax.ShapeDtypeStruct((8, s), jnp.float32)
+    lower_for_h200(
+        lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=8, with_codes=True),
+        few, jax.ShapeDtypeStruct((8,), i32), jax.ShapeDtypeStruct((8,), i32),
+    )  # fmt: skip
     # whole rows in one pass (the keep bits are the default above)
     monkeypatch.setattr(select, "KEEP_BITS", False)
     lower_for_h200(lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=1), scores, rng, rng)

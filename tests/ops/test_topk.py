@@ -119,6 +119,30 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
         np.testing.assert_array_equal(np.asarray(slow)[:2], select.SEARCHED)
 
 
+@pytest.mark.parametrize("kind", ["gauss", "all-equal"])
+def test_split_rows_with_a_shared_theta_keep_the_same_candidates(kind, kernel_impl, monkeypatch):
+    """θ searched once a row (a kernel of its own) or by every chunk program: the same
+    sample and search, so the same candidates, counts and paths (all-equal: the slow
+    path, from the merge)."""
+    rng = np.random.default_rng(2)
+    s, top_k, cap = 9000, 40, 512
+    start_end = [(0, s), (100, 7000), (s - 10, s)]
+    scores = _adversarial_rows(kind, 3, s, start_end, rng)
+    start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
+    runs = []
+    for shared in (None, 1):
+        monkeypatch.setattr(select, "SHARED_THETA_MIN_ROWS", shared)
+        ids, count, slow = select.compact_rows(
+            jnp.asarray(scores), start, end, top_k, cap, chunks=3
+        )
+        runs.append((np.asarray(ids), np.asarray(count), np.asarray(slow)))
+    (ids0, n0, slow0), (ids1, n1, slow1) = runs
+    np.testing.assert_array_equal(n0, n1)
+    np.testing.assert_array_equal(slow0, slow1)
+    for r in range(3):
+        np.testing.assert_array_equal(ids0[r, : n0[r]], ids1[r, : n1[r]])
+
+
 def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes):
     """The keep bits and their expansion give the one-pass compaction's ids, codes,
     counts and flags on whole rows; returns (count, flag)."""

@@ -830,8 +830,11 @@ MERGE_WRITES_CODES = True
 # run 76), eight rows lose (+4 to +5 µs with 64 chunks a row, 512 programs).
 MIN_CHUNK_ENTRIES = 4096
 # Split rows from this many: θ found once a row by a kernel of its own, which the chunk
-# programs read, instead of each chunk program repeating the row's search. None: never.
-SHARED_THETA_MIN_ROWS: int | None = None
+# programs read, instead of each chunk program repeating the row's search (9-16 times a
+# row, on SMs the streaming needs too). Selection alone, L2-hot rows (WORKSPACE.md, run
+# 128): 64 × 64K 51.0 → 46.3 µs, 64 × 128K 67.6 → 60.0; 1 and 8 rows lose 0.8 (one more
+# launch, and their searches ran on idle SMs). None: never.
+SHARED_THETA_MIN_ROWS: int | None = 64
 ONE_ROW_CHUNK_ENTRIES = 1024
 MAX_CHUNKS = 64
 
