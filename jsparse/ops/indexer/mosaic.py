@@ -217,7 +217,7 @@ def _kernel(*refs, cfg, heads, splits, seq_tiles, interpret):
         slot = lax.rem(j, 2)
 
         def mma(acc_ref):
-            q_kn = q_smem if interpret else plgpu.transpose_ref(q_smem, (1, 0))  # [D, BT·H]
+            q_kn = q_smem if interpret else q_smem.transpose((1, 0))  # [D, BT·H]
             plgpu.wgmma(acc_ref, k_smem, q_kn)
             return acc_ref[...]
 
