@@ -69,14 +69,15 @@ def make_inputs(t, h, d, s, dtype, *, ranges, scale, seed=0):
     )
 
 
-def error_bound(x, unit_roundoff):
-    """[T, S] bound on the summation-order error of each score (module docstring)."""
+def error_bound(x, unit_roundoff, *, keys="k", spec="th,thd,sd->ts"):
+    """[T, S] bound on the summation-order error of each score (module docstring); a
+    batch's [B, S_max] with ``keys="k_cache"`` and its own einsum ``spec``."""
     q = np.abs(np.asarray(x["q"].astype(jnp.float32), np.float64))
-    k = np.abs(np.asarray(x["k"].astype(jnp.float32), np.float64))
+    k = np.abs(np.asarray(x[keys].astype(jnp.float32), np.float64))
     w = np.abs(np.asarray(x["weights"], np.float64))
-    magnitude = np.einsum("th,thd,sd->ts", w, q, k)
+    magnitude = np.einsum(spec, w, q, k)
     if x["k_scale"] is not None:
-        magnitude = magnitude * np.asarray(x["k_scale"], np.float64)[None, :]
+        magnitude = magnitude * np.asarray(x["k_scale"], np.float64)  # [S] or [B, S]
     _, h, d = q.shape
     return 2.0 * (d + h) * unit_roundoff * magnitude
 
@@ -194,14 +195,7 @@ def make_batch(dtype, lengths, s_max, h=16, d=64, *, scale, seed=0):
 
 
 def batch_error_bound(x, unit_roundoff):
-    """[B, S_max] summation-order bound (module docstring) for a batch's scores."""
-    q = np.abs(np.asarray(x["q"].astype(jnp.float32), np.float64))
-    k = np.abs(np.asarray(x["k_cache"].astype(jnp.float32), np.float64))
-    w = np.abs(np.asarray(x["weights"], np.float64))
-    magnitude = np.einsum("bh,bhd,bsd->bs", w, q, k)
-    if x["k_scale"] is not None:
-        magnitude = magnitude * np.asarray(x["k_scale"], np.float64)
-    return 2.0 * (q.shape[2] + q.shape[1]) * unit_roundoff * magnitude
+    return error_bound(x, unit_roundoff, keys="k_cache", spec="bh,bhd,bsd->bs")
 
 
 @pytest.mark.parametrize("scale", [True, False], ids=["scaled", "unscaled"])
