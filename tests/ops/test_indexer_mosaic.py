@@ -26,6 +26,7 @@ from jsparse import backend
 from jsparse.ops.indexer import mosaic
 from jsparse.testing import topk_mismatches
 from tests.lowering import lower_for_h200
+from tests.paging import shuffled_pages
 
 FP8 = jnp.float8_e4m3fn
 DTYPES = {"bf16": jnp.bfloat16, "fp8": FP8}
@@ -238,34 +239,65 @@ def test_batch_scores_split_over_ctas(mosaic_interpret):
 
 
 def test_batch_declines_what_it_cannot_read():
-    """Paged pools and caches of partial tiles raise NotImplementedError by name, and a
-    sequence of implementations falls back to Triton."""
+    """Caches of partial tiles and pages not a multiple of 64 keys raise
+    NotImplementedError by name, and a sequence of implementations falls back to Triton."""
     x = make_batch(jnp.bfloat16, [300, 7], 300, scale=False, seed=8)
     with backend.interpret_mode(True):
         with pytest.raises(NotImplementedError, match="multiple of block_s"):
             jsparse.indexer_topk_batch(**x, top_k=8, implementation="mosaic")
         table = jnp.zeros((2, 3), jnp.int32)
-        pool = jnp.zeros((4, 128, 64), jnp.bfloat16)
-        with pytest.raises(NotImplementedError, match="page pool"):
+        pool = jnp.zeros((4, 32, 64), jnp.bfloat16)
+        with pytest.raises(NotImplementedError, match="multiple of 64"):
             jsparse.indexer_topk_batch(
-                x["q"], x["weights"], pool, 8, lengths=x["lengths"], page_table=table,
-                implementation="mosaic",
+                x["q"], x["weights"], pool, 8, lengths=jnp.asarray([96, 7], jnp.int32),
+                page_table=table, implementation="mosaic",
             )  # fmt: skip
         got = jsparse.indexer_topk_batch(**x, top_k=8, implementation=("mosaic", "triton"))
     want = jsparse.indexer_topk_batch(**x, top_k=8, implementation="reference")
     np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
 
 
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_batch_paged_scores_equal_dense(page_size, mosaic_interpret):
+    """The same keys in a shuffled page pool (pages past each length unallocated) give
+    the dense cache's scores bit for bit at the same tiles; a page left unallocated
+    inside a length gives -inf there, and the rest is unchanged."""
+    lengths = np.array([256, 0, 130], np.int32)
+    x = make_batch(FP8, lengths, 256, scale=True, seed=9)
+    pool, pool_scale, table = shuffled_pages(
+        x["k_cache"], x["k_scale"], lengths, page_size, spare_pages=3, seed=9
+    )
+    cfg = mosaic.MosaicScorerConfig(block_t=1, block_s=64, key_splits=2)
+    head = (x["q"], x["weights"])
+    dense = np.asarray(mosaic.batch_scores_mosaic(
+        *head, x["k_cache"], x["k_scale"], x["lengths"], cfg=cfg))  # fmt: skip
+    paged = np.asarray(mosaic.batch_scores_mosaic(
+        *head, pool, pool_scale, x["lengths"], table, cfg=cfg))  # fmt: skip
+    np.testing.assert_array_equal(paged, dense)
+    holed = np.asarray(mosaic.batch_scores_mosaic(
+        *head, pool, pool_scale, x["lengths"], table.at[0, 1].set(-1), cfg=cfg))  # fmt: skip
+    hole = np.zeros(256, bool)
+    hole[page_size : 2 * page_size] = True
+    assert np.all(np.isneginf(holed[0, hole]))
+    np.testing.assert_array_equal(holed[0, ~hole], dense[0, ~hole])
+    np.testing.assert_array_equal(holed[1:], dense[1:])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_batch_lowers_to_cuda(dtype):
-    """Serving decode's shape: 64 sequences × 8192 keys, H = 64, D = 128."""
+def test_batch_lowers_to_cuda(dtype, paged):
+    """Serving decode's shape: 64 sequences × 8192 keys, H = 64, D = 128; paged: pages of
+    64 keys in a pool of 9000."""
     b, s, h, d = 64, 8192, 64, 128
+    f32, i32 = jnp.float32, jnp.int32
+    cache = (9000, 64, d) if paged else (b, s, d)
     structs = (
         jax.ShapeDtypeStruct((b, h, d), DTYPES[dtype]),
-        jax.ShapeDtypeStruct((b, h), jnp.float32),
-        jax.ShapeDtypeStruct((b, s, d), DTYPES[dtype]),
-        jax.ShapeDtypeStruct((b, s), jnp.float32),
-        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b, h), f32),
+        jax.ShapeDtypeStruct(cache, DTYPES[dtype]),
+        jax.ShapeDtypeStruct(cache[:2], f32),
+        jax.ShapeDtypeStruct((b,), i32),
+        *[jax.ShapeDtypeStruct((b, s // 64), i32)] * paged,
     )
     lowered = lower_for_h200(mosaic.batch_scores_mosaic, *structs)
     assert "mosaic_gpu" in lowered.as_text()
@@ -316,3 +348,30 @@ def test_real_size_fp8_matches_reference():
     got = jsparse.indexer_scores(**x, implementation="mosaic")
     want = jsparse.indexer_scores(**x, implementation="reference")
     assert_scores_close(got, want, error_bound(x, GPU_UNIT_ROUNDOFF["fp8"]))
+
+
+@pytest.mark.gpu
+def test_gpu_batch_paged_matches_dense_at_decode_size():
+    """16 sequences of up to 64K FP8 keys in pages of 64, compiled: the page pool gives
+    the dense cache's scores bit for bit at the same tiles, and the same Top-K."""
+    rng = np.random.default_rng(10)
+    b, s_max, top_k = 16, 65536, 2048
+    lengths = rng.integers(1, s_max + 1, b).astype(np.int32)
+    lengths[:3] = [s_max, 1000, 0]
+    x = make_batch(FP8, lengths, s_max, h=64, d=128, scale=True, seed=10)
+    pool, pool_scale, table = shuffled_pages(
+        x["k_cache"], x["k_scale"], lengths, 64, spare_pages=5, seed=10
+    )
+    cfg = mosaic.MosaicScorerConfig(block_t=1, block_s=64)
+    head = (x["q"], x["weights"])
+    dense = mosaic.batch_scores_mosaic(*head, x["k_cache"], x["k_scale"], x["lengths"], cfg=cfg)
+    paged = mosaic.batch_scores_mosaic(*head, pool, pool_scale, x["lengths"], table, cfg=cfg)
+    np.testing.assert_array_equal(np.asarray(paged), np.asarray(dense))
+    got = jsparse.indexer_topk_batch(
+        *head, pool, top_k, lengths=x["lengths"], k_scale=pool_scale, page_table=table,
+        implementation="mosaic",
+    )  # fmt: skip
+    oracle = np.where(np.arange(s_max)[None, :] < lengths[:, None], scores_of_batch(x), -np.inf)
+    atol = float(np.max(batch_error_bound(x, GPU_UNIT_ROUNDOFF["fp8"])))
+    problems = topk_mismatches(got.indices, got.scores, oracle, top_k, atol)
+    assert not problems, "\n".join(problems[:10])

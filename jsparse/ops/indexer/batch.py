@@ -185,7 +185,8 @@ def indexer_topk_batch(
       sorted: as in :func:`jsparse.indexer_topk`.
       implementation: see :mod:`jsparse.backend`; ignored by ``xla``. ``"mosaic"``
         (opt-in): the Mosaic GPU scorer, for dense caches whose S_max is a multiple of
-        128, q and keys both bfloat16 or both float8_e4m3fn.
+        128 and page pools whose P is a multiple of 64, q and keys both bfloat16 or both
+        float8_e4m3fn.
 
     Returns:
       :class:`IndexerTopK` with ids relative to each sequence, ordered by score
@@ -252,25 +253,22 @@ def _base_triton(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=
 
 
 def _base_mosaic(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
-    """``base`` with the Mosaic GPU scorer (opt-in, dense caches only): FP8 × FP8 on the
-    FP8 tensor cores, so FP8 scores round differently from the Triton scorer's."""
+    """``base`` with the Mosaic GPU scorer (opt-in): FP8 × FP8 on the FP8 tensor cores,
+    so FP8 scores round differently from the Triton scorer's."""
     from jsparse.ops.indexer import mosaic
 
-    if page_table is not None:
-        raise NotImplementedError(
-            "indexer_topk_batch: the mosaic scorer reads dense caches only, not a page pool "
-            "(use implementation='triton')"
-        )
     cfg = mosaic.batch_config(q.shape[1])
     mosaic.check_supported(q.shape, q.dtype, k_cache.dtype, cfg)
-    return _base_mosaic_jit(q, weights, k_cache, top_k, k_scale, lengths, cfg=cfg, sort=sort)
+    return _base_mosaic_jit(
+        q, weights, k_cache, top_k, k_scale, lengths, page_table, cfg=cfg, sort=sort
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
-def _base_mosaic_jit(q, weights, k_cache, top_k, k_scale, lengths, *, cfg, sort):
+def _base_mosaic_jit(q, weights, k_cache, top_k, k_scale, lengths, page_table, *, cfg, sort):
     from jsparse.ops.indexer import methods, mosaic
 
-    scores = mosaic.batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, cfg=cfg)
+    scores = mosaic.batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table, cfg=cfg)
     zero = jnp.zeros_like(lengths)
     return methods.topk_from_scores(scores, zero, lengths, top_k, sort=sort)
 

@@ -171,13 +171,16 @@ def check_supported(q_shape, q_dtype, k_dtype, cfg: MosaicScorerConfig) -> None:
         )
 
 
-def _kernel(*refs, cfg, heads, splits, seq_tiles, interpret):
-    """``refs``: q, w, k, (k_scale,) meta, out, scratch. ``seq_tiles`` > 0: a batch of
-    sequences, block b's keys the ``seq_tiles`` tiles from tile b·seq_tiles of ``k``
-    (its output row's key ids are positions in its own sequence); 0: keys shared."""
-    has_scale = len(refs) == 7
-    q_ref, w_ref, k_ref, *scale_ref, meta_ref, out_ref, scratch = refs
-    q_smem, w_smem, meta_smem, out_smem, fill_smem, barriers = scratch
+def _kernel(*refs, cfg, heads, splits, seq_tiles, page_tiles, has_scale, interpret):
+    """``refs``: q, w, k, (k_scale,) meta, (pages,) out, scratch. ``seq_tiles`` > 0: a
+    batch of sequences, block b's keys the ``seq_tiles`` tiles from tile b·seq_tiles of
+    ``k`` (its output row's key ids are positions in its own sequence); 0: keys shared.
+    ``page_tiles`` > 0: a batch read from a page pool instead, block b's page table row
+    in ``pages`` (-1: no page), each page ``page_tiles`` tiles of ``k``."""
+    q_ref, w_ref, k_ref, *refs = refs
+    scale_ref, refs = refs[: int(has_scale)], refs[int(has_scale) :]
+    meta_ref, *pages_ref, out_ref, scratch = refs
+    q_smem, w_smem, meta_smem, out_smem, fill_smem, barriers, *pages_smem = scratch
     # Register layouts matter only to the compiler; the interpreter has no rule for
     # layout_cast (jax 0.10.2), and it is the identity on values.
     cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
@@ -191,7 +194,9 @@ def _kernel(*refs, cfg, heads, splits, seq_tiles, interpret):
     plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(blk * rows, rows)], q_smem, barriers.at[0])
     plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(blk * n, n)], w_smem, barriers.at[1])
     plgpu.copy_gmem_to_smem(meta_ref.at[blk], meta_smem, barriers.at[2])
-    for i in range(3):
+    if page_tiles:
+        plgpu.copy_gmem_to_smem(pages_ref[0].at[blk], pages_smem[0], barriers.at[3])
+    for i in range(4 if page_tiles else 3):
         plgpu.barrier_wait(barriers.at[i])
     # This CTA's key tiles: [r0, r1), one of ``splits`` equal runs of the row's tiles;
     # the visible ones among them, [first, first + n_visible), stream through the
@@ -210,6 +215,15 @@ def _kernel(*refs, cfg, heads, splits, seq_tiles, interpret):
     w_tile = lax.broadcast_in_dim(w_cols, (bs, n), (1,))  # [BS, BT·H]
 
     key_base = blk * seq_tiles  # the block's sequence, in tiles of k (0: shared keys)
+
+    def page_of(tile):  # the block's page holding its tile (-1: none)
+        return pages_smem[0][tile // page_tiles]
+
+    def key_tile(j):  # the row of tiles of k holding the j-th visible tile
+        tile = first + j
+        if page_tiles:  # an unallocated page reads page 0, and its scores are -inf
+            return jnp.maximum(page_of(tile), 0) * page_tiles + tile % page_tiles
+        return key_base + tile
 
     def step(indices, k_smem, *scale_smem):
         (j,) = indices
@@ -233,6 +247,8 @@ def _kernel(*refs, cfg, heads, splits, seq_tiles, interpret):
             if has_scale:
                 scores = scores * scale
             visible = (ids >= starts[b]) & (ids < ends[b])
+            if page_tiles:
+                visible = visible & (page_of(tile) >= 0)
             out_smem[slot, b] = jnp.where(visible, scores, _NEG_INF)
         # Stores are ours, not the pipeline's (its out_specs copy with a predicate,
         # which jax 0.10.2's interpreter rejects): two output buffers, so this tile's
@@ -247,11 +263,9 @@ def _kernel(*refs, cfg, heads, splits, seq_tiles, interpret):
         grid=(n_visible,),
         in_specs=[
             plgpu.BlockSpec(
-                (bs, k_ref.shape[1]),
-                lambda j: (key_base + first + j, 0),
-                transforms=_transforms(k_ref),
+                (bs, k_ref.shape[1]), lambda j: (key_tile(j), 0), transforms=_transforms(k_ref)
             ),
-            *[plgpu.BlockSpec((bs,), lambda j: (key_base + first + j,))] * has_scale,
+            *[plgpu.BlockSpec((bs,), lambda j: (key_tile(j),))] * has_scale,
         ],
         max_concurrent_steps=cfg.max_concurrent_steps,
     )
@@ -315,11 +329,14 @@ def _block_meta(start, end, t_pad, cfg):
     return jnp.pad(meta, ((0, 0), (0, _META - meta.shape[1])))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "seq_len"))
-def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret, seq_len=0):
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "seq_len", "page_size"))
+def _scores(q, weights, k, k_scale, start, end, pages=None, *, cfg, interpret, seq_len=0,
+            page_size=0):  # fmt: skip
     """[T, S] scores; ``seq_len`` > 0: a batch, query t over keys [t·seq_len, (t + 1)·
     seq_len) of ``k`` (a multiple of block_s; block_t 1), ranges and the [T, seq_len]
-    output in positions within that sequence."""
+    output in positions within that sequence. With ``pages`` [T, M] (M a multiple of
+    32) and ``page_size`` (a multiple of block_s), query t's key i is row
+    pages[t, i // P]·P + i % P of the page pool ``k`` instead."""
     t, h, d = q.shape
     s = seq_len or k.shape[0]
     bt, bs = cfg.block_t, cfg.block_s
@@ -347,10 +364,20 @@ def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret, seq_len=0):
         q2 = q2.reshape(n_blocks, n, d).transpose(0, 2, 1).reshape(n_blocks * d, n)
         q_smem = plgpu.SMEM((d, n), q.dtype)
 
-    splits = key_splits(n_blocks, s_pad // bs, cfg, _smem_bytes(n, d, q.dtype.itemsize, cfg))
+    smem = _smem_bytes(n, d, q.dtype.itemsize, cfg)
+    paged = () if pages is None else (pages,)
+    page_scratch = tuple(plgpu.SMEM((p.shape[1],), jnp.int32) for p in paged)
+    splits = key_splits(n_blocks, s_pad // bs, cfg, smem + 4 * sum(p.shape[1] for p in paged))
     kernel = plgpu.kernel(
         functools.partial(
-            _kernel, cfg=cfg, heads=h, splits=splits, seq_tiles=seq_len // bs, interpret=interpret
+            _kernel,
+            cfg=cfg,
+            heads=h,
+            splits=splits,
+            seq_tiles=seq_len // bs,
+            page_tiles=page_size // bs,
+            has_scale=bool(scale),
+            interpret=interpret,
         ),
         out_type=jax.ShapeDtypeStruct((t_pad, s_pad), jnp.float32),
         grid=(n_blocks, splits),
@@ -362,14 +389,15 @@ def _scores(q, weights, k, k_scale, start, end, *, cfg, interpret, seq_len=0):
                 plgpu.SMEM((_META,), jnp.int32),
                 plgpu.SMEM((2, bt, bs), jnp.float32),
                 plgpu.SMEM((bt, bs), jnp.float32),
-                plgpu.Barrier(num_barriers=3),
+                plgpu.Barrier(num_barriers=4 if paged else 3),
+                *page_scratch,
             )
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret_params() if interpret else None,
         kernel_name="jsparse_indexer_scores_mosaic",
     )
-    out = kernel(q2, w2, k2, *scale, meta)
+    out = kernel(q2, w2, k2, *scale, meta, *paged)
     if (t_pad, s_pad) != (t, s):
         out = out[:t, :s]
     return out
@@ -382,27 +410,59 @@ def batch_config(heads: int) -> MosaicScorerConfig:
     return MosaicScorerConfig(block_t=1)
 
 
-def batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, *, cfg=None):
+def batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table=None, *, cfg=None):
     """[B, S_max] scores of a batch (query b over the first ``lengths[b]`` keys of its own
-    dense cache ``k_cache[b]``), -inf past each length. Raises ``NotImplementedError``
-    where the cache is not whole tiles a sequence (S_max a multiple of block_s)."""
+    cache), -inf past each length. The cache is dense, [B, S_max, D], or with
+    ``page_table`` [B, M] a page pool [n_pages, P, D] (key i of sequence b at row i % P
+    of page page_table[b, i // P]; -1: no page, its keys -inf; S_max = M·P).
+
+    Raises ``NotImplementedError`` where tiles would cross a sequence or a page: S_max
+    (dense) or P (paged) must be a multiple of block_s (paged: block_s is lowered to P
+    when P is smaller), P a multiple of 64, and the page table row must fit in shared
+    memory beside the tiles."""
     cfg = cfg or batch_config(q.shape[1])
-    check_supported(q.shape, q.dtype, k_cache.dtype, cfg)
     if cfg.block_t != 1:
         raise ValueError(f"batch_scores_mosaic: block_t must be 1, got {cfg.block_t}")
-    b, s_max, d = k_cache.shape
-    if s_max % cfg.block_s:
-        raise NotImplementedError(
-            f"mosaic indexer batch: S_max = {s_max} must be a multiple of block_s = "
-            f"{cfg.block_s} (each sequence's keys are read in whole tiles; padding the "
-            "cache would copy it every call; use implementation='triton')"
-        )
-    k = k_cache.reshape(b * s_max, d)
-    scale = None if k_scale is None else k_scale.reshape(b * s_max)
+    interpret = backend.is_interpret()
+    n_rows, p, d = k_cache.shape
+    k = k_cache.reshape(n_rows * p, d)
+    scale = None if k_scale is None else k_scale.reshape(n_rows * p)
     zero = jnp.zeros_like(lengths)
+    if page_table is None:
+        check_supported(q.shape, q.dtype, k_cache.dtype, cfg)
+        if p % cfg.block_s:
+            raise NotImplementedError(
+                f"mosaic indexer batch: S_max = {p} must be a multiple of block_s = "
+                f"{cfg.block_s} (each sequence's keys are read in whole tiles; padding the "
+                "cache would copy it every call; use implementation='triton')"
+            )
+        return _scores(q, weights, k, scale, zero, lengths, cfg=cfg, interpret=interpret, seq_len=p)
+    if p % 64:
+        raise NotImplementedError(
+            f"mosaic indexer batch: page size P = {p} must be a multiple of 64 (a key tile "
+            "is 64·k keys of one page; use implementation='triton')"
+        )
+    cfg = dataclasses.replace(cfg, block_s=min(cfg.block_s, p))
+    if p % cfg.block_s:
+        raise NotImplementedError(
+            f"mosaic indexer batch: page size P = {p} must be a multiple of block_s = "
+            f"{cfg.block_s} (a key tile must lie in one page)"
+        )
+    check_supported(q.shape, q.dtype, k_cache.dtype, cfg)
+    m = page_table.shape[1]
+    m_pad = -(-m // 32) * 32  # Mosaic GPU copies rows of a multiple of 128 bytes
+    n = cfg.block_t * padded_heads(q.shape[1], cfg.block_t)
+    smem = _smem_bytes(n, d, jnp.dtype(q.dtype).itemsize, cfg) + 4 * m_pad
+    if smem > _SMEM_LIMIT:
+        raise NotImplementedError(
+            f"mosaic indexer batch: a page table row of {m} pages and the tiles need {smem} "
+            f"bytes of shared memory; an H200 CTA has {_SMEM_LIMIT} (use implementation="
+            "'triton')"
+        )
+    pages = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, m_pad - m)), constant_values=-1)
     return _scores(
-        q, weights, k, scale, zero, lengths, cfg=cfg, interpret=backend.is_interpret(),
-        seq_len=s_max,
+        q, weights, k, scale, zero, lengths, pages, cfg=cfg, interpret=interpret,
+        seq_len=m * p, page_size=p,
     )  # fmt: skip
 
 
