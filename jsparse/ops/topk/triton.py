@@ -859,21 +859,26 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
 
     statics = dict(dense=dense, codes=codes, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
     flag = jax.ShapeDtypeStruct((t,), i32)
+
+    def theta_call(num_warps):  # each row's sampled θ, one program a row
+        return pl.pallas_call(
+            functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
+            grid=(t,),
+            out_shape=flag,
+            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
+            interpret=interpret,
+            name="jsparse_topk_theta",
+        )(*inputs)
+
     if chunks == 1:
         # θ in a kernel of its own: its sample (4096 entries held in registers) would
         # set the streaming kernel's register count and so its rows per SM, and its
         # reductions would delay every row's first load (run 33: streaming with θ given
         # 1.21-1.28 ms against 1.76-1.87 with θ sampled inside; θ's kernel 0.24 ms at
         # 8192 × 64K, run 40). Rows split over chunks (decode) sample in each chunk
-        # program: there the θ kernel first saved nothing (run 61: busy within 1 µs).
-        theta = pl.pallas_call(
-            functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
-            grid=(t,),
-            out_shape=flag,
-            compiler_params=compiler,
-            interpret=interpret,
-            name="jsparse_topk_theta",
-        )(*inputs)
+        # program below SHARED_THETA_MIN_ROWS rows (run 61: the θ kernel saved nothing
+        # at 1 and 8 rows).
+        theta = theta_call(cfg.num_warps)
         if dense and KEEP_BITS:
             bufs, slow = _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes)
         else:
@@ -901,20 +906,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
         n_seg = t * chunks
         seg_codes = codes and not (dense and MERGE_WRITES_CODES)
         shared_theta = SHARED_THETA_MIN_ROWS is not None and t >= SHARED_THETA_MIN_ROWS
-        theta = ()
-        if shared_theta:
-            theta = (
-                pl.pallas_call(
-                    functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
-                    grid=(t,),
-                    out_shape=flag,
-                    compiler_params=plt.CompilerParams(
-                        num_warps=cfg.split_num_warps, num_stages=cfg.num_stages
-                    ),
-                    interpret=interpret,
-                    name="jsparse_topk_theta",
-                )(*inputs),
-            )
+        theta = (theta_call(cfg.split_num_warps),) if shared_theta else ()
         segments = pl.pallas_call(
             functools.partial(
                 _chunk_kernel, **statics | dict(codes=seg_codes), theta_given=shared_theta
