@@ -5,7 +5,8 @@
 #
 # Steps (default: all, in this order): tests, prefill, mosaic, causal, decode,
 # decode-batch, dosa, dosa-causal, dosa-decode. Also by name: mosaic-decode,
-# mosaic-causal (the opt-in Mosaic scorer on the decode and causal presets). Each step
+# mosaic-causal, mosaic-batch (the opt-in Mosaic scorer on the decode, causal and
+# serving-batch presets, dense and paged), decode-batch-paged. Each step
 # has a time limit (seconds, STEP_LIMIT, default 300; TESTS_LIMIT, default 900, for the
 # tests) and writes its log and JSON under $OUT; a step that fails or runs out of time
 # does not stop the others. Every bench row is checked against the reference or `base`
@@ -43,6 +44,13 @@ for s in "${steps[@]}"; do
       --method xla base full --json "$OUT/causal.json" --quiet ;;
     decode) run decode "$PY" bench/run.py --backend pallas-gpu --preset decode \
       --method xla base full --device-time --json "$OUT/decode.json" --quiet ;;
+    mosaic-batch) run mosaic-batch "$PY" bench/run.py --backend pallas-gpu --preset decode-batch \
+      --method base --implementation mosaic --device-time --json "$OUT/mosaic_batch.json" --quiet
+      run mosaic-batch-paged "$PY" bench/run.py --backend pallas-gpu --preset decode-batch-paged \
+      --method base --implementation mosaic --device-time --json "$OUT/mosaic_batch_paged.json" --quiet ;;
+    decode-batch-paged) run decode-batch-paged "$PY" bench/run.py --backend pallas-gpu \
+      --preset decode-batch-paged --method xla base --device-time \
+      --json "$OUT/decode_batch_paged.json" --quiet ;;
     decode-batch) run decode-batch "$PY" bench/run.py --backend pallas-gpu --preset decode-batch \
       --method xla base --device-time --json "$OUT/decode_batch.json" --quiet ;;
     dosa) run dosa "$PY" -m bench.dosa --prefill --shapes 8192x32768 8192x65536 8192x131072 \
