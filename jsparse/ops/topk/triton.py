@@ -1112,11 +1112,15 @@ FEW_ROWS_SELECT_WARPS = 8
 FEW_ROWS_BITONIC_WARPS = 16
 
 
+def _few_rows(rows: int) -> bool:
+    """Fewer rows than SMs: one program a row leaves each alone on its SM (see above)."""
+    return rows < backend.sm_count()
+
+
 def _select_call(src, ids, counts, top_k, gather, cfg, scores_out=False):
     t, cap = ids.shape
     if cfg is None:
-        few = t < backend.sm_count()
-        cfg = SelectConfig(num_warps=FEW_ROWS_SELECT_WARPS) if few else SelectConfig()
+        cfg = SelectConfig(num_warps=FEW_ROWS_SELECT_WARPS) if _few_rows(t) else SelectConfig()
     kernel = functools.partial(
         _select_kernel, top_k=top_k, cap=cap, gather=gather, cfg=cfg, scores_out=scores_out
     )
@@ -1531,7 +1535,7 @@ def bitonic_order(codes, ids, *, num_warps=None):
     8, or FEW_ROWS_BITONIC_WARPS for fewer rows than SMs."""
     t, k = codes.shape
     if num_warps is None:
-        num_warps = FEW_ROWS_BITONIC_WARPS if t < backend.sm_count() else 8
+        num_warps = FEW_ROWS_BITONIC_WARPS if _few_rows(t) else 8
     n = 1 << (k - 1).bit_length()
     out_ids, out_scores = pl.pallas_call(
         functools.partial(_bitonic_order_kernel, k=k, n=n),
