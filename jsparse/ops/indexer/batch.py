@@ -252,23 +252,13 @@ def _base_triton(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=
     return methods.topk_from_scores(scores, zero, lengths, top_k, sort=sort, report=report)
 
 
+@functools.partial(jax.jit, static_argnames=("top_k", "sort"))
 def _base_mosaic(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
     """``base`` with the Mosaic GPU scorer (opt-in): FP8 × FP8 on the FP8 tensor cores,
     so FP8 scores round differently from the Triton scorer's."""
-    from jsparse.ops.indexer import mosaic
-
-    cfg = mosaic.batch_config(q.shape[1])
-    mosaic.check_supported(q.shape, q.dtype, k_cache.dtype, cfg)
-    return _base_mosaic_jit(
-        q, weights, k_cache, top_k, k_scale, lengths, page_table, cfg=cfg, sort=sort
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
-def _base_mosaic_jit(q, weights, k_cache, top_k, k_scale, lengths, page_table, *, cfg, sort):
     from jsparse.ops.indexer import methods, mosaic
 
-    scores = mosaic.batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table, cfg=cfg)
+    scores = mosaic.batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table)
     zero = jnp.zeros_like(lengths)
     return methods.topk_from_scores(scores, zero, lengths, top_k, sort=sort)
 

@@ -142,8 +142,9 @@ def _smem_bytes(n, d, itemsize, cfg):
     return sum(-(-b // 1024) * 1024 for b in buffers) + 1024  # 1 KiB-aligned, + barriers
 
 
-def check_supported(q_shape, q_dtype, k_dtype, cfg: MosaicScorerConfig) -> None:
-    """Raises ``NotImplementedError`` for valid inputs this kernel does not handle."""
+def check_supported(q_shape, q_dtype, k_dtype, cfg: MosaicScorerConfig, extra_smem=0) -> None:
+    """Raises ``NotImplementedError`` for valid inputs this kernel does not handle.
+    ``extra_smem``: bytes of shared memory a CTA needs beside the tiles (a page table row)."""
     q_dtype, k_dtype = jnp.dtype(q_dtype), jnp.dtype(k_dtype)
     if q_dtype not in _SUPPORTED or k_dtype != q_dtype:
         raise NotImplementedError(
@@ -157,12 +158,12 @@ def check_supported(q_shape, q_dtype, k_dtype, cfg: MosaicScorerConfig) -> None:
             "swizzled row of fp8, two of bf16)"
         )
     n = cfg.block_t * padded_heads(h, cfg.block_t)
-    smem = _smem_bytes(n, d, q_dtype.itemsize, cfg)
+    smem = _smem_bytes(n, d, q_dtype.itemsize, cfg) + extra_smem
     if smem > _SMEM_LIMIT:
         raise NotImplementedError(
             f"mosaic indexer: tiles need {smem} bytes of shared memory (BT·H = {n}, D = {d}, "
-            f"BS = {cfg.block_s}, {cfg.max_concurrent_steps} steps); an H200 CTA has "
-            f"{_SMEM_LIMIT}: lower max_concurrent_steps or block_s"
+            f"BS = {cfg.block_s}, {cfg.max_concurrent_steps} steps, {extra_smem} more); an "
+            f"H200 CTA has {_SMEM_LIMIT}: lower max_concurrent_steps or block_s"
         )
     if n > 256:
         raise NotImplementedError(
@@ -423,46 +424,32 @@ def batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table=None, 
     cfg = cfg or batch_config(q.shape[1])
     if cfg.block_t != 1:
         raise ValueError(f"batch_scores_mosaic: block_t must be 1, got {cfg.block_t}")
-    interpret = backend.is_interpret()
-    n_rows, p, d = k_cache.shape
-    k = k_cache.reshape(n_rows * p, d)
-    scale = None if k_scale is None else k_scale.reshape(n_rows * p)
-    zero = jnp.zeros_like(lengths)
-    if page_table is None:
-        check_supported(q.shape, q.dtype, k_cache.dtype, cfg)
-        if p % cfg.block_s:
+    n_rows, p, d = k_cache.shape  # p: S_max (dense) or the page size P
+    pages, seq_len, page_size = None, p, 0
+    if page_table is not None:
+        if p % 64:
             raise NotImplementedError(
-                f"mosaic indexer batch: S_max = {p} must be a multiple of block_s = "
-                f"{cfg.block_s} (each sequence's keys are read in whole tiles; padding the "
-                "cache would copy it every call; use implementation='triton')"
+                f"mosaic indexer batch: page size P = {p} must be a multiple of 64 (a key "
+                "tile is 64·k keys of one page; use implementation='triton')"
             )
-        return _scores(q, weights, k, scale, zero, lengths, cfg=cfg, interpret=interpret, seq_len=p)
-    if p % 64:
-        raise NotImplementedError(
-            f"mosaic indexer batch: page size P = {p} must be a multiple of 64 (a key tile "
-            "is 64·k keys of one page; use implementation='triton')"
-        )
-    cfg = dataclasses.replace(cfg, block_s=min(cfg.block_s, p))
+        cfg = dataclasses.replace(cfg, block_s=min(cfg.block_s, p))
+        m = page_table.shape[1]
+        m_pad = -(-m // 32) * 32  # Mosaic GPU copies rows of a multiple of 128 bytes
+        pages = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, m_pad - m)), constant_values=-1)
+        seq_len, page_size = m * p, p
+    check_supported(q.shape, q.dtype, k_cache.dtype, cfg, 0 if pages is None else 4 * m_pad)
     if p % cfg.block_s:
+        what = "S_max" if pages is None else "page size P"
         raise NotImplementedError(
-            f"mosaic indexer batch: page size P = {p} must be a multiple of block_s = "
-            f"{cfg.block_s} (a key tile must lie in one page)"
+            f"mosaic indexer batch: {what} = {p} must be a multiple of block_s = "
+            f"{cfg.block_s} (a key tile must lie in one sequence's cache or one page; "
+            "padding the cache would copy it every call; use implementation='triton')"
         )
-    check_supported(q.shape, q.dtype, k_cache.dtype, cfg)
-    m = page_table.shape[1]
-    m_pad = -(-m // 32) * 32  # Mosaic GPU copies rows of a multiple of 128 bytes
-    n = cfg.block_t * padded_heads(q.shape[1], cfg.block_t)
-    smem = _smem_bytes(n, d, jnp.dtype(q.dtype).itemsize, cfg) + 4 * m_pad
-    if smem > _SMEM_LIMIT:
-        raise NotImplementedError(
-            f"mosaic indexer batch: a page table row of {m} pages and the tiles need {smem} "
-            f"bytes of shared memory; an H200 CTA has {_SMEM_LIMIT} (use implementation="
-            "'triton')"
-        )
-    pages = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, m_pad - m)), constant_values=-1)
     return _scores(
-        q, weights, k, scale, zero, lengths, pages, cfg=cfg, interpret=interpret,
-        seq_len=m * p, page_size=p,
+        q, weights, k_cache.reshape(n_rows * p, d),
+        None if k_scale is None else k_scale.reshape(n_rows * p),
+        jnp.zeros_like(lengths), lengths, pages, cfg=cfg, interpret=backend.is_interpret(),
+        seq_len=seq_len, page_size=page_size,
     )  # fmt: skip
 
 
