@@ -114,7 +114,6 @@ def test_paged_base_equals_dense_base(kernel_impl):
 def test_paged_base_walks_several_tiles_a_program(splits, kernel_impl, monkeypatch):
     # A program reads each tile's pages one tile ahead: with every sequence's 5 tiles in
     # one or two programs, a wrong prefetch would read another tile's keys.
-
     monkeypatch.setattr(scorer, "batch_splits", lambda *args: splits)
     jax.clear_caches()
     batch = make_batch(jnp.bfloat16, seed=5)
