@@ -441,12 +441,28 @@ def _sample_threshold(entries, length, top_k, cap, missed=None):
     θ at the rank rescaled so the expected count lands mid-way between K and cap)
     from the one sample (counts grow about linearly with the sample rank).
     """
+    # past a short row's end the sample holds EMPTY, which _kth_code skips
+    k = jnp.arange(SAMPLE_BLOCKS * SAMPLE_BLOCK, dtype=jnp.int32)
+    sample, _, _ = entries(sample_positions(k, length)[0])
+    return sample_threshold_of(sample, length, top_k, cap, missed)
+
+
+def sample_positions(k, length):
+    """(offsets, exists) of θ sample entries ``k`` in a row of ``length`` entries: the
+    whole row when it has ≤ 4096 entries, else 512 evenly spaced runs of 8, the last
+    ending at the row's end."""
     n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
     whole = length <= n_sample
-    k = jnp.arange(n_sample, dtype=jnp.int32)
     spread = (k // SAMPLE_BLOCK) * jnp.maximum(length - SAMPLE_BLOCK, 0) // (SAMPLE_BLOCKS - 1)
-    # past a short row's end the sample holds EMPTY, which _kth_code skips
-    sample, _, _ = entries(jnp.where(whole, k, spread + k % SAMPLE_BLOCK))
+    pos = jnp.where(whole, k, spread + k % SAMPLE_BLOCK)
+    return pos, pos < length
+
+
+def sample_threshold_of(sample, length, top_k, cap, missed=None):
+    """:func:`_sample_threshold` from the sample's codes (EMPTY where an entry does not
+    exist), wherever they were scored."""
+    n_sample = SAMPLE_BLOCKS * SAMPLE_BLOCK
+    whole = length <= n_sample
     f32 = jnp.float32
     ranks = [jnp.where(whole, top_k, sample_rank(top_k, length))]
     if missed is not None:

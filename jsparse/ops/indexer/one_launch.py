@@ -1,0 +1,364 @@
+"""One query's exact Top-K in a single launch: score, θ, compaction and ranking.
+
+At one decode query the four launches of ``base`` (scorer, chunk compaction, merge,
+rank select) each pay a launch's ramp and a dependent chain of loads, ~11 µs of a
+19 µs step at 64K keys (WORKSPACE.md, run 112). Here one launch of ``G`` programs
+(at most one per SM, so that all of them are resident at once) does all of it, and
+its phases meet at barriers in global memory:
+
+1. *Sample and score.* Programs ``0 .. Q-1`` score the θ sample's keys (the same
+   4096 positions as :func:`jsparse.ops.topk.triton._sample_threshold`) and store
+   their codes; the other programs score their contiguous share of the key tiles and
+   store the dense score row.
+2. *θ.* Program 0 waits for the sample, searches its θ exactly as the chunk
+   compaction does (:func:`jsparse.ops.topk.triton.sample_threshold_of`) and
+   publishes it. This runs while the scoring programs are still streaming keys.
+3. *Compaction.* Each scoring program reloads its own scores (L2), keeps those ≥ θ,
+   reserves room in the candidate buffer with one fetch-and-add, and stores (code,
+   id) records there; then it arrives at the barrier.
+4. *Ranking.* Every program reads the total. If it misses [min(K, L), cap] (an unlucky
+   sample, massive ties) program 0 runs the row's exact slow path
+   (:func:`jsparse.ops.topk.triton._exact_row`) over the dense scores while the others
+   wait. Then each program ranks its share of the candidates against all of them
+   (a higher code, or an equal code with a smaller id, is ahead) and writes each one
+   whose rank is below K at that rank, and the padding.
+
+The arithmetic is ``base``'s: one scorer tile (:func:`triton._score_tile`) and the
+same codes, so results equal ``base`` id for id and score for score.
+
+Barriers: an arrival is a CTA barrier (every thread's stores are done) followed by a
+fetch-and-add, which this backend emits with acquire-release semantics at GPU scope;
+a wait polls with volatile loads, then takes the value with a fetch-and-add of 0
+(acquire) and a CTA barrier. Waits only ever wait on programs with a lower phase, and
+all programs are resident (``G`` ≤ SMs, one program fits an SM), so they cannot
+deadlock. A wait gives up after ``SPIN_LIMIT`` polls (seconds): the result is then
+flagged (``aborted``) rather than a hang.
+
+In interpret mode (CPU) programs run one after another, so a program cannot wait for
+a later one: there the four phases are four launches of the same kernel body, and the
+barriers are the launch boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jsparse import backend
+from jsparse.ops.indexer import triton as scorer
+from jsparse.ops.topk import triton as select
+from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
+
+_INT_MAX = np.int32(np.iinfo(np.int32).max)
+_NEG_INF = float("-inf")
+PHASES = ("score", "theta", "compact", "rank")
+SAMPLE_PROGRAMS = 8  # programs that score the θ sample (4096 keys: 512 each)
+SPIN_LIMIT = 1 << 22  # polls of one wait before it gives up (~1-2 s)
+# Sync words: sample arrivals, θ published, candidate cursor, compaction arrivals,
+# slow path done, aborted waits.
+_SAMPLED, _THETA, _CURSOR, _COMPACTED, _SLOW_DONE, _ABORTED = range(6)
+_SYNC_WORDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    s: int  # keys
+    heads: int
+    dim: int
+    compute: np.dtype
+    top_k: int
+    cap: int
+    programs: int  # G
+    block_s: int  # keys per scorer tile
+    rank_block: int  # candidates a program ranks at a time (BI)
+    rank_chunk: int  # candidates compared against at a time (BJ)
+    compact_block: int  # scores a compaction step reloads
+    has_scale: bool
+    fused: bool  # one launch with barriers; else one launch per phase (interpret)
+
+
+def _wait(sync_ref, word, target, fused):
+    """Waits until sync word ``word`` ≥ target (see the module docstring); returns
+    whether it got there. Outside a fused launch the phases are launches, and the
+    word is already final."""
+    if not fused:
+        return plt.load(sync_ref.at[jnp.int32(word)]) >= target
+
+    def polling(state):
+        value, polls = state
+        return (value < target) & (polls < SPIN_LIMIT)
+
+    def poll(state):
+        return plt.load(sync_ref.at[jnp.int32(word)], volatile=True), state[1] + 1
+
+    jax.lax.while_loop(polling, poll, (plt.load(sync_ref.at[jnp.int32(word)], volatile=True), 0))
+    value = plt.atomic_add(sync_ref, (jnp.int32(word),), jnp.int32(0))  # acquire
+    plt.debug_barrier()
+    ok = value >= target
+
+    @pl.when(~ok)
+    def _():
+        _arrive(sync_ref, _ABORTED, True)
+
+    return ok
+
+
+def _arrive(sync_ref, word, fused, n=1):
+    """Adds ``n`` to sync word ``word`` once every thread's stores are done; returns the
+    old value."""
+    if fused:
+        plt.debug_barrier()
+    return plt.atomic_add(sync_ref, (jnp.int32(word),), jnp.int32(n))
+
+
+def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
+    scale_ref = refs[0] if p.has_scale else None
+    outs = refs[len(refs) - 10 :]  # after any aliased inputs
+    (scores_ref, sample_ref, theta_ref, cand_codes_ref, cand_ids_ref, count_ref,
+     path_ref, sync_ref, out_ids_ref, out_scores_ref) = outs  # fmt: skip
+    g = pl.program_id(0)
+    q2 = plt.load(q_ref.at[pl.ds(0, 1), :, :]).astype(p.compute).reshape(p.heads, p.dim)
+    w = plt.load(w_ref.at[pl.ds(0, 1), :])
+    q_sample, n_scorers = SAMPLE_PROGRAMS, p.programs - SAMPLE_PROGRAMS
+    zero = jnp.int32(0)
+    lo, hi = plt.load(start_ref.at[zero]), plt.load(end_ref.at[zero])
+    length = hi - lo
+    bs = p.block_s
+    dims = jnp.arange(p.dim, dtype=jnp.int32)
+    # the scorer's tile ranges, as base's split scorer assigns them
+    first_tile = lo // bs
+    last_tile = jnp.where(hi > lo, (hi + bs - 1) // bs, first_tile)
+    per = (last_tile - first_tile + n_scorers - 1) // n_scorers
+    own = g - q_sample  # index among the scoring programs
+    begin = first_tile + own * per
+    stop = jnp.minimum(begin + per, last_tile)
+
+    def tile_scores(ids, ok):
+        """Scores [BS] of keys ``ids`` where ``ok`` (elsewhere: what masked loads give)."""
+        safe = jnp.where(ok, ids, 0)
+        k_tile = plt.load(
+            k_ref.at[safe[:, None], dims[None, :]], mask=ok[:, None],
+            other=jnp.zeros((), k_ref.dtype),
+        )  # fmt: skip
+        scale = plt.load(scale_ref.at[safe], mask=ok, other=0.0) if p.has_scale else None
+        return scorer._score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=1, heads=p.heads)[0]
+
+    if "score" in phases:
+
+        @pl.when(g < q_sample)
+        def _():
+            n_sample = select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK
+            per_program = n_sample // q_sample
+
+            def body(j, carry):
+                k = g * per_program + j * bs + jnp.arange(bs, dtype=jnp.int32)
+                pos, ok = select.sample_positions(k, length)
+                s = tile_scores(lo + pos, ok)
+                plt.store(sample_ref.at[k], jnp.where(ok, score_code(s), EMPTY_CODE))
+                return carry
+
+            jax.lax.fori_loop(0, per_program // bs, body, 0)
+            _arrive(sync_ref, _SAMPLED, p.fused)
+
+        @pl.when(g >= q_sample)
+        def _():
+            def body(j, carry):
+                ids = j * bs + jnp.arange(bs, dtype=jnp.int32)
+                in_bounds = ids < p.s
+                s = tile_scores(ids, in_bounds)
+                visible = (ids >= lo) & (ids < hi)
+                plt.store(
+                    scores_ref.at[zero, jnp.where(in_bounds, ids, p.s)],
+                    jnp.where(visible, s, _NEG_INF), mask=in_bounds,
+                )  # fmt: skip
+                return carry
+
+            jax.lax.fori_loop(begin, stop, body, 0)
+
+    if "theta" in phases:
+
+        @pl.when(g == 0)
+        def _():
+            _wait(sync_ref, _SAMPLED, q_sample, p.fused)
+            n_sample = select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK
+            sample = plt.load(sample_ref.at[pl.ds(0, n_sample)])
+            plt.store(theta_ref.at[zero], select.sample_threshold_of(sample, length, p.top_k, p.cap))
+            _arrive(sync_ref, _THETA, p.fused)
+
+    if "compact" in phases:
+
+        @pl.when(g >= q_sample)
+        def _():
+            _wait(sync_ref, _THETA, 1, p.fused)
+            theta = plt.load(theta_ref.at[zero])
+            keep = select._at_least(theta, True)
+            cb = p.compact_block
+            a0, a1 = jnp.maximum(begin * bs, lo), jnp.minimum(stop * bs, hi)
+            n_blocks = jnp.maximum(a1 - a0 + cb - 1, 0) // cb
+            lanes = jnp.arange(cb, dtype=jnp.int32)
+
+            def kept(j):
+                ids = a0 + j * cb + lanes
+                ok = ids < a1
+                x = plt.load(scores_ref.at[zero, jnp.where(ok, ids, 0)], mask=ok, other=0.0)
+                return x, ids, ok & keep(x, ids)
+
+            def count(j, n):
+                return n + jnp.sum(kept(j)[2].astype(jnp.int32))
+
+            n_kept = jax.lax.fori_loop(0, n_blocks, count, 0)
+            base = _arrive(sync_ref, _CURSOR, p.fused, n_kept)
+            trash = p.cap  # one past the last slot
+
+            def store(j, stored):
+                x, ids, keep_j = kept(j)
+                keep_i = keep_j.astype(jnp.int32)
+                pos = base + stored + jnp.cumsum(keep_i) - 1
+                ok = keep_j & (pos < p.cap)
+                dst = jnp.where(ok, pos, trash)
+                plt.store(cand_codes_ref.at[dst], score_code(x), mask=ok)
+                plt.store(cand_ids_ref.at[dst], ids, mask=ok)
+                return stored + jnp.sum(keep_i)
+
+            jax.lax.fori_loop(0, n_blocks, store, 0)
+            _arrive(sync_ref, _COMPACTED, p.fused)
+
+    if "rank" in phases:
+        _wait(sync_ref, _COMPACTED, n_scorers, p.fused)
+        total = plt.load(sync_ref.at[jnp.int32(_CURSOR)])
+        fast = select._fits(total, p.top_k, length, p.cap)
+
+        @pl.when(~fast & (g == 0))
+        def _():
+            source = (scores_ref, start_ref, end_ref)
+            bufs = (cand_codes_ref, cand_ids_ref, count_ref, path_ref)
+            cfg = select.SelectConfig()
+            select._exact_row(source, True, zero, total, bufs, top_k=p.top_k, cap=p.cap, cfg=cfg)
+            _arrive(sync_ref, _SLOW_DONE, p.fused)
+
+        @pl.when(fast & (g == 0))
+        def _():
+            plt.store(count_ref.at[zero], total)
+            plt.store(path_ref.at[zero], select.FAST)
+
+        @pl.when(~fast)
+        def _():
+            _wait(sync_ref, _SLOW_DONE, 1, p.fused)
+
+        n = jnp.where(fast, total, plt.load(count_ref.at[zero]))
+        _rank_and_write(cand_codes_ref, cand_ids_ref, out_ids_ref, out_scores_ref, n, g, p)
+
+
+def _rank_and_write(codes_ref, ids_ref, out_ids_ref, out_scores_ref, n, g, p):
+    """Program g ranks candidate slots g·BI, (g + G)·BI, ... against all ``n`` and writes
+    each at its rank when below K; dead slots below K are the padding (-1 / -inf).
+    Ranks are a permutation of [0, n) (ties broken by id), so every output slot is
+    written once."""
+    bi, bj = p.rank_block, p.rank_chunk
+    lanes_i = jnp.arange(bi, dtype=jnp.int32)
+    lanes_j = jnp.arange(bj, dtype=jnp.int32)
+    n_rounds = (jnp.maximum(n, p.top_k) + p.programs * bi - 1) // (p.programs * bi)
+    trash = p.top_k
+
+    def load(ref, slots, other):
+        live = slots < n
+        return plt.load(ref.at[jnp.where(live, slots, 0)], mask=live, other=other)
+
+    def one_round(r, carry):
+        slot_i = (r * p.programs + g) * bi + lanes_i
+        live_i = slot_i < n
+        c_i, id_i = load(codes_ref, slot_i, EMPTY_CODE), load(ids_ref, slot_i, _INT_MAX)
+
+        def against(j, ahead):
+            slot_j = j * bj + lanes_j
+            c_j, id_j = load(codes_ref, slot_j, EMPTY_CODE), load(ids_ref, slot_j, _INT_MAX)
+            higher = c_j[None, :] > c_i[:, None]
+            tie_first = (c_j[None, :] == c_i[:, None]) & (id_j[None, :] < id_i[:, None])
+            return ahead + (higher | tie_first).astype(jnp.int32)
+
+        @pl.when(jnp.min(slot_i) < jnp.maximum(n, p.top_k))
+        def _():
+            ahead = jax.lax.fori_loop(0, (n + bj - 1) // bj, against,
+                                      jnp.zeros((bi, bj), jnp.int32))  # fmt: skip
+            rank = jnp.sum(ahead, axis=1)
+            write = jnp.where(live_i, rank < p.top_k, slot_i < p.top_k)
+            dst = jnp.where(write, jnp.where(live_i, rank, slot_i), trash)
+            plt.store(out_ids_ref.at[dst], jnp.where(live_i, id_i, -1), mask=write)
+            plt.store(out_scores_ref.at[dst], jnp.where(live_i, code_to_score(c_i), _NEG_INF),
+                      mask=write)  # fmt: skip
+
+        return carry
+
+    jax.lax.fori_loop(0, n_rounds, one_round, 0)
+
+
+def plan_for(q, k, top_k, k_scale, *, programs=None):
+    from jsparse.ops.indexer import methods
+
+    s = k.shape[0]
+    cfg = scorer.default_config(1, q.shape[1], k.dtype == jnp.float8_e4m3fn)
+    programs = programs or backend.sm_count()
+    per_max = -(-(-(-s // cfg.block_s)) // (programs - SAMPLE_PROGRAMS)) * cfg.block_s
+    return _Plan(
+        s=s, heads=q.shape[1], dim=q.shape[2],
+        compute=scorer.compute_dtype(q.dtype, k.dtype, False), top_k=top_k,
+        cap=methods.candidate_capacity(top_k, s), programs=programs, block_s=cfg.block_s,
+        rank_block=16, rank_chunk=256, compact_block=min(2048, scorer._next_pow2(per_max)),
+        has_scale=k_scale is not None, fused=not backend.is_interpret(),
+    ), cfg  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "programs"))
+def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None):
+    """(ids [1, K], scores [1, K], count [1], path [1], aborted) of one query over keys
+    [start, end) (see the module docstring)."""
+    q, weights, k = scorer._pad_heads_dims(q, weights, k, 1)
+    p, cfg = plan_for(q, k, top_k, k_scale, programs=programs)
+    i32, f32 = jnp.int32, jnp.float32
+    n_sample = select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK
+    state = (
+        jax.ShapeDtypeStruct((1, p.s), f32),  # scores
+        jax.ShapeDtypeStruct((n_sample,), i32),  # sample codes
+        jax.ShapeDtypeStruct((1,), i32),  # θ
+        jax.ShapeDtypeStruct((p.cap + 1,), i32),  # candidate codes (+ a trash slot)
+        jax.ShapeDtypeStruct((p.cap + 1,), i32),  # candidate ids
+        jax.ShapeDtypeStruct((1,), i32),  # count
+        jax.ShapeDtypeStruct((1,), i32),  # path
+        jax.ShapeDtypeStruct((_SYNC_WORDS,), i32),  # sync words
+        jax.ShapeDtypeStruct((top_k + 1,), i32),  # ids (+ trash)
+        jax.ShapeDtypeStruct((top_k + 1,), f32),  # scores (+ trash)
+    )
+    inputs = (q, weights, k, start, end) + ((k_scale,) if p.has_scale else ())
+    compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    sync_index = 7
+
+    def launch(phases, carried):
+        # carried: the whole state, or the sync words alone (which must start at 0)
+        to = range(len(state)) if len(carried) == len(state) else (sync_index,)
+        return pl.pallas_call(
+            functools.partial(_kernel, p=p, phases=phases),
+            grid=(p.programs,),
+            out_shape=state,
+            input_output_aliases={len(inputs) + j: o for j, o in enumerate(to)},
+            compiler_params=compiler,
+            interpret=backend.is_interpret(),
+            name="jsparse_indexer_one_launch",
+        )(*inputs, *carried)
+
+    zeros_sync = jnp.zeros((_SYNC_WORDS,), i32)
+    if p.fused:
+        outs = launch(PHASES, (zeros_sync,))
+    else:
+        outs = tuple(jnp.zeros(x.shape, x.dtype) for x in state[:7]) + (zeros_sync,)
+        outs += tuple(jnp.zeros(x.shape, x.dtype) for x in state[8:])
+        for phase in PHASES:
+            outs = launch((phase,), outs)
+    *_, count, path, sync, out_ids, out_scores = outs
+    return out_ids[None, :top_k], out_scores[None, :top_k], count, path, sync[_ABORTED] > 0
