@@ -218,7 +218,9 @@ def _kernel(*refs, cfg, heads, splits, seq_tiles, page_tiles, has_scale, interpr
     key_base = blk * seq_tiles  # the block's sequence, in tiles of k (0: shared keys)
 
     def page_of(tile):  # the block's page holding its tile (-1: none)
-        return pages_smem[0][tile // page_tiles]
+        page = tile // page_tiles
+        width = pages_smem[0].shape[1]  # the row is held as [R, width]
+        return pages_smem[0][page // width, page % width]
 
     def key_tile(j):  # the row of tiles of k holding the j-th visible tile
         tile = first + j
@@ -330,14 +332,19 @@ def _block_meta(start, end, t_pad, cfg):
     return jnp.pad(meta, ((0, 0), (0, _META - meta.shape[1])))
 
 
+# Most elements a Mosaic GPU async copy moves along one dimension.
+_PAGE_ROW = 256
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "seq_len", "page_size"))
 def _scores(q, weights, k, k_scale, start, end, pages=None, *, cfg, interpret, seq_len=0,
             page_size=0):  # fmt: skip
     """[T, S] scores; ``seq_len`` > 0: a batch, query t over keys [t·seq_len, (t + 1)·
     seq_len) of ``k`` (a multiple of block_s; block_t 1), ranges and the [T, seq_len]
-    output in positions within that sequence. With ``pages`` [T, M] (M a multiple of
-    32) and ``page_size`` (a multiple of block_s), query t's key i is row
-    pages[t, i // P]·P + i % P of the page pool ``k`` instead."""
+    output in positions within that sequence. With ``pages`` [T, R, W] (query t's page
+    table row, page j at [t, j // W, j % W]; W a multiple of 32, at most 256) and
+    ``page_size`` (a multiple of block_s), query t's key i is row pages[t, i // P]·P +
+    i % P of the page pool ``k`` instead."""
     t, h, d = q.shape
     s = seq_len or k.shape[0]
     bt, bs = cfg.block_t, cfg.block_s
@@ -367,8 +374,9 @@ def _scores(q, weights, k, k_scale, start, end, pages=None, *, cfg, interpret, s
 
     smem = _smem_bytes(n, d, q.dtype.itemsize, cfg)
     paged = () if pages is None else (pages,)
-    page_scratch = tuple(plgpu.SMEM((p.shape[1],), jnp.int32) for p in paged)
-    splits = key_splits(n_blocks, s_pad // bs, cfg, smem + 4 * sum(p.shape[1] for p in paged))
+    page_scratch = tuple(plgpu.SMEM(p.shape[1:], jnp.int32) for p in paged)
+    page_bytes = sum(4 * p.shape[1] * p.shape[2] for p in paged)
+    splits = key_splits(n_blocks, s_pad // bs, cfg, smem + page_bytes)
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
@@ -434,8 +442,17 @@ def batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table=None, 
             )
         cfg = dataclasses.replace(cfg, block_s=min(cfg.block_s, p))
         m = page_table.shape[1]
-        m_pad = -(-m // 32) * 32  # Mosaic GPU copies rows of a multiple of 128 bytes
+        # Mosaic GPU copies rows of a multiple of 128 bytes, and at most 256 elements
+        # along each dimension: a longer row is held as [R, 256].
+        width = -(-m // 32) * 32 if m <= _PAGE_ROW else _PAGE_ROW
+        m_pad = -(-m // width) * width
+        if m_pad // width > _PAGE_ROW:
+            raise NotImplementedError(
+                f"mosaic indexer batch: a page table row of {m} pages is longer than "
+                f"{_PAGE_ROW**2} (use implementation='triton')"
+            )
         pages = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, m_pad - m)), constant_values=-1)
+        pages = pages.reshape(pages.shape[0], m_pad // width, width)
         seq_len, page_size = m * p, p
     check_supported(q.shape, q.dtype, k_cache.dtype, cfg, 0 if pages is None else 4 * m_pad)
     if p % cfg.block_s:

@@ -28,8 +28,7 @@ same codes, so results equal ``base`` id for id and score for score.
 
 Barriers: an arrival is a CTA barrier (every thread's stores are done) followed by a
 fetch-and-add, which this backend emits with acquire-release semantics at GPU scope;
-a wait polls with volatile loads, then takes the value with a fetch-and-add of 0
-(acquire) and a CTA barrier. Waits only ever wait on programs with a lower phase, and
+a wait polls with fetch-and-adds of 0 (acquire), then a CTA barrier. Waits only ever wait on programs with a lower phase, and
 all programs are resident (``G`` ≤ SMs, one program fits an SM), so they cannot
 deadlock. A wait gives up after ``SPIN_LIMIT`` polls (seconds): the result is then
 flagged (``aborted``) rather than a hang.
@@ -90,15 +89,18 @@ def _wait(sync_ref, word, target, fused):
     if not fused:
         return plt.load(sync_ref.at[jnp.int32(word)]) >= target
 
+    # Each poll is a fetch-and-add of 0: one thread issues it and the program shares
+    # its answer, so every thread leaves the loop together. (Volatile loads, one a
+    # thread, let threads of a warp leave at different polls, and the aligned barrier
+    # after the loop then hung the GPU: run 136.)
     def polling(state):
         value, polls = state
         return (value < target) & (polls < SPIN_LIMIT)
 
     def poll(state):
-        return plt.load(sync_ref.at[jnp.int32(word)], volatile=True), state[1] + 1
+        return plt.atomic_add(sync_ref, (jnp.int32(word),), jnp.int32(0)), state[1] + 1
 
-    jax.lax.while_loop(polling, poll, (plt.load(sync_ref.at[jnp.int32(word)], volatile=True), 0))
-    value = plt.atomic_add(sync_ref, (jnp.int32(word),), jnp.int32(0))  # acquire
+    value, _ = jax.lax.while_loop(polling, poll, poll((jnp.int32(0), 0)))
     plt.debug_barrier()
     ok = value >= target
 
@@ -316,7 +318,7 @@ def plan_for(q, k, top_k, k_scale, *, programs=None):
 
 @functools.partial(jax.jit, static_argnames=("top_k", "programs"))
 def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None):
-    """(ids [1, K], scores [1, K], count [1], path [1], aborted) of one query over keys
+    """(ids [1, K], scores [1, K], count [1], path [1], sync words) of one query over keys
     [start, end) (see the module docstring)."""
     q, weights, k = scorer._pad_heads_dims(q, weights, k, 1)
     p, cfg = plan_for(q, k, top_k, k_scale, programs=programs)
@@ -361,4 +363,4 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
         for phase in PHASES:
             outs = launch((phase,), outs)
     *_, count, path, sync, out_ids, out_scores = outs
-    return out_ids[None, :top_k], out_scores[None, :top_k], count, path, sync[_ABORTED] > 0
+    return out_ids[None, :top_k], out_scores[None, :top_k], count, path, sync
