@@ -59,6 +59,7 @@ _NEG_INF = float("-inf")
 PHASES = ("score", "theta", "compact", "rank")
 SAMPLE_PROGRAMS = 8  # programs that score the θ sample (4096 keys: 512 each)
 SPIN_LIMIT = 1 << 22  # polls of one wait before it gives up (~1-2 s)
+RANK_PREFETCH = 8  # candidate chunks loaded ahead of the ranking's compares
 # Sync words: sample arrivals, θ published, candidate cursor, compaction arrivals,
 # slow path done, aborted waits.
 _SAMPLED, _THETA, _CURSOR, _COMPACTED, _SLOW_DONE, _ABORTED = range(6)
@@ -78,6 +79,7 @@ class _Plan:
     rank_block: int  # candidates a program ranks at a time (BI)
     rank_chunk: int  # candidates compared against at a time (BJ)
     compact_block: int  # scores a compaction step reloads
+    compact_single: bool  # one block holds any program's scores
     has_scale: bool
     fused: bool  # one launch with barriers; else one launch per phase (interpret)
 
@@ -211,24 +213,25 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
                 x = plt.load(scores_ref.at[zero, jnp.where(ok, ids, 0)], mask=ok, other=0.0)
                 return x, ids, ok & keep(x, ids)
 
-            def count(j, n):
-                return n + jnp.sum(kept(j)[2].astype(jnp.int32))
-
-            n_kept = jax.lax.fori_loop(0, n_blocks, count, 0)
-            base = _arrive(sync_ref, _CURSOR, p.fused, n_kept)
-            trash = p.cap  # one past the last slot
-
-            def store(j, stored):
-                x, ids, keep_j = kept(j)
+            def store(block, base):
+                x, ids, keep_j = block
                 keep_i = keep_j.astype(jnp.int32)
-                pos = base + stored + jnp.cumsum(keep_i) - 1
+                pos = base + jnp.cumsum(keep_i) - 1
                 ok = keep_j & (pos < p.cap)
-                dst = jnp.where(ok, pos, trash)
+                dst = jnp.where(ok, pos, p.cap)  # slot cap: the trash
                 plt.store(cand_codes_ref.at[dst], score_code(x), mask=ok)
                 plt.store(cand_ids_ref.at[dst], ids, mask=ok)
-                return stored + jnp.sum(keep_i)
+                return base + jnp.sum(keep_i)
 
-            jax.lax.fori_loop(0, n_blocks, store, 0)
+            if p.compact_single:  # the program's scores fit one block: one load
+                block = kept(0)
+                n_kept = jnp.sum(block[2].astype(jnp.int32))
+                store(block, _arrive(sync_ref, _CURSOR, p.fused, n_kept))
+            else:  # count, reserve, then store
+                count = lambda j, n: n + jnp.sum(kept(j)[2].astype(jnp.int32))  # noqa: E731
+                n_kept = jax.lax.fori_loop(0, n_blocks, count, 0)
+                base = _arrive(sync_ref, _CURSOR, p.fused, n_kept)
+                jax.lax.fori_loop(0, n_blocks, lambda j, b: store(kept(j), b), base)
             _arrive(sync_ref, _COMPACTED, p.fused)
 
     if "rank" in phases:
@@ -272,22 +275,30 @@ def _rank_and_write(codes_ref, ids_ref, out_ids_ref, out_scores_ref, n, g, p):
         live = slots < n
         return plt.load(ref.at[jnp.where(live, slots, 0)], mask=live, other=other)
 
+    def chunk(j):  # candidates j·BJ ... (masked past n: no memory access)
+        slot_j = j * bj + lanes_j
+        return load(codes_ref, slot_j, EMPTY_CODE), load(ids_ref, slot_j, _INT_MAX)
+
     def one_round(r, carry):
         slot_i = (r * p.programs + g) * bi + lanes_i
         live_i = slot_i < n
         c_i, id_i = load(codes_ref, slot_i, EMPTY_CODE), load(ids_ref, slot_i, _INT_MAX)
 
-        def against(j, ahead):
-            slot_j = j * bj + lanes_j
-            c_j, id_j = load(codes_ref, slot_j, EMPTY_CODE), load(ids_ref, slot_j, _INT_MAX)
+        # The chunks' loads run RANK_PREFETCH ahead of their compares: one chunk's
+        # compares take ~50 cycles and its load from L2 ~1000, so a loop that loads as
+        # it goes waits out every load (run 137: ~13 µs to rank 3186 candidates).
+        def against(j, carry):
+            ahead, queue = carry
+            (c_j, id_j), queue = queue[0], (*queue[1:], chunk(j + RANK_PREFETCH))
             higher = c_j[None, :] > c_i[:, None]
             tie_first = (c_j[None, :] == c_i[:, None]) & (id_j[None, :] < id_i[:, None])
-            return ahead + (higher | tie_first).astype(jnp.int32)
+            return ahead + (higher | tie_first).astype(jnp.int32), queue
 
         @pl.when(jnp.min(slot_i) < jnp.maximum(n, p.top_k))
         def _():
-            ahead = jax.lax.fori_loop(0, (n + bj - 1) // bj, against,
-                                      jnp.zeros((bi, bj), jnp.int32))  # fmt: skip
+            queue = tuple(chunk(j) for j in range(RANK_PREFETCH))
+            init = (jnp.zeros((bi, bj), jnp.int32), queue)
+            ahead, _ = jax.lax.fori_loop(0, (n + bj - 1) // bj, against, init)
             rank = jnp.sum(ahead, axis=1)
             write = jnp.where(live_i, rank < p.top_k, slot_i < p.top_k)
             dst = jnp.where(write, jnp.where(live_i, rank, slot_i), trash)
@@ -306,12 +317,14 @@ def plan_for(q, k, top_k, k_scale, *, programs=None):
     s = k.shape[0]
     cfg = scorer.default_config(1, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     programs = programs or backend.sm_count()
-    per_max = -(-(-(-s // cfg.block_s)) // (programs - SAMPLE_PROGRAMS)) * cfg.block_s
+    n_tiles = -(-s // cfg.block_s)
+    per_max = -(-n_tiles // (programs - SAMPLE_PROGRAMS)) * cfg.block_s
     return _Plan(
         s=s, heads=q.shape[1], dim=q.shape[2],
         compute=scorer.compute_dtype(q.dtype, k.dtype, False), top_k=top_k,
         cap=methods.candidate_capacity(top_k, s), programs=programs, block_s=cfg.block_s,
-        rank_block=16, rank_chunk=256, compact_block=min(2048, scorer._next_pow2(per_max)),
+        rank_block=32, rank_chunk=128, compact_block=min(4096, scorer._next_pow2(per_max)),
+        compact_single=per_max <= 4096,
         has_scale=k_scale is not None, fused=not backend.is_interpret(),
     ), cfg  # fmt: skip
 
@@ -324,6 +337,10 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
     p, cfg = plan_for(q, k, top_k, k_scale, programs=programs)
     i32, f32 = jnp.int32, jnp.float32
     n_sample = select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK
+    # Interpreted, a masked-off lane of a scatter still writes (its old value), so the
+    # outputs carry a trash slot there; on the GPU it accesses nothing, and a [K + 1]
+    # output would cost two copies to slice (run 137: 1.8 µs).
+    trash = 0 if p.fused else 1
     state = (
         jax.ShapeDtypeStruct((1, p.s), f32),  # scores
         jax.ShapeDtypeStruct((n_sample,), i32),  # sample codes
@@ -333,8 +350,8 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
         jax.ShapeDtypeStruct((1,), i32),  # count
         jax.ShapeDtypeStruct((1,), i32),  # path
         jax.ShapeDtypeStruct((_SYNC_WORDS,), i32),  # sync words
-        jax.ShapeDtypeStruct((top_k + 1,), i32),  # ids (+ trash)
-        jax.ShapeDtypeStruct((top_k + 1,), f32),  # scores (+ trash)
+        jax.ShapeDtypeStruct((top_k + trash,), i32),  # ids
+        jax.ShapeDtypeStruct((top_k + trash,), f32),  # scores
     )
     inputs = (q, weights, k, start, end) + ((k_scale,) if p.has_scale else ())
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -363,4 +380,6 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
         for phase in PHASES:
             outs = launch((phase,), outs)
     *_, count, path, sync, out_ids, out_scores = outs
-    return out_ids[None, :top_k], out_scores[None, :top_k], count, path, sync
+    if trash:
+        out_ids, out_scores = out_ids[:top_k], out_scores[:top_k]
+    return out_ids[None], out_scores[None], count, path, sync
