@@ -1,41 +1,47 @@
 """One query's exact Top-K in a single launch: score, θ, compaction and ranking.
 
-At one decode query the four launches of ``base`` (scorer, chunk compaction, merge,
-rank select) each pay a launch's ramp and a dependent chain of loads, ~11 µs of a
-19 µs step at 64K keys (WORKSPACE.md, run 112). Here one launch of ``G`` programs
-(at most one per SM, so that all of them are resident at once) does all of it, and
-its phases meet at barriers in global memory:
+Not dispatched by any method: measured slower than ``base`` (below). At one decode
+query the four launches of ``base`` (scorer, chunk compaction, merge, rank select)
+each pay a launch's ramp and a dependent chain of loads, ~11 µs of a 19 µs step at 64K
+keys (WORKSPACE.md, run 112). Here one launch of ``G`` programs (at most one per SM, so
+all of them are resident at once) does all of it, its phases meeting at barriers in
+global memory:
 
-1. *Sample and score.* Programs ``0 .. Q-1`` score the θ sample's keys (the same
-   4096 positions as :func:`jsparse.ops.topk.triton._sample_threshold`) and store
-   their codes; the other programs score their contiguous share of the key tiles and
-   store the dense score row.
-2. *θ.* Program 0 waits for the sample, searches its θ exactly as the chunk
-   compaction does (:func:`jsparse.ops.topk.triton.sample_threshold_of`) and
-   publishes it. This runs while the scoring programs are still streaming keys.
-3. *Compaction.* Each scoring program reloads its own scores (L2), keeps those ≥ θ,
-   reserves room in the candidate buffer with one fetch-and-add, and stores (code,
-   id) records there; then it arrives at the barrier.
-4. *Ranking.* Every program reads the total. If it misses [min(K, L), cap] (an unlucky
-   sample, massive ties) program 0 runs the row's exact slow path
+1. *Sample and score.* Programs ``0 .. Q-1`` score the θ sample's keys (the positions
+   of :func:`jsparse.ops.topk.triton.sample_positions`) and store their codes; the
+   other programs score their contiguous share of the key tiles and store the dense
+   score row.
+2. *θ.* Program 0 waits for the sample and searches its θ as the chunk compaction
+   does (:func:`jsparse.ops.topk.triton.sample_threshold_of`) and publishes it, while
+   the scoring programs are still streaming keys.
+3. *Compaction.* Each scoring program reloads its own scores, keeps those ≥ θ,
+   reserves room in the candidate buffer with one fetch-and-add, and stores (code, id)
+   records there; then it arrives.
+4. *Ranking.* Every program reads the total. If it misses [min(K, L), cap] (an
+   unlucky sample, massive ties), program 0 runs the row's exact slow path
    (:func:`jsparse.ops.topk.triton._exact_row`) over the dense scores while the others
-   wait. Then each program ranks its share of the candidates against all of them
-   (a higher code, or an equal code with a smaller id, is ahead) and writes each one
-   whose rank is below K at that rank, and the padding.
+   wait. Then each program ranks its share of the candidates against all of them (a
+   higher code, or an equal code with a smaller id, is ahead) and writes each one whose
+   rank is below K at that rank, and the padding.
 
-The arithmetic is ``base``'s: one scorer tile (:func:`triton._score_tile`) and the
-same codes, so results equal ``base`` id for id and score for score.
+The arithmetic is ``base``'s (one scorer tile, :func:`triton._score_tile`, and the
+same codes), so results equal ``base`` id for id and score for score.
 
 Barriers: an arrival is a CTA barrier (every thread's stores are done) followed by a
-fetch-and-add, which this backend emits with acquire-release semantics at GPU scope;
-a wait polls with fetch-and-adds of 0 (acquire), then a CTA barrier. Waits only ever wait on programs with a lower phase, and
-all programs are resident (``G`` ≤ SMs, one program fits an SM), so they cannot
-deadlock. A wait gives up after ``SPIN_LIMIT`` polls (seconds): the result is then
-flagged (``aborted``) rather than a hang.
+fetch-and-add, which this backend emits with acquire-release semantics at GPU scope.
+A wait polls with fetch-and-adds of 0 (one thread issues each and the program shares
+the answer, so a warp leaves the loop together: the aligned CTA barrier after it hung
+on divergent warps, run 136). Waits only wait on earlier phases and all programs are
+resident (``G`` ≤ SMs, one program fits an SM), so they cannot deadlock; a wait gives
+up after ``SPIN_LIMIT`` polls (seconds) and counts itself in the sync words rather
+than hang. In interpret mode (CPU) programs run one after another, so the four phases
+are four launches of the same body and the barriers are the launch boundaries.
 
-In interpret mode (CPU) programs run one after another, so a program cannot wait for
-a later one: there the four phases are four launches of the same kernel body, and the
-barriers are the launch boundaries.
+Measured (H200, GPU busy µs, keys cold, run 140): 1 × 64K bf16 23.2 against ``base``'s
+18.8, fp8 21.1 against 17.3; 1 × 128K 29.9 / 26.8 against 25.8 / 23.5. By phase at
+64K bf16 (run 140): scoring and θ 10.3, compaction +2.6, ranking +9.8: the ranking of
+~3200 candidates (25 chunks of 128 a program) is what loses, and neither loading its
+chunks ahead nor warming L1 helped (runs 139-140).
 """
 
 from __future__ import annotations
@@ -152,7 +158,8 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
             other=jnp.zeros((), k_ref.dtype),
         )  # fmt: skip
         scale = plt.load(scale_ref.at[safe], mask=ok, other=0.0) if p.has_scale else None
-        return scorer._score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=1, heads=p.heads)[0]
+        k_tile = k_tile.astype(p.compute)
+        return scorer._score_tile(q2, w, k_tile, scale, block_t=1, heads=p.heads)[0]
 
     if "score" in phases:
 
@@ -193,7 +200,8 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
             _wait(sync_ref, _SAMPLED, q_sample, p.fused)
             n_sample = select.SAMPLE_BLOCKS * select.SAMPLE_BLOCK
             sample = plt.load(sample_ref.at[pl.ds(0, n_sample)])
-            plt.store(theta_ref.at[zero], select.sample_threshold_of(sample, length, p.top_k, p.cap))
+            theta = select.sample_threshold_of(sample, length, p.top_k, p.cap)
+            plt.store(theta_ref.at[zero], theta)
             _arrive(sync_ref, _THETA, p.fused)
 
     if "compact" in phases:
@@ -394,8 +402,10 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
     if p.fused:
         outs = launch(PHASES, (zeros_sync,))
     else:
-        outs = tuple(jnp.zeros(x.shape, x.dtype) for x in state[:7]) + (zeros_sync,)
-        outs += tuple(jnp.zeros(x.shape, x.dtype) for x in state[8:])
+        outs = tuple(
+            zeros_sync if j == sync_index else jnp.zeros(x.shape, x.dtype)
+            for j, x in enumerate(state)
+        )
         for phase in PHASES:
             outs = launch((phase,), outs)
     *_, count, path, sync, out_ids, out_scores = outs
