@@ -111,13 +111,15 @@ def test_lowers_to_cuda(dtype):
 
 @pytest.mark.gpu
 def test_gpu_one_launch_matches_base_at_decode_size():
-    """64K FP8 keys with scales, K = 2048, one launch with barriers: the same ids and
-    scores as `base`, no wait given up, on a random row and on all-equal keys (the
-    exact slow path, run inside the launch while the other programs wait)."""
+    """64K FP8 keys, K = 2048, one launch with barriers: the same ids and scores as
+    `base`, no wait given up, on a random row with scales and on all-equal keys without
+    (every score equal: the exact slow path, run inside the launch while the other
+    programs wait; with scales the scores differ, run 141)."""
     if not backend.has_nvidia_gpu():
         pytest.skip("needs an NVIDIA GPU")
     for keys in ("normal", "equal"):
-        q, w, k, k_scale = make(65536, FP8, keys=keys, scale=True, seed=11, h=64, d=128)
+        scale = keys == "normal"
+        q, w, k, k_scale = make(65536, FP8, keys=keys, scale=scale, seed=11, h=64, d=128)
         a, b = jnp.array([5], jnp.int32), jnp.array([65000], jnp.int32)
         ids, scores, _, path, sync = one_launch.topk_one_launch(q, w, k, 2048, k_scale, a, b)
         want = methods.topk_base(q, w, k, 2048, k_scale, a, b)
