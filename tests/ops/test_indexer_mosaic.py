@@ -283,12 +283,29 @@ def test_batch_paged_scores_equal_dense(page_size, mosaic_interpret):
     np.testing.assert_array_equal(holed[1:], dense[1:])
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_batch_paged_long_page_rows(mosaic_interpret):
+    """Page table rows longer than 256 pages (Mosaic GPU copies at most 256 elements a
+    dimension, so a row is held as [R, 256]; run 135 failed there): scores equal the
+    dense cache's bit for bit, pages on both sides of the 256th included."""
+    lengths = np.array([64 * 300, 64 * 260 + 17], np.int32)
+    x = make_batch(FP8, lengths, 64 * 300, h=4, d=64, scale=True, seed=3)
+    pool, pool_scale, table = shuffled_pages(
+        x["k_cache"], x["k_scale"], lengths, 64, spare_pages=3, seed=3
+    )
+    cfg = mosaic.MosaicScorerConfig(block_t=1, block_s=64, key_splits=2)
+    head = (x["q"], x["weights"])
+    dense = mosaic.batch_scores_mosaic(*head, x["k_cache"], x["k_scale"], x["lengths"], cfg=cfg)
+    paged = mosaic.batch_scores_mosaic(*head, pool, pool_scale, x["lengths"], table, cfg=cfg)
+    np.testing.assert_array_equal(np.asarray(paged), np.asarray(dense))
+
+
+@pytest.mark.parametrize("paged", [False, True, "long"], ids=["dense", "paged", "paged-long"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_batch_lowers_to_cuda(dtype, paged):
     """Serving decode's shape: 64 sequences × 8192 keys, H = 64, D = 128; paged: pages of
-    64 keys in a pool of 9000."""
-    b, s, h, d = 64, 8192, 64, 128
+    64 keys in a pool of 9000; paged-long: 64K keys a sequence, 1024 pages a row."""
+    b, s, h, d = 64, 65536 if paged == "long" else 8192, 64, 128
+    paged = bool(paged)
     f32, i32 = jnp.float32, jnp.int32
     cache = (9000, 64, d) if paged else (b, s, d)
     structs = (
