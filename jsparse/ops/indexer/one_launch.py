@@ -41,7 +41,8 @@ Measured (H200, GPU busy µs, keys cold, run 140): 1 × 64K bf16 23.2 against ``
 18.8, fp8 21.1 against 17.3; 1 × 128K 29.9 / 26.8 against 25.8 / 23.5. By phase at
 64K bf16 (run 140): scoring and θ 10.3, compaction +2.6, ranking +9.8: the ranking of
 ~3200 candidates (25 chunks of 128 a program) is what loses, and neither loading its
-chunks ahead nor warming L1 helped (runs 139-140).
+chunks ahead nor warming L1 helped (runs 139-140; without the L1 touch, as now, the
+kernel was 22.2 / 18.8 µs at 64K bf16 / fp8).
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ _NEG_INF = float("-inf")
 PHASES = ("score", "theta", "compact", "rank")
 SAMPLE_PROGRAMS = 16  # programs that score the θ sample (4096 keys: 256 each; 8: +1.9 µs, run 139)
 SPIN_LIMIT = 1 << 22  # polls of one wait before it gives up (~1-2 s)
-RANK_PREFETCH = 1  # candidate chunks loaded ahead of the ranking's compares (8: slower, run 139)
-WARM_L1 = True
+# Candidate chunks the ranking loads ahead of its compares: 4 or 8 were 5-6 µs slower
+# than 1 (runs 139-140), and touching every candidate first (so chunks hit L1) saved
+# nothing in bf16 and cost 1.8 µs in fp8 (run 140).
+RANK_PREFETCH = 1
 # Sync words: sample arrivals, θ published, candidate cursor, compaction arrivals,
 # slow path done, aborted waits.
 _SAMPLED, _THETA, _CURSOR, _COMPACTED, _SLOW_DONE, _ABORTED = range(6)
@@ -288,27 +291,13 @@ def _rank_and_write(codes_ref, ids_ref, out_ids_ref, out_scores_ref, n, g, p):
         slot_j = j * bj + lanes_j
         return load(codes_ref, slot_j, EMPTY_CODE), load(ids_ref, slot_j, _INT_MAX)
 
-    if WARM_L1:
-        # Touch every candidate once, all loads at once, so the chunk loads below hit
-        # L1 instead of each waiting out L2 (run 139: the ranking took 9 µs of the
-        # launch, ~360 ns a chunk). The touch's answer gates nothing but must look
-        # used, or the loads are dropped.
-        lanes = jnp.arange(1024, dtype=jnp.int32)
-        seen = n * 0
-        for j in range(-(-(p.cap + 1) // 1024)):
-            slots = j * 1024 + lanes
-            seen = jnp.minimum(seen, jnp.min(load(ids_ref, slots, 0)))
-            seen = jnp.minimum(seen, jnp.min(load(codes_ref, slots, 0)) & 1)
-        n = jnp.where(seen >= -1, n, 0)  # always n: ids are ≥ 0
-
     def one_round(r, carry):
         slot_i = (r * p.programs + g) * bi + lanes_i
         live_i = slot_i < n
         c_i, id_i = load(codes_ref, slot_i, EMPTY_CODE), load(ids_ref, slot_i, _INT_MAX)
 
-        # The chunks' loads run RANK_PREFETCH ahead of their compares: one chunk's
-        # compares take ~50 cycles and its load from L2 ~1000, so a loop that loads as
-        # it goes waits out every load (run 137: ~13 µs to rank 3186 candidates).
+        # The chunks' loads run RANK_PREFETCH ahead of their compares (a queue in the
+        # loop carry).
         def against(j, carry):
             ahead, queue = carry
             (c_j, id_j), queue = queue[0], (*queue[1:], chunk(j + RANK_PREFETCH))
