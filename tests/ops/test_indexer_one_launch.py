@@ -1,6 +1,6 @@
 """The one-launch one-query Top-K (`jsparse/ops/indexer/one_launch.py`) against `base`
 (the same scorer: ids and scores must be identical) and a float64 numpy oracle.
-Interpreted, its four phases run as four launches; the GPU test runs the one launch
+Interpreted, its five phases run as five launches; the GPU test runs the one launch
 whose phases meet at barriers."""
 
 from __future__ import annotations

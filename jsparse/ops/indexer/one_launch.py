@@ -14,15 +14,18 @@ global memory:
 2. *θ.* Program 0 waits for the sample and searches its θ as the chunk compaction
    does (:func:`jsparse.ops.topk.triton.sample_threshold_of`) and publishes it, while
    the scoring programs are still streaming keys.
-3. *Compaction.* Each scoring program reloads its own scores, keeps those ≥ θ,
-   reserves room in the candidate buffer with one fetch-and-add, and stores (code, id)
-   records there; then it arrives.
-4. *Ranking.* Every program reads the total. If it misses [min(K, L), cap] (an
+3. *Compaction.* Each scoring program reloads its own scores, counts those ≥ θ and
+   publishes the count.
+4. *Placement.* Once every count is in, each program stores its (code, id) records at
+   the sum of the counts before its own: program order is id order, so the buffer is
+   in id order, as ``base``'s merge leaves it.
+5. *Ranking.* Every program reads the total. If it misses [min(K, L), cap] (an
    unlucky sample, massive ties), program 0 runs the row's exact slow path
    (:func:`jsparse.ops.topk.triton._exact_row`) over the dense scores while the others
-   wait. Then each program ranks its share of the candidates against all of them (a
-   higher code, or an equal code with a smaller id, is ahead) and writes each one whose
-   rank is below K at that rank, and the padding.
+   wait. Then each program ranks its share of the candidates against all of them
+   (:func:`jsparse.ops.topk.triton.rank_block`, ``base``'s rank select: one compare a
+   pair, ties broken by slot) and writes each one whose rank is below K at that rank,
+   and the padding.
 
 The arithmetic is ``base``'s (one scorer tile, :func:`triton._score_tile`, and the
 same codes), so results equal ``base`` id for id and score for score.
@@ -34,8 +37,8 @@ the answer, so a warp leaves the loop together: the aligned CTA barrier after it
 on divergent warps, run 136). Waits only wait on earlier phases and all programs are
 resident (``G`` ≤ SMs, one program fits an SM), so they cannot deadlock; a wait gives
 up after ``SPIN_LIMIT`` polls (seconds) and counts itself in the sync words rather
-than hang. In interpret mode (CPU) programs run one after another, so the four phases
-are four launches of the same body and the barriers are the launch boundaries.
+than hang. In interpret mode (CPU) programs run one after another, so the five phases
+are five launches of the same body and the barriers are the launch boundaries.
 
 Measured (H200, GPU busy µs, keys cold, run 140): 1 × 64K bf16 23.2 against ``base``'s
 18.8, fp8 21.1 against 17.3; 1 × 128K 29.9 / 26.8 against 25.8 / 23.5. By phase at
@@ -59,20 +62,15 @@ from jax.experimental.pallas import triton as plt
 from jsparse import backend
 from jsparse.ops.indexer import triton as scorer
 from jsparse.ops.topk import triton as select
-from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
+from jsparse.ops.topk.codes import EMPTY_CODE, score_code
 
-_INT_MAX = np.int32(np.iinfo(np.int32).max)
 _NEG_INF = float("-inf")
-PHASES = ("score", "theta", "compact", "rank")
+PHASES = ("score", "theta", "compact", "place", "rank")
 SAMPLE_PROGRAMS = 16  # programs that score the θ sample (4096 keys: 256 each; 8: +1.9 µs, run 139)
 SPIN_LIMIT = 1 << 22  # polls of one wait before it gives up (~1-2 s)
-# Candidate chunks the ranking loads ahead of its compares: 4 or 8 were 5-6 µs slower
-# than 1 (runs 139-140), and touching every candidate first (so chunks hit L1) saved
-# nothing in bf16 and cost 1.8 µs in fp8 (run 140).
-RANK_PREFETCH = 1
-# Sync words: sample arrivals, θ published, candidate cursor, compaction arrivals,
+# Sync words: sample arrivals, θ published, placements, compaction arrivals,
 # slow path done, aborted waits.
-_SAMPLED, _THETA, _CURSOR, _COMPACTED, _SLOW_DONE, _ABORTED = range(6)
+_SAMPLED, _THETA, _PLACED, _COMPACTED, _SLOW_DONE, _ABORTED = range(6)
 _SYNC_WORDS = 8
 
 
@@ -87,7 +85,8 @@ class _Plan:
     programs: int  # G
     block_s: int  # keys per scorer tile
     rank_block: int  # candidates a program ranks at a time (BI)
-    rank_chunk: int  # candidates compared against at a time (BJ)
+    rank_chunk: int  # candidates compared against at a time (BJ, a multiple of BI)
+    counts_width: int  # a power of two ≥ the scoring programs
     compact_block: int  # scores a compaction step reloads
     compact_single: bool  # one block holds any program's scores
     has_scale: bool
@@ -133,9 +132,9 @@ def _arrive(sync_ref, word, fused, n=1):
 
 def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
     scale_ref = refs[0] if p.has_scale else None
-    outs = refs[len(refs) - 10 :]  # after any aliased inputs
+    outs = refs[len(refs) - 11 :]  # after any aliased inputs
     (scores_ref, sample_ref, theta_ref, cand_codes_ref, cand_ids_ref, count_ref,
-     path_ref, sync_ref, out_ids_ref, out_scores_ref) = outs  # fmt: skip
+     path_ref, sync_ref, out_ids_ref, out_scores_ref, counts_ref) = outs  # fmt: skip
     g = pl.program_id(0)
     q2 = plt.load(q_ref.at[pl.ds(0, 1), :, :]).astype(p.compute).reshape(p.heads, p.dim)
     w = plt.load(w_ref.at[pl.ds(0, 1), :])
@@ -207,48 +206,73 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
             plt.store(theta_ref.at[zero], theta)
             _arrive(sync_ref, _THETA, p.fused)
 
-    if "compact" in phases:
+    def counts_so_far():
+        """(this program's offset, the total): the scoring programs' published counts,
+        summed below it and in all."""
+        lanes = jnp.arange(p.counts_width, dtype=jnp.int32)
+        counts = plt.load(counts_ref.at[jnp.where(lanes < n_scorers, lanes, 0)],
+                          mask=lanes < n_scorers, other=0)  # fmt: skip
+        return jnp.sum(jnp.where(lanes < own, counts, 0)), jnp.sum(counts)
+
+    if "compact" in phases or "place" in phases:
 
         @pl.when(g >= q_sample)
         def _():
-            _wait(sync_ref, _THETA, 1, p.fused)
-            theta = plt.load(theta_ref.at[zero])
-            keep = select._at_least(theta, True)
             cb = p.compact_block
             a0, a1 = jnp.maximum(begin * bs, lo), jnp.minimum(stop * bs, hi)
             n_blocks = jnp.maximum(a1 - a0 + cb - 1, 0) // cb
             lanes = jnp.arange(cb, dtype=jnp.int32)
+            theta = None
 
             def kept(j):
                 ids = a0 + j * cb + lanes
                 ok = ids < a1
                 x = plt.load(scores_ref.at[zero, jnp.where(ok, ids, 0)], mask=ok, other=0.0)
-                return x, ids, ok & keep(x, ids)
+                return x, ids, ok & select._at_least(theta, True)(x, ids)
 
-            def store(block, base):
-                x, ids, keep_j = block
-                keep_i = keep_j.astype(jnp.int32)
-                pos = base + jnp.cumsum(keep_i) - 1
-                ok = keep_j & (pos < p.cap)
-                dst = jnp.where(ok, pos, p.cap)  # slot cap: the trash
-                plt.store(cand_codes_ref.at[dst], score_code(x), mask=ok)
-                plt.store(cand_ids_ref.at[dst], ids, mask=ok)
-                return base + jnp.sum(keep_i)
+            held = None
+            if "compact" in phases:  # count the scores ≥ θ and publish the count
+                _wait(sync_ref, _THETA, 1, p.fused)
+                theta = plt.load(theta_ref.at[zero])
+                if p.compact_single:  # one block holds them: loaded once, kept in registers
+                    held = kept(0)
+                    n_kept = jnp.sum(held[2].astype(jnp.int32))
+                else:
+                    count = lambda j, n: n + jnp.sum(kept(j)[2].astype(jnp.int32))  # noqa: E731
+                    n_kept = jax.lax.fori_loop(0, n_blocks, count, 0)
+                plt.store(counts_ref.at[own], n_kept)
+                _arrive(sync_ref, _COMPACTED, p.fused)
 
-            if p.compact_single:  # the program's scores fit one block: one load
-                block = kept(0)
-                n_kept = jnp.sum(block[2].astype(jnp.int32))
-                store(block, _arrive(sync_ref, _CURSOR, p.fused, n_kept))
-            else:  # count, reserve, then store
-                count = lambda j, n: n + jnp.sum(kept(j)[2].astype(jnp.int32))  # noqa: E731
-                n_kept = jax.lax.fori_loop(0, n_blocks, count, 0)
-                base = _arrive(sync_ref, _CURSOR, p.fused, n_kept)
-                jax.lax.fori_loop(0, n_blocks, lambda j, b: store(kept(j), b), base)
-            _arrive(sync_ref, _COMPACTED, p.fused)
+            if "place" in phases:
+                # Every count is in: the records go to the buffer in program order, which
+                # is id order, so the ranking breaks ties by slot (one compare a pair).
+                _wait(sync_ref, _COMPACTED, n_scorers, p.fused)
+                if theta is None:  # a launch of its own (interpret mode)
+                    theta = plt.load(theta_ref.at[zero])
+                offset, total = counts_so_far()
+
+                def place(block, base):
+                    x, ids, keep_j = block
+                    keep_i = keep_j.astype(jnp.int32)
+                    pos = base + jnp.cumsum(keep_i) - 1
+                    ok = keep_j & (pos < p.cap)
+                    dst = jnp.where(ok, pos, p.cap)  # slot cap: the trash
+                    plt.store(cand_codes_ref.at[dst], score_code(x), mask=ok)
+                    plt.store(cand_ids_ref.at[dst], ids, mask=ok)
+                    return base + jnp.sum(keep_i)
+
+                @pl.when(select._fits(total, p.top_k, length, p.cap))  # else: the slow path
+                def _():
+                    if held is not None:
+                        place(held, offset)
+                    else:
+                        jax.lax.fori_loop(0, n_blocks, lambda j, b: place(kept(j), b), offset)
+
+                _arrive(sync_ref, _PLACED, p.fused)
 
     if "rank" in phases:
-        _wait(sync_ref, _COMPACTED, n_scorers, p.fused)
-        total = plt.load(sync_ref.at[jnp.int32(_CURSOR)])
+        _wait(sync_ref, _PLACED, n_scorers, p.fused)
+        _, total = counts_so_far()
         fast = select._fits(total, p.top_k, length, p.cap)
 
         @pl.when(~fast & (g == 0))
@@ -269,57 +293,17 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
             _wait(sync_ref, _SLOW_DONE, 1, p.fused)
 
         n = jnp.where(fast, total, plt.load(count_ref.at[zero]))
-        _rank_and_write(cand_codes_ref, cand_ids_ref, out_ids_ref, out_scores_ref, n, g, p)
+        bi = p.rank_block
+        n_rounds = (jnp.maximum(n, p.top_k) + p.programs * bi - 1) // (p.programs * bi)
 
+        def one_round(r, carry):
+            first = (r * p.programs + g) * bi
+            select.rank_block(cand_codes_ref, cand_ids_ref, (out_ids_ref, out_scores_ref), zero,
+                              first, n, top_k=p.top_k, cap=p.cap, bi=bi, bj=p.rank_chunk,
+                              rows=1)  # fmt: skip
+            return carry
 
-def _rank_and_write(codes_ref, ids_ref, out_ids_ref, out_scores_ref, n, g, p):
-    """Program g ranks candidate slots g·BI, (g + G)·BI, ... against all ``n`` and writes
-    each at its rank when below K; dead slots below K are the padding (-1 / -inf).
-    Ranks are a permutation of [0, n) (ties broken by id), so every output slot is
-    written once."""
-    bi, bj = p.rank_block, p.rank_chunk
-    lanes_i = jnp.arange(bi, dtype=jnp.int32)
-    lanes_j = jnp.arange(bj, dtype=jnp.int32)
-    n_rounds = (jnp.maximum(n, p.top_k) + p.programs * bi - 1) // (p.programs * bi)
-    trash = p.top_k
-
-    def load(ref, slots, other):
-        live = slots < n
-        return plt.load(ref.at[jnp.where(live, slots, 0)], mask=live, other=other)
-
-    def chunk(j):  # candidates j·BJ ... (masked past n: no memory access)
-        slot_j = j * bj + lanes_j
-        return load(codes_ref, slot_j, EMPTY_CODE), load(ids_ref, slot_j, _INT_MAX)
-
-    def one_round(r, carry):
-        slot_i = (r * p.programs + g) * bi + lanes_i
-        live_i = slot_i < n
-        c_i, id_i = load(codes_ref, slot_i, EMPTY_CODE), load(ids_ref, slot_i, _INT_MAX)
-
-        # The chunks' loads run RANK_PREFETCH ahead of their compares (a queue in the
-        # loop carry).
-        def against(j, carry):
-            ahead, queue = carry
-            (c_j, id_j), queue = queue[0], (*queue[1:], chunk(j + RANK_PREFETCH))
-            higher = c_j[None, :] > c_i[:, None]
-            tie_first = (c_j[None, :] == c_i[:, None]) & (id_j[None, :] < id_i[:, None])
-            return ahead + (higher | tie_first).astype(jnp.int32), queue
-
-        @pl.when(jnp.min(slot_i) < jnp.maximum(n, p.top_k))
-        def _():
-            queue = tuple(chunk(j) for j in range(RANK_PREFETCH))
-            init = (jnp.zeros((bi, bj), jnp.int32), queue)
-            ahead, _ = jax.lax.fori_loop(0, (n + bj - 1) // bj, against, init)
-            rank = jnp.sum(ahead, axis=1)
-            write = jnp.where(live_i, rank < p.top_k, slot_i < p.top_k)
-            dst = jnp.where(write, jnp.where(live_i, rank, slot_i), trash)
-            plt.store(out_ids_ref.at[dst], jnp.where(live_i, id_i, -1), mask=write)
-            plt.store(out_scores_ref.at[dst], jnp.where(live_i, code_to_score(c_i), _NEG_INF),
-                      mask=write)  # fmt: skip
-
-        return carry
-
-    jax.lax.fori_loop(0, n_rounds, one_round, 0)
+        jax.lax.fori_loop(0, n_rounds, one_round, 0)
 
 
 def plan_for(q, k, top_k, k_scale, *, programs=None):
@@ -339,7 +323,8 @@ def plan_for(q, k, top_k, k_scale, *, programs=None):
         s=s, heads=q.shape[1], dim=q.shape[2],
         compute=scorer.compute_dtype(q.dtype, k.dtype, False), top_k=top_k,
         cap=methods.candidate_capacity(top_k, s), programs=programs, block_s=cfg.block_s,
-        rank_block=32, rank_chunk=128, compact_block=min(4096, scorer._next_pow2(per_max)),
+        rank_block=32, rank_chunk=128, counts_width=scorer._next_pow2(programs),
+        compact_block=min(4096, scorer._next_pow2(per_max)),
         compact_single=per_max <= 4096,
         has_scale=k_scale is not None, fused=not backend.is_interpret(),
     ), cfg  # fmt: skip
@@ -368,6 +353,7 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
         jax.ShapeDtypeStruct((_SYNC_WORDS,), i32),  # sync words
         jax.ShapeDtypeStruct((top_k + trash,), i32),  # ids
         jax.ShapeDtypeStruct((top_k + trash,), f32),  # scores
+        jax.ShapeDtypeStruct((p.programs,), i32),  # each scoring program's count
     )
     inputs = (q, weights, k, start, end) + ((k_scale,) if p.has_scale else ())
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -397,7 +383,7 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
         )
         for phase in PHASES:
             outs = launch((phase,), outs)
-    *_, count, path, sync, out_ids, out_scores = outs
+    *_, count, path, sync, out_ids, out_scores, _ = outs
     if trash:
         out_ids, out_scores = out_ids[:top_k], out_scores[:top_k]
     return out_ids[None], out_scores[None], count, path, sync

@@ -1298,12 +1298,20 @@ def _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, rows):
 
 def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_ref,
                         *, top_k, cap, bi, bj):  # fmt: skip
-    """Program (row, part): each of the part's ``bi`` candidate slots is ranked against
-    the row's live candidates; an entry whose rank is below K is written at its rank,
-    so the row comes out selected and ordered at once. Slots between the live count and
-    K are the padding (-1 / -inf). The candidates are in id order (slot order), so an
-    entry ranks behind an equal code exactly when that code sits in an earlier slot."""
+    """Program (row, part): :func:`rank_block` of the part's ``bi`` candidate slots."""
     row, first, n = _row_part(count_ref, cap, bi)
+    outs = (out_ids_ref, out_scores_ref)
+    rank_block(codes_ref, ids_ref, outs, row, first, n, top_k=top_k, cap=cap, bi=bi, bj=bj,
+               rows=count_ref.shape[0])  # fmt: skip
+
+
+def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, rows):
+    """Ranks candidate slots first .. first + bi - 1 of row ``row`` of a [rows·cap]
+    buffer with ``n`` live entries against all of them; an entry whose rank is below K
+    is written at its rank of the row's output (``outs``: ids, scores), so the row comes
+    out selected and ordered at once. Slots between the live count and K are the padding
+    (-1 / -inf). The candidates are in id order (slot order), so an entry ranks behind
+    an equal code exactly when that code sits in an earlier slot. ``bi`` divides ``bj``."""
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
     def _():
@@ -1326,8 +1334,7 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
         ahead = jax.lax.fori_loop(0, own, count_above(c_i - 1), ahead)
         ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
         rank = jnp.sum(ahead, axis=1)
-        outs = (out_ids_ref, out_scores_ref)
-        _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, count_ref.shape[0])
+        _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, rows)
 
 
 def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512, num_warps=4, num_stages=1):
