@@ -40,12 +40,13 @@ up after ``SPIN_LIMIT`` polls (seconds) and counts itself in the sync words rath
 than hang. In interpret mode (CPU) programs run one after another, so the five phases
 are five launches of the same body and the barriers are the launch boundaries.
 
-Measured (H200, GPU busy µs, keys cold, run 140): 1 × 64K bf16 23.2 against ``base``'s
-18.8, fp8 21.1 against 17.3; 1 × 128K 29.9 / 26.8 against 25.8 / 23.5. By phase at
-64K bf16 (run 140): scoring and θ 10.3, compaction +2.6, ranking +9.8: the ranking of
-~3200 candidates (25 chunks of 128 a program) is what loses, and neither loading its
-chunks ahead nor warming L1 helped (runs 139-140; without the L1 touch, as now, the
-kernel was 22.2 / 18.8 µs at 64K bf16 / fp8).
+Measured (H200, GPU busy µs, keys cold, run 140) before the id-ordered placement,
+when records were placed by a fetch-and-add cursor and the ranking broke ties by id
+(~7 integer ops a pair): 1 × 64K bf16 23.2 against ``base``'s 18.8, fp8 21.1 against
+17.3; 1 × 128K 29.9 / 26.8 against 25.8 / 23.5. By phase at 64K bf16: scoring and θ
+10.3, compaction +2.6, ranking +9.8 (~3200 candidates, 25 chunks of 128 a program);
+neither loading the chunks ahead nor warming L1 helped (runs 139-140). The placement
+in id order (one compare a pair) has not run on a GPU yet.
 """
 
 from __future__ import annotations
