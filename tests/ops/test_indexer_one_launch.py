@@ -92,11 +92,12 @@ def test_more_programs_same_answer():
     np.testing.assert_array_equal(np.asarray(got_b[0]), np.asarray(want.indices))
 
 
-def test_too_few_programs_is_an_error():
+def test_program_count_out_of_range_is_an_error():
     q, w, k, _ = make(700, jnp.bfloat16)
     a, b = jnp.array([0], jnp.int32), jnp.array([700], jnp.int32)
-    with pytest.raises(ValueError, match="programs must exceed"):
-        one_launch.topk_one_launch(q, w, k, 64, None, a, b, programs=one_launch.SAMPLE_PROGRAMS)
+    for programs in (one_launch.SAMPLE_PROGRAMS, backend.sm_count() + 1):
+        with pytest.raises(ValueError, match="programs must exceed"):
+            one_launch.topk_one_launch(q, w, k, 64, None, a, b, programs=programs)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8])

@@ -308,15 +308,18 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
 
 
 def plan_for(q, k, top_k, k_scale, *, programs=None):
+    """(plan, scorer config) of a launch over padded q [1, H, D] and k [S, D]: the
+    scorer's one-query decode tiles, ``base``'s candidate capacity, ``programs`` (default:
+    one an SM; more would not all be resident, and the waits could not end)."""
     from jsparse.ops.indexer import methods
 
     s = k.shape[0]
     cfg = scorer.default_config(1, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     programs = programs or backend.sm_count()
-    if programs <= SAMPLE_PROGRAMS:
+    if not SAMPLE_PROGRAMS < programs <= backend.sm_count():
         raise ValueError(
             f"one-launch Top-K: programs must exceed the {SAMPLE_PROGRAMS} that score the "
-            f"θ sample, got {programs}"
+            f"θ sample and be at most the {backend.sm_count()} SMs, got {programs}"
         )
     n_tiles = -(-s // cfg.block_s)
     per_max = -(-n_tiles // (programs - SAMPLE_PROGRAMS)) * cfg.block_s
