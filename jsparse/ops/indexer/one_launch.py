@@ -68,6 +68,9 @@ from jsparse.ops.topk.codes import EMPTY_CODE, score_code
 _NEG_INF = float("-inf")
 PHASES = ("score", "theta", "compact", "place", "rank")
 SAMPLE_PROGRAMS = 16  # programs that score the θ sample (4096 keys: 256 each; 8: +1.9 µs, run 139)
+# Ranking tile: BI candidates against blocks of BJ, summed a block (one program an SM
+# must cover ~n²/G pairs with few dependent loads: 32 × 128 a step took 25 steps at 64K)
+RANK_BLOCK, RANK_CHUNK, RANK_PER_LANE = 32, 512, False
 SPIN_LIMIT = 1 << 22  # polls of one wait before it gives up (~1-2 s)
 # Sync words: sample arrivals, θ published, placements, compaction arrivals,
 # slow path done, aborted waits.
@@ -87,6 +90,7 @@ class _Plan:
     block_s: int  # keys per scorer tile
     rank_block: int  # candidates a program ranks at a time (BI)
     rank_chunk: int  # candidates compared against at a time (BJ, a multiple of BI)
+    rank_per_lane: bool  # counts kept per (candidate, lane) until the end
     counts_width: int  # a power of two ≥ the scoring programs
     compact_block: int  # scores a compaction step reloads
     compact_single: bool  # one block holds any program's scores
@@ -301,7 +305,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
             first = (r * p.programs + g) * bi
             select.rank_block(cand_codes_ref, cand_ids_ref, (out_ids_ref, out_scores_ref), zero,
                               first, n, top_k=p.top_k, cap=p.cap, bi=bi, bj=p.rank_chunk,
-                              rows=1)  # fmt: skip
+                              rows=1, per_lane=p.rank_per_lane)  # fmt: skip
             return carry
 
         jax.lax.fori_loop(0, n_rounds, one_round, 0)
@@ -327,7 +331,8 @@ def plan_for(q, k, top_k, k_scale, *, programs=None):
         s=s, heads=q.shape[1], dim=q.shape[2],
         compute=scorer.compute_dtype(q.dtype, k.dtype, False), top_k=top_k,
         cap=methods.candidate_capacity(top_k, s), programs=programs, block_s=cfg.block_s,
-        rank_block=32, rank_chunk=128, counts_width=scorer._next_pow2(programs),
+        rank_block=RANK_BLOCK, rank_chunk=RANK_CHUNK, rank_per_lane=RANK_PER_LANE,
+        counts_width=scorer._next_pow2(programs),
         compact_block=min(4096, scorer._next_pow2(per_max)),
         compact_single=per_max <= 4096,
         has_scale=k_scale is not None, fused=not backend.is_interpret(),

@@ -1305,13 +1305,18 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
                rows=count_ref.shape[0])  # fmt: skip
 
 
-def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, rows):
+def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, rows,
+               per_lane=True):  # fmt: skip
     """Ranks candidate slots first .. first + bi - 1 of row ``row`` of a [rows·cap]
     buffer with ``n`` live entries against all of them; an entry whose rank is below K
     is written at its rank of the row's output (``outs``: ids, scores), so the row comes
     out selected and ordered at once. Slots between the live count and K are the padding
     (-1 / -inf). The candidates are in id order (slot order), so an entry ranks behind
-    an equal code exactly when that code sits in an earlier slot. ``bi`` divides ``bj``."""
+    an equal code exactly when that code sits in an earlier slot. ``bi`` divides ``bj``.
+
+    ``per_lane`` keeps the counts per (slot, lane) until the end (one cross-thread sum,
+    [bi, bj] registers); otherwise each block is summed as it is counted, so a block
+    can be larger than the registers (fewer dependent loads a program)."""
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
     def _():
@@ -1320,7 +1325,8 @@ def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, r
         def count_above(bar):  # adds, per (i, lane), the block's c_j > bar_i
             def body(j, ahead):
                 c_j = _slot_codes(codes_ref, row, cap, j * bj + jnp.arange(bj, dtype=jnp.int32), n)
-                return ahead + (c_j[None, :] > bar[:, None]).astype(jnp.int32)
+                above = (c_j[None, :] > bar[:, None]).astype(jnp.int32)
+                return ahead + (above if per_lane else jnp.sum(above, axis=1))
 
             return body
 
@@ -1331,9 +1337,10 @@ def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, r
         n_blocks = (n + bj - 1) // bj
         own = first // bj  # bi divides bj: i's slots lie in one block
         ahead = _own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj)
+        ahead = ahead if per_lane else jnp.sum(ahead, axis=1)
         ahead = jax.lax.fori_loop(0, own, count_above(c_i - 1), ahead)
         ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
-        rank = jnp.sum(ahead, axis=1)
+        rank = jnp.sum(ahead, axis=1) if per_lane else ahead
         _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, rows)
 
 
