@@ -68,9 +68,14 @@ from jsparse.ops.topk.codes import EMPTY_CODE, score_code
 _NEG_INF = float("-inf")
 PHASES = ("score", "theta", "compact", "place", "rank")
 SAMPLE_PROGRAMS = 16  # programs that score the θ sample (4096 keys: 256 each; 8: +1.9 µs, run 139)
-# Ranking tile: BI candidates against blocks of BJ, summed a block (one program an SM
-# must cover ~n²/G pairs with few dependent loads: 32 × 128 a step took 25 steps at 64K)
-RANK_BLOCK, RANK_CHUNK, RANK_PER_LANE = 32, 512, False
+# Ranking tile: BI candidates against blocks of BJ, counts per lane (or summed a
+# block). Without buckets no tile moved the ranking (runs 143-144), so tiles are kept.
+RANK_BLOCK, RANK_CHUNK, RANK_PER_LANE = 32, 128, True
+# Candidates are placed grouped by code into this many buckets (linear in code space
+# between θ and the sample's largest code), each ranked only within its own bucket:
+# ~n²/B pairs rather than n² (run 144: n² pairs of ~3200 took ≥ 4.9 µs even as a
+# launch of ~400 programs).
+BUCKETS = 16
 SPIN_LIMIT = 1 << 22  # polls of one wait before it gives up (~1-2 s)
 # Sync words: sample arrivals, θ published, placements, compaction arrivals,
 # slow path done, aborted waits.
@@ -92,6 +97,7 @@ class _Plan:
     rank_chunk: int  # candidates compared against at a time (BJ, a multiple of BI)
     rank_per_lane: bool  # counts kept per (candidate, lane) until the end
     counts_width: int  # a power of two ≥ the scoring programs
+    buckets: int  # code buckets of the candidate buffer (1: ungrouped)
     compact_block: int  # scores a compaction step reloads
     compact_single: bool  # one block holds any program's scores
     has_scale: bool
@@ -209,15 +215,39 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
             sample = plt.load(sample_ref.at[pl.ds(0, n_sample)])
             theta = select.sample_threshold_of(sample, length, p.top_k, p.cap)
             plt.store(theta_ref.at[zero], theta)
+            plt.store(theta_ref.at[jnp.int32(1)], jnp.max(sample))
             _arrive(sync_ref, _THETA, p.fused)
 
-    def counts_so_far():
-        """(this program's offset, the total): the scoring programs' published counts,
-        summed below it and in all."""
+    buckets = jnp.arange(p.buckets, dtype=jnp.int32)
+
+    def bucket_counts():
+        """(this program's first slot in each bucket, each bucket's first slot, each
+        bucket's size): from the scoring programs' published [bucket, program] counts. Buckets
+        are placed highest codes first, each in program order, which is id order."""
         lanes = jnp.arange(p.counts_width, dtype=jnp.int32)
-        counts = plt.load(counts_ref.at[jnp.where(lanes < n_scorers, lanes, 0)],
-                          mask=lanes < n_scorers, other=0)  # fmt: skip
-        return jnp.sum(jnp.where(lanes < own, counts, 0)), jnp.sum(counts)
+        scoring = lanes < n_scorers
+        at = buckets[:, None] * p.counts_width + jnp.where(scoring, lanes, 0)[None, :]
+        table = plt.load(counts_ref.at[at], mask=scoring[None, :], other=0)
+        totals = jnp.sum(table, axis=1)
+        starts = jnp.cumsum(totals) - totals
+        below = jnp.sum(jnp.where(lanes[None, :] < own, table, 0), axis=1)
+        return starts + below, starts, totals
+
+    def bucket_of(codes, theta, top):
+        """Bucket of each code ≥ θ, 0 holding the highest. Monotone in the code (float
+        conversion, subtraction, a positive scale and truncation all are), so equal
+        codes share a bucket and a higher code is never in a later one."""
+        f32 = jnp.float32
+        top = jnp.maximum(top, theta).astype(f32)
+        width = (top - theta.astype(f32) + 1.0) / p.buckets
+        b = ((codes.astype(f32) - theta.astype(f32)) / width).astype(jnp.int32)
+        return (p.buckets - 1) - jnp.clip(b, 0, p.buckets - 1)
+
+    def hits(block, theta, top):
+        """[block, buckets]: each kept record's bucket, one-hot."""
+        x, _, keep = block
+        b = bucket_of(score_code(x), theta, top)
+        return keep[:, None] & (b[:, None] == buckets[None, :])
 
     if "compact" in phases or "place" in phases:
 
@@ -227,7 +257,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
             a0, a1 = jnp.maximum(begin * bs, lo), jnp.minimum(stop * bs, hi)
             n_blocks = jnp.maximum(a1 - a0 + cb - 1, 0) // cb
             lanes = jnp.arange(cb, dtype=jnp.int32)
-            theta = None
+            theta = top = None
 
             def kept(j):
                 ids = a0 + j * cb + lanes
@@ -236,16 +266,21 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
                 return x, ids, ok & select._at_least(theta, True)(x, ids)
 
             held = None
-            if "compact" in phases:  # count the scores ≥ θ and publish the count
+
+            def count(block):
+                return jnp.sum(hits(block, theta, top).astype(jnp.int32), axis=0)
+
+            if "compact" in phases:  # count the scores ≥ θ by bucket, publish the counts
                 _wait(sync_ref, _THETA, 1, p.fused)
-                theta = plt.load(theta_ref.at[zero])
+                theta, top = plt.load(theta_ref.at[zero]), plt.load(theta_ref.at[jnp.int32(1)])
                 if p.compact_single:  # one block holds them: loaded once, kept in registers
                     held = kept(0)
-                    n_kept = jnp.sum(held[2].astype(jnp.int32))
+                    n_kept = count(held)
                 else:
-                    count = lambda j, n: n + jnp.sum(kept(j)[2].astype(jnp.int32))  # noqa: E731
-                    n_kept = jax.lax.fori_loop(0, n_blocks, count, 0)
-                plt.store(counts_ref.at[own], n_kept)
+                    n_kept = jax.lax.fori_loop(
+                        0, n_blocks, lambda j, n: n + count(kept(j)), buckets * 0
+                    )
+                plt.store(counts_ref.at[buckets * p.counts_width + own], n_kept)
                 _arrive(sync_ref, _COMPACTED, p.fused)
 
             if "place" in phases:
@@ -253,18 +288,20 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
                 # is id order, so the ranking breaks ties by slot (one compare a pair).
                 _wait(sync_ref, _COMPACTED, n_scorers, p.fused)
                 if theta is None:  # a launch of its own (interpret mode)
-                    theta = plt.load(theta_ref.at[zero])
-                offset, total = counts_so_far()
+                    theta, top = plt.load(theta_ref.at[zero]), plt.load(theta_ref.at[jnp.int32(1)])
+                offset, _, totals = bucket_counts()
+                total = jnp.sum(totals)
 
-                def place(block, base):
+                def place(block, base):  # base: [buckets] the next slot of each
                     x, ids, keep_j = block
-                    keep_i = keep_j.astype(jnp.int32)
-                    pos = base + jnp.cumsum(keep_i) - 1
+                    hit = hits(block, theta, top).astype(jnp.int32)
+                    within = jnp.cumsum(hit, axis=0) - hit  # earlier records of its bucket
+                    pos = jnp.sum(hit * (within + base[None, :]), axis=1)
                     ok = keep_j & (pos < p.cap)
                     dst = jnp.where(ok, pos, p.cap)  # slot cap: the trash
                     plt.store(cand_codes_ref.at[dst], score_code(x), mask=ok)
                     plt.store(cand_ids_ref.at[dst], ids, mask=ok)
-                    return base + jnp.sum(keep_i)
+                    return base + jnp.sum(hit, axis=0)
 
                 @pl.when(select._fits(total, p.top_k, length, p.cap))  # else: the slow path
                 def _():
@@ -277,7 +314,8 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
 
     if "rank" in phases:
         _wait(sync_ref, _PLACED, n_scorers, p.fused)
-        _, total = counts_so_far()
+        _, starts, sizes = bucket_counts()
+        total = jnp.sum(sizes)
         fast = select._fits(total, p.top_k, length, p.cap)
 
         @pl.when(~fast & (g == 0))
@@ -298,14 +336,21 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
             _wait(sync_ref, _SLOW_DONE, 1, p.fused)
 
         n = jnp.where(fast, total, plt.load(count_ref.at[zero]))
+        # the slow path's buffer is one group in id order
+        starts = jnp.where(fast, starts, 0)
+        ends = jnp.where(fast, starts + sizes, n)
         bi = p.rank_block
         n_rounds = (jnp.maximum(n, p.top_k) + p.programs * bi - 1) // (p.programs * bi)
 
         def one_round(r, carry):
             first = (r * p.programs + g) * bi
+            last = jnp.minimum(first + bi, n) - 1
+            # the buckets of the block's first and last live slots bound what it ranks against
+            lo = jnp.max(jnp.where(starts <= first, starts, 0))
+            hi = jnp.min(jnp.where(ends > last, ends, n))
             select.rank_block(cand_codes_ref, cand_ids_ref, (out_ids_ref, out_scores_ref), zero,
                               first, n, top_k=p.top_k, cap=p.cap, bi=bi, bj=p.rank_chunk,
-                              rows=1, per_lane=p.rank_per_lane)  # fmt: skip
+                              rows=1, per_lane=p.rank_per_lane, span=(lo, hi))  # fmt: skip
             return carry
 
         jax.lax.fori_loop(0, n_rounds, one_round, 0)
@@ -332,7 +377,7 @@ def plan_for(q, k, top_k, k_scale, *, programs=None):
         compute=scorer.compute_dtype(q.dtype, k.dtype, False), top_k=top_k,
         cap=methods.candidate_capacity(top_k, s), programs=programs, block_s=cfg.block_s,
         rank_block=RANK_BLOCK, rank_chunk=RANK_CHUNK, rank_per_lane=RANK_PER_LANE,
-        counts_width=scorer._next_pow2(programs),
+        counts_width=scorer._next_pow2(programs), buckets=BUCKETS,
         compact_block=min(4096, scorer._next_pow2(per_max)),
         compact_single=per_max <= 4096,
         has_scale=k_scale is not None, fused=not backend.is_interpret(),
@@ -354,7 +399,7 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
     state = (
         jax.ShapeDtypeStruct((1, p.s), f32),  # scores
         jax.ShapeDtypeStruct((n_sample,), i32),  # sample codes
-        jax.ShapeDtypeStruct((1,), i32),  # θ
+        jax.ShapeDtypeStruct((2,), i32),  # θ, the sample's largest code
         jax.ShapeDtypeStruct((p.cap + 1,), i32),  # candidate codes (+ a trash slot)
         jax.ShapeDtypeStruct((p.cap + 1,), i32),  # candidate ids
         jax.ShapeDtypeStruct((1,), i32),  # count
@@ -362,7 +407,7 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
         jax.ShapeDtypeStruct((_SYNC_WORDS,), i32),  # sync words
         jax.ShapeDtypeStruct((top_k + trash,), i32),  # ids
         jax.ShapeDtypeStruct((top_k + trash,), f32),  # scores
-        jax.ShapeDtypeStruct((p.programs,), i32),  # each scoring program's count
+        jax.ShapeDtypeStruct((p.buckets * p.counts_width,), i32),  # [bucket, program] counts
     )
     inputs = (q, weights, k, start, end) + ((k_scale,) if p.has_scale else ())
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -1251,10 +1251,11 @@ def _row_part(count_ref, cap, bi):
     return row, pl.program_id(1) * bi, jnp.minimum(plt.load(count_ref.at[row]), cap)
 
 
-def _slot_codes(codes_ref, row, cap, slots, n):
-    """Codes at ``slots`` of a [T·cap] buffer row with ``n`` live entries; a dead slot
-    loads EMPTY, ahead of nothing (live codes are above)."""
-    live = slots < n
+def _slot_codes(codes_ref, row, cap, slots, n, lo=None):
+    """Codes at ``slots`` of a [T·cap] buffer row with ``n`` live entries (those from
+    ``lo`` on, if given); a dead slot loads EMPTY, ahead of nothing (live codes are
+    above)."""
+    live = slots < n if lo is None else (slots >= lo) & (slots < n)
     return plt.load(
         codes_ref.at[row * cap + jnp.where(live, slots, 0)], mask=live, other=EMPTY_CODE
     )
@@ -1271,13 +1272,13 @@ def _ranked_slots(codes_ref, ids_ref, row, first, n, cap, bi):
     return slot_i, live_i, at_i, c_i, id_i
 
 
-def _own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj):
+def _own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj, lo=None):
     """[bi, bj]: whether each slot of the ranked slots' own block of ``bj`` is ahead of
     each ranked slot (slots ``first`` on; bi divides bj, so they share one block): a
     higher code, or an equal one in an earlier slot. The candidates are in id order, so
     that is the tie rule by id. c_i > EMPTY: the offset cannot wrap."""
     slot_j = first // bj * bj + jnp.arange(bj, dtype=jnp.int32)
-    c_j = _slot_codes(codes_ref, row, cap, slot_j, n)
+    c_j = _slot_codes(codes_ref, row, cap, slot_j, n, lo)
     earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
     return (c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32)
 
@@ -1306,7 +1307,7 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
 
 
 def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, rows,
-               per_lane=True):  # fmt: skip
+               per_lane=True, span=None):  # fmt: skip
     """Ranks candidate slots first .. first + bi - 1 of row ``row`` of a [rows·cap]
     buffer with ``n`` live entries against all of them; an entry whose rank is below K
     is written at its rank of the row's output (``outs``: ids, scores), so the row comes
@@ -1316,15 +1317,22 @@ def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, r
 
     ``per_lane`` keeps the counts per (slot, lane) until the end (one cross-thread sum,
     [bi, bj] registers); otherwise each block is summed as it is counted, so a block
-    can be larger than the registers (fewer dependent loads a program)."""
+    can be larger than the registers (fewer dependent loads a program).
+
+    ``span``: (lo, hi), when the buffer is grouped by code: every entry before slot
+    ``lo`` is ahead of every ranked slot, none from ``hi`` on is, so the slots are
+    ranked against [lo, hi) alone and their ranks start at ``lo``."""
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
     def _():
         slot_i, live_i, _, c_i, id_i = _ranked_slots(codes_ref, ids_ref, row, first, n, cap, bi)
 
+        lo, hi = span if span is not None else (None, n)
+
         def count_above(bar):  # adds, per (i, lane), the block's c_j > bar_i
             def body(j, ahead):
-                c_j = _slot_codes(codes_ref, row, cap, j * bj + jnp.arange(bj, dtype=jnp.int32), n)
+                slots = j * bj + jnp.arange(bj, dtype=jnp.int32)
+                c_j = _slot_codes(codes_ref, row, cap, slots, hi, lo)
                 above = (c_j[None, :] > bar[:, None]).astype(jnp.int32)
                 return ahead + (above if per_lane else jnp.sum(above, axis=1))
 
@@ -1334,13 +1342,14 @@ def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, r
         # the blocks wholly before i's slots, c_j > c_i after them (one compare a pair;
         # c_i > EMPTY: no wrap), and both tests only in the block that holds them. The
         # counts stay per lane until the end: one cross-thread sum, not one a block.
-        n_blocks = (n + bj - 1) // bj
+        n_blocks = (hi + bj - 1) // bj
         own = first // bj  # bi divides bj: i's slots lie in one block
-        ahead = _own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj)
+        ahead = _own_block_ahead(codes_ref, row, cap, hi, first, slot_i, c_i, bj, lo)
         ahead = ahead if per_lane else jnp.sum(ahead, axis=1)
-        ahead = jax.lax.fori_loop(0, own, count_above(c_i - 1), ahead)
+        ahead = jax.lax.fori_loop(0 if lo is None else lo // bj, own, count_above(c_i - 1), ahead)
         ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
         rank = jnp.sum(ahead, axis=1) if per_lane else ahead
+        rank = rank if lo is None else rank + lo
         _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, rows)
 
 
