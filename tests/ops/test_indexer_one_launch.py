@@ -92,6 +92,26 @@ def test_more_programs_same_answer():
     np.testing.assert_array_equal(np.asarray(got_b[0]), np.asarray(want.indices))
 
 
+@pytest.mark.parametrize(
+    "dtype, keys, scale, buckets",
+    [
+        (jnp.bfloat16, "normal", False, 8),
+        (FP8, "normal", True, 16),  # blocks of ranked slots straddle buckets
+        (jnp.float32, "rounded", False, 8),  # ties inside a bucket
+        (jnp.bfloat16, "equal", False, 8),  # the slow path's buffer is one group
+    ],
+)
+def test_buckets_same_answer(monkeypatch, dtype, keys, scale, buckets):
+    """Candidates grouped in code buckets and ranked within them: the same answer as
+    ``base``, id for id (the grouping only restricts which pairs are compared)."""
+    monkeypatch.setattr(one_launch, "BUCKETS", buckets)
+    q, w, k, k_scale = make(9000, dtype, keys=keys, scale=scale, seed=7)
+    (ids, scores, count, _, sync), want = run_both(q, w, k, 256, k_scale, 0, 9000)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want.indices))
+    np.testing.assert_array_equal(np.asarray(scores), np.asarray(want.scores))
+    assert int(count[0]) >= 256 and int(sync[5]) == 0
+
+
 def test_program_count_out_of_range_is_an_error():
     q, w, k, _ = make(700, jnp.bfloat16)
     a, b = jnp.array([0], jnp.int32), jnp.array([700], jnp.int32)

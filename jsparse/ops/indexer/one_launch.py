@@ -18,14 +18,15 @@ global memory:
    publishes the count.
 4. *Placement.* Once every count is in, each program stores its (code, id) records at
    the sum of the counts before its own: program order is id order, so the buffer is
-   in id order, as ``base``'s merge leaves it.
+   in id order, as ``base``'s merge leaves it. With ``BUCKETS`` > 1 the counts are per
+   code bucket and the buffer holds the buckets highest first, each in id order.
 5. *Ranking.* Every program reads the total. If it misses [min(K, L), cap] (an
    unlucky sample, massive ties), program 0 runs the row's exact slow path
    (:func:`jsparse.ops.topk.triton._exact_row`) over the dense scores while the others
-   wait. Then each program ranks its share of the candidates against all of them
-   (:func:`jsparse.ops.topk.triton.rank_block`, ``base``'s rank select: one compare a
-   pair, ties broken by slot) and writes each one whose rank is below K at that rank,
-   and the padding.
+   wait. Then each program ranks its share of the candidates against all of them (or
+   their buckets' slots) (:func:`jsparse.ops.topk.triton.rank_block`, ``base``'s rank
+   select: one compare a pair, ties broken by slot) and writes each one whose rank is
+   below K at that rank, and the padding.
 
 The arithmetic is ``base``'s (one scorer tile, :func:`triton._score_tile`, and the
 same codes), so results equal ``base`` id for id and score for score.
@@ -40,13 +41,14 @@ up after ``SPIN_LIMIT`` polls (seconds) and counts itself in the sync words rath
 than hang. In interpret mode (CPU) programs run one after another, so the five phases
 are five launches of the same body and the barriers are the launch boundaries.
 
-Measured (H200, GPU busy µs, keys cold, run 140) before the id-ordered placement,
-when records were placed by a fetch-and-add cursor and the ranking broke ties by id
-(~7 integer ops a pair): 1 × 64K bf16 23.2 against ``base``'s 18.8, fp8 21.1 against
-17.3; 1 × 128K 29.9 / 26.8 against 25.8 / 23.5. By phase at 64K bf16: scoring and θ
-10.3, compaction +2.6, ranking +9.8 (~3200 candidates, 25 chunks of 128 a program);
-neither loading the chunks ahead nor warming L1 helped (runs 139-140). The placement
-in id order (one compare a pair) has not run on a GPU yet.
+Measured (H200, GPU busy µs, keys cold, runs 142-146; WORKSPACE.md): at 1 × 64K the
+step takes 20.7 bf16 / 19.9 fp8 against ``base``'s 18.8 / 17.3, always equal to it id
+for id. By phase (bf16): scoring alone 8.2, + θ 10.5 (θ's path, sample then search in
+program 0, ends ~2.3 after the streaming), + compaction and placement 13.6, +
+ranking ~7. The ranking is the n² compares of ~3200 candidates: ~5 µs even as
+``base``'s own launch of ~400 programs, ~7.5 at one program an SM, whatever the tile
+or warps (runs 143-144). Buckets (``BUCKETS``) cut it to 0.9 µs at 16, but cost more
+to count and place than they save (run 146).
 """
 
 from __future__ import annotations
@@ -69,13 +71,14 @@ _NEG_INF = float("-inf")
 PHASES = ("score", "theta", "compact", "place", "rank")
 SAMPLE_PROGRAMS = 16  # programs that score the θ sample (4096 keys: 256 each; 8: +1.9 µs, run 139)
 # Ranking tile: BI candidates against blocks of BJ, counts per lane (or summed a
-# block). Without buckets no tile moved the ranking (runs 143-144), so tiles are kept.
-RANK_BLOCK, RANK_CHUNK, RANK_PER_LANE = 32, 128, True
-# Candidates are placed grouped by code into this many buckets (linear in code space
-# between θ and the sample's largest code), each ranked only within its own bucket:
-# ~n²/B pairs rather than n² (run 144: n² pairs of ~3200 took ≥ 4.9 µs even as a
-# launch of ~400 programs).
-BUCKETS = 8
+# block). 8 × 512 per lane was the fastest of six (runs 143, 146), by ~1 µs.
+RANK_BLOCK, RANK_CHUNK, RANK_PER_LANE = 8, 512, True
+# Candidates may be placed grouped by code into this many buckets (linear in code
+# space between θ and the sample's largest code), each ranked only within its own:
+# ~n²/B pairs. At 1 × 64K bf16 (run 146) the ranking fell from 7.1 µs to 0.9 at 16
+# buckets, but counting and placing a bucket at a time cost ~0.6 µs a bucket, so the
+# step was slower at every B > 1 (1: 20.7 µs, 4: 22.1, 8: 22.5, 16: 24.8).
+BUCKETS = 1
 SPIN_LIMIT = 1 << 22  # polls of one wait before it gives up (~1-2 s)
 # Sync words: sample arrivals, θ published, placements, compaction arrivals,
 # slow path done, aborted waits.
