@@ -18,6 +18,7 @@ Token selection (JSSA and the baselines it is compared with)::
     sel = jsparse.make_selector("jssa", rank=16)          # the paper's method
     params = sel.calibrate(q_calib, k_calib)              # one layer
     idx = sel.select(params, q, k, lengths, budget)       # int32 [B, Hkv, budget]
+    out = jsparse.indexed_attention(q, k, v, idx)         # [B, H, Dv], rows read in place
 """
 
 from jsparse import backend
@@ -35,6 +36,7 @@ from jsparse.calibration import (
     update_moments,
 )
 from jsparse.checkpoint import load_bases, save_bases
+from jsparse.ops.attention import indexed_attention
 from jsparse.ops.indexer import IndexerTopK, indexer_scores, indexer_topk, indexer_topk_batch
 from jsparse.ops.topk import topk
 from jsparse.selectors import DEFAULT_SELECTOR, SELECTORS, Selector, make_selector
@@ -52,6 +54,7 @@ __all__ = [
     "backend",
     "compute_moments",
     "finalize_moments",
+    "indexed_attention",
     "indexer_scores",
     "indexer_topk",
     "indexer_topk_batch",

@@ -1,0 +1,199 @@
+"""Benchmark of indexed decode attention (``--op attention``).
+
+One decode query per sequence over the ``budget`` cache rows each KV head's list names
+(GQA, the model's [B, S, Hkv, D] cache). Methods:
+
+* ``base``: :func:`jsparse.indexed_attention`, the rows read in place by the kernel;
+* ``xla``: the same sparse attention as plain XLA: gather the rows, then attend;
+* ``dense``: full attention over the whole cache (``jax.nn.dot_product_attention``,
+  cuDNN where it runs, always a BF16 cache): what selection is meant to beat.
+
+Lists are distinct random positions (no locality: the gather's worst case). The floor
+is the bytes the sparse job must move (the listed K/V rows, q, the lists, the output)
+at the copy bandwidth; ``dense`` reports its own rate over the whole cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import jsparse
+from jsparse.ops.attention.reference import listed_rows
+
+from . import common
+
+DEFAULT_METHODS = ["xla", "dense", "base"]
+DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+
+
+def add_arguments(parser):
+    parser.add_argument(
+        "--device-time", action="store_true",
+        help="also the GPU busy time per call from a profiler trace (kernels only), by kernel",
+    )  # fmt: skip
+
+
+def make_cache(case: dict, seed: int):
+    b, s, hkv, d = case["b"], case["s"], case["hkv"], case["d"]
+    kk, kv = jax.random.split(jax.random.PRNGKey(seed))
+    k = jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
+    cache = dict(k=k, v=v, k_scale=None, v_scale=None)
+    if case["dtype"] == "fp8":  # one scale per (sequence, KV head), amax / 448
+        for name, x in (("k", k), ("v", v)):
+            amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 3))
+            scale = amax / 448.0
+            cache[name] = (x / scale[:, None, :, None].astype(x.dtype)).astype(jnp.float8_e4m3fn)
+            cache[f"{name}_scale"] = scale
+    return cache
+
+
+def make_query(case: dict, seed: int):
+    """q [B, H, D] and distinct random lists [B, Hkv, budget]."""
+    b, s, h, hkv, d, n = (case[x] for x in ("b", "s", "h", "hkv", "d", "budget"))
+    kq, ki = jax.random.split(jax.random.PRNGKey(1000 + seed))
+    q = jax.random.normal(kq, (b, h, d), jnp.bfloat16)
+    idx = jax.lax.top_k(jax.random.uniform(ki, (b, hkv, s)), n)[1].astype(jnp.int32)
+    return q, idx
+
+
+def xla_gather_attention(q, k, v, idx, k_scale, v_scale, scale):
+    """The sparse job in plain XLA: gather the listed rows, then attend (bf16 math)."""
+    b, h, d = q.shape
+    hkv = k.shape[2]
+
+    def rows(cache, s):
+        r = listed_rows(cache, idx).astype(jnp.bfloat16)
+        return r if s is None else r * s[:, :, None, None].astype(jnp.bfloat16)
+
+    kr, vr = rows(k, k_scale), rows(v, v_scale)
+    qg = q.reshape(b, hkv, h // hkv, d)
+    logits = jnp.einsum("bkgd,bknd->bkgn", qg, kr, preferred_element_type=jnp.float32) * scale
+    p = jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
+    out = jnp.einsum("bkgn,bknd->bkgd", p, vr, preferred_element_type=jnp.float32)
+    return out.reshape(b, h, -1).astype(q.dtype)
+
+
+def dense_attention(q, k, v, scale, *, cudnn: bool):
+    out = jax.nn.dot_product_attention(
+        q[:, None], k, v, scale=scale, implementation="cudnn" if cudnn else None
+    )
+    return out[:, 0]
+
+
+def _cudnn_runs(cache, heads: int) -> bool:
+    """Whether cuDNN's fused attention compiles for this cache (else XLA's, reported)."""
+    b, _, _, d = cache["k"].shape
+    q = jax.ShapeDtypeStruct((b, heads, d), jnp.bfloat16)
+    try:
+        fn = functools.partial(dense_attention, scale=1.0, cudnn=True)
+        jax.jit(fn).lower(q, cache["k"], cache["v"]).compile()
+        return True
+    except Exception as err:  # any refusal of cuDNN's
+        print(f"  (dense: cuDNN attention does not run here, XLA's instead: {type(err).__name__})")
+        return False
+
+
+def method_fn(method, cache, dense_cache, impl, scale, *, heads: int, on_gpu: bool):
+    """(q, idx) -> out [B, H, Dv]."""
+    if method == "base":
+        return lambda q, idx: jsparse.indexed_attention(
+            q, cache["k"], cache["v"], idx, scale=scale, k_scale=cache["k_scale"],
+            v_scale=cache["v_scale"], implementation=impl,
+        )  # fmt: skip
+    if method == "xla":
+        fn = functools.partial(xla_gather_attention, scale=scale)
+        return lambda q, idx: fn(q, cache["k"], cache["v"], idx, cache["k_scale"], cache["v_scale"])
+    if method == "dense":
+        cudnn = on_gpu and _cudnn_runs(dense_cache, heads)
+        fn = functools.partial(dense_attention, scale=scale, cudnn=cudnn)
+        return lambda q, idx: fn(q, dense_cache["k"], dense_cache["v"])
+    raise SystemExit(f"--op attention has methods base, xla and dense, not {method!r}")
+
+
+def check(method, got, *, q, idx, cache, dense_cache, scale) -> list[str]:
+    """The first and last sequence against the f32 reference (dense: every row listed)."""
+    b = q.shape[0]
+    problems = []
+    for i in sorted({0, b - 1}):
+        src = dense_cache if method == "dense" else cache
+        one = {n: None if src[n] is None else src[n][i : i + 1] for n in ("k_scale", "v_scale")}
+        lists = idx[i : i + 1]
+        if method == "dense":
+            s, hkv = src["k"].shape[1], src["k"].shape[2]
+            lists = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, hkv, s))
+        want = jsparse.indexed_attention(
+            q[i : i + 1], src["k"][i : i + 1], src["v"][i : i + 1], lists, scale=scale,
+            **one, implementation="reference",
+        )  # fmt: skip
+        err = np.abs(np.asarray(got[i], np.float32) - np.asarray(want[0], np.float32))
+        bound = 3e-2 * max(1.0, float(np.max(np.abs(np.asarray(want, np.float32)))))
+        if not err.max() <= bound:
+            problems.append(f"sequence {i}: max |error| {err.max():.3g} > {bound:.3g}")
+    return problems
+
+
+def run(args, floors: common.Floors, impl: str) -> list[dict]:
+    from jsparse import backend
+
+    on_gpu = backend.has_nvidia_gpu()
+    cases = common.expand_cases(common.load_presets("attention")[args.preset])
+    rows = []
+    progress = tqdm(total=len(cases) * len(args.method), desc="attention", disable=args.quiet)
+    for case in cases:
+        b, s, h, hkv, d, n = (case[x] for x in ("b", "s", "h", "hkv", "d", "budget"))
+        label = f"B{b} S{s} H{h}/{hkv} D{d} N{n} {case['dtype']}"
+        cache = make_cache(case, seed=0)
+        dense_cache = cache if case["dtype"] == "bf16" else make_cache({**case, "dtype": "bf16"}, 0)
+        scale = 1.0 / math.sqrt(d)
+        itemsize = jnp.dtype(DTYPES[case["dtype"]]).itemsize
+        sparse_bytes = b * hkv * n * (2 * d * itemsize + 4) + b * h * 2 * d * 2
+        dense_bytes = b * s * hkv * 2 * d * 2 + b * h * 2 * d * 2
+        floor_s = sparse_bytes / floors.copy_bytes_per_s
+        # Rotate queries and lists (the cache is one): a set's listed rows leave the L2.
+        sets = [make_query(case, i) for i in range(common.rotation_sets(sparse_bytes))]
+        case_rows = []
+        for method in args.method:
+            progress.set_postfix_str(f"{label} {method}")
+            nbytes = dense_bytes if method == "dense" else sparse_bytes
+            row = dict(case=label, method=method, b=b, s=s, budget=n, dtype=case["dtype"])
+            row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
+            fn = jax.jit(method_fn(method, cache, dense_cache, impl, scale, heads=h, on_gpu=on_gpu))
+            call = lambda a, fn=fn: fn(*a)  # noqa: E731
+            q0, idx0 = sets[0]
+            common.check_then_time(
+                row, call, sets,
+                functools.partial(check, method, q=q0, idx=idx0, cache=cache,
+                                  dense_cache=dense_cache, scale=scale),
+                budget_s=args.budget, device_time=args.device_time, nbytes=nbytes,
+                floor_s=floor_s,
+            )  # fmt: skip
+            case_rows.append(row)
+            progress.update()
+        common.add_speedups(case_rows, ("xla", "dense"))
+        rows.extend(case_rows)
+        del sets, cache, dense_cache
+    progress.close()
+    return rows
+
+
+COLUMNS = [
+    ("case", "case"),
+    ("method", "method"),
+    ("ms", "median ms"),
+    ("spread_ms", "p10-p90 ms"),
+    ("tbps", "TB/s"),
+    ("pct_floor", "% floor"),
+    ("vs_xla", "× xla"),
+    ("vs_dense", "× dense"),
+    ("device_ms", "GPU busy ms"),
+    ("device_vs_xla", "busy × xla"),
+    ("device_vs_dense", "busy × dense"),
+    ("status", "status"),
+]

@@ -1,0 +1,139 @@
+"""Public indexed decode attention: :func:`indexed_attention`."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jsparse import _checks, backend
+from jsparse.ops.attention.reference import indexed_attention_reference
+
+QUERY_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+CACHE_FLOATS = (*QUERY_FLOATS, jnp.float8_e4m3fn)
+
+
+def indexed_attention(
+    q: Float[Array, "B H D"],
+    k: Float[Array, "B S Hkv D"],
+    v: Float[Array, "B S Hkv Dv"],
+    indices: Int[Array, "B Hkv N"],
+    *,
+    scale: float | None = None,
+    k_scale: Float[Array, "B Hkv"] | None = None,
+    v_scale: Float[Array, "B Hkv"] | None = None,
+    return_lse: bool = False,
+    implementation: str | Sequence[str] | None = None,
+):
+    """Decode attention over the K/V rows that each KV head's index list names.
+
+    Query head ``h`` of sequence ``b`` attends rows ``indices[b, h // G]`` of its KV head
+    (``G = H / Hkv``), softmax over ``scale · q·k``; the kernel reads those rows where
+    they lie in the cache, one pass per KV head for all its G query heads.
+
+    Args:
+      q: [B, H, D] float32, bfloat16 or float16: one decode query per sequence.
+      k, v: [B, S, Hkv, D] and [B, S, Hkv, Dv], the cache (the model's layout). The same
+        dtype as ``q``, or both float8_e4m3fn (widened to ``q``'s dtype on load).
+      indices: [B, Hkv, N] int32, entries in [0, S) or -1 (an empty slot), e.g. a
+        selector's ``select`` output. An entry listed twice counts twice.
+      scale: logit scale (default ``1/sqrt(D)``).
+      k_scale, v_scale: optional [B, Hkv] float32 > 0 dequantisation scales of an FP8
+        cache (one per sequence and KV head).
+      return_lse: also return the log-sum-exp of the scaled logits, [B, H] float32.
+      implementation: see :mod:`jsparse.backend` (``"triton"`` or ``"reference"``).
+
+    Returns:
+      out [B, H, Dv] in ``q``'s dtype (zeros for a query whose list is empty), and with
+      ``return_lse`` also lse [B, H] float32 (-inf for an empty list).
+
+    Index values are checked when they are concrete; under ``jit`` an entry outside
+    [0, S) is treated as empty (never read). Non-finite values in q, k or v give
+    non-finite outputs, as the arithmetic makes them.
+    """
+    _checks.check_rank("q", q, 3, "[B, H, D]")
+    _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")
+    _checks.check_rank("v", v, 4, "[B, S, Hkv, Dv]")
+    _checks.check_rank("indices", indices, 3, "[B, Hkv, N]")
+    _checks.check_dtype("q", q, QUERY_FLOATS)
+    _checks.check_dtype("k", k, CACHE_FLOATS)
+    _checks.check_dtype("v", v, CACHE_FLOATS)
+    _checks.check_dtype("indices", indices, (jnp.int32,))
+    b, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
+        raise ValueError(
+            f"k, v: dtypes {_checks.dtype_name(k.dtype)} and {_checks.dtype_name(v.dtype)}; "
+            "expected one cache dtype"
+        )
+    if jnp.dtype(k.dtype) not in (jnp.dtype(q.dtype), fp8):
+        raise ValueError(
+            f"k: dtype {_checks.dtype_name(k.dtype)} with q {_checks.dtype_name(q.dtype)}; "
+            "expected q's dtype, or float8_e4m3fn"
+        )
+    _checks.check_dim("k", k, 0, b, f"B of q {tuple(q.shape)}")
+    _checks.check_dim("k", k, 3, d, f"D of q {tuple(q.shape)}")
+    _checks.check_dim("v", v, 0, b, f"B of q {tuple(q.shape)}")
+    _checks.check_dim("v", v, 1, s, f"S of k {tuple(k.shape)}")
+    _checks.check_dim("v", v, 2, hkv, f"Hkv of k {tuple(k.shape)}")
+    _checks.check_dim("indices", indices, 0, b, f"B of q {tuple(q.shape)}")
+    _checks.check_dim("indices", indices, 1, hkv, f"Hkv of k {tuple(k.shape)}")
+    if hkv == 0 or h % hkv:
+        raise ValueError(
+            f"q: {h} heads with {hkv} KV heads (k {tuple(k.shape)}); expected H a multiple of Hkv"
+        )
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            continue
+        _checks.check_rank(name, x, 2, "[B, Hkv]")
+        _checks.check_dtype(name, x, (jnp.float32,))
+        if x.shape != (b, hkv):
+            raise ValueError(f"{name}: shape {tuple(x.shape)}; expected [B, Hkv] = {(b, hkv)}")
+        x_np = _checks.concrete(x)
+        if x_np is not None and not (np.isfinite(x_np) & (x_np > 0)).all():
+            bad = tuple(int(i) for i in np.argwhere(~(np.isfinite(x_np) & (x_np > 0)))[0])
+            raise ValueError(f"{name}: {name}{list(bad)} = {x_np[bad]}; expected finite and > 0")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale: got {scale!r}; expected a finite Python float")
+    ids_np = _checks.concrete(indices)
+    if ids_np is not None:
+        bad = (ids_np < -1) | (ids_np >= s)
+        if bad.any():
+            at = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"indices: indices{list(at)} = {ids_np[at]} is outside [0, S) = [0, {s}) "
+                "and not -1 (an empty slot)"
+            )
+    if 0 in (b, h, s, indices.shape[2]):  # nothing to attend: every query is empty
+        out = jnp.zeros((b, h, v.shape[3]), q.dtype)
+        lse = jnp.full((b, h), -jnp.inf, jnp.float32)
+    else:
+        out, lse = backend.dispatch(
+            "indexed_attention", _implementations(), implementation,
+            q, k, v, indices, k_scale, v_scale, float(scale),
+        )  # fmt: skip
+        out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+@functools.cache  # one jit wrapper: a fresh one per call costs host time
+def _implementations():
+    from jsparse.ops.attention import triton  # Pallas imports only when used
+
+    def run_triton(q, k, v, indices, k_scale, v_scale, scale):
+        return triton.indexed_attention_triton(q, k, v, indices, k_scale, v_scale, scale=scale)
+
+    reference = jax.jit(indexed_attention_reference, static_argnames="scale")
+
+    def run_reference(q, k, v, indices, k_scale, v_scale, scale):
+        return reference(q, k, v, indices, scale=scale, k_scale=k_scale, v_scale=v_scale)
+
+    return {"triton": run_triton, "reference": run_reference}

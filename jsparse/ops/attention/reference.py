@@ -1,0 +1,64 @@
+"""The jnp reference of indexed decode attention: gather the listed rows, then attend.
+
+Every query head h of sequence b attends the K/V rows that its KV head's list names::
+
+    out[b, h] = Σ_j p_j · v[b, idx_j, h // G]
+    p         = softmax_j(scale · q[b, h] · k[b, idx_j, h // G])
+
+over the non-empty entries ``idx_j`` of ``indices[b, h // G]`` (``-1`` = empty; an entry
+listed twice counts twice, as attention over the gathered list would). A row with no
+entry gives zeros and a log-sum-exp of ``-inf``. All arithmetic is float32 at full
+precision, so the kernels are compared with it rather than with each other.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def indexed_attention_reference(
+    q: Float[Array, "B H D"],
+    k: Float[Array, "B S Hkv D"],
+    v: Float[Array, "B S Hkv Dv"],
+    indices: Int[Array, "B Hkv N"],
+    scale: float,
+    k_scale: Float[Array, "B Hkv"] | None = None,
+    v_scale: Float[Array, "B Hkv"] | None = None,
+) -> tuple[Float[Array, "B H Dv"], Float[Array, "B H"]]:
+    """(out [B, H, Dv] float32, lse [B, H] float32); arguments as
+    :func:`jsparse.indexed_attention` (indices already validated)."""
+    b, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    valid = (indices >= 0) & (indices < s)  # [B, Hkv, N]
+    at = jnp.where(valid, indices, 0)
+
+    def rows(cache):  # [B, S, Hkv, X] -> [B, Hkv, N, X], the listed rows of each KV head
+        return listed_rows(cache, at).astype(jnp.float32)
+
+    kr, vr = rows(k), rows(v)
+    if k_scale is not None:
+        kr = kr * k_scale[:, :, None, None]
+    if v_scale is not None:
+        vr = vr * v_scale[:, :, None, None]
+    qg = q.astype(jnp.float32).reshape(b, hkv, g, d)
+    hi = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("bkgd,bknd->bkgn", qg, kr, precision=hi) * scale
+    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # an empty row: no max to subtract
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgn,bknd->bkgd", p, vr, precision=hi)
+    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
+    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(denom[..., 0]), -jnp.inf)
+    return out.reshape(b, h, -1), lse.reshape(b, h)
+
+
+def listed_rows(cache: Float[Array, "B S Hkv X"], at: Int[Array, "B Hkv N"]):
+    """[B, Hkv, N, X]: row ``at[b, h, j]`` of KV head h, gathered without copying the
+    cache into a per-head layout first."""
+    b, hkv = at.shape[:2]
+    return cache[jnp.arange(b)[:, None, None], at, jnp.arange(hkv)[None, :, None]]

@@ -1,0 +1,202 @@
+"""Indexed decode attention as a Pallas Triton kernel: the listed K/V rows, read in place.
+
+One program owns one (sequence, KV head) and a contiguous share of its index list
+(split-K: at small batch the lists alone would not fill the GPU). Per step of
+``block_n`` list entries:
+
+    ids     [BN]         the list's entries (-1 = empty)
+    keys    [BN, D]      gathered straight from the cache, row (b·S + id)·Hkv + h
+    logits  [Gp, BN]     the KV head's G query heads (padded to Gp ≥ 16) at once: one
+                         tensor-core dot, f32 accumulation
+    values  [BN, Dv]     gathered the same way; acc += softmax weights · values
+
+so each listed row is read once per KV head, not once per query head, and nothing is
+copied out of the cache first. Each program writes its running max, normaliser and
+unnormalised output; one XLA fusion merges the splits (log-sum-exp weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jsparse import backend
+
+# tl.dot needs M ≥ 16: the G query heads of a KV head are padded to this many rows.
+MIN_GROUP_ROWS = 16
+# Programs a launch aims at, in units of the SM count, when the lists alone give fewer.
+PROGRAMS_PER_SM = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Tiles of the kernel: list entries per step, warps, software-pipeline stages."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        n, w = self.block_n, self.num_warps
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"AttentionConfig.block_n must be a power of two ≥ 16, got {n}")
+        if w < 1 or w & (w - 1):
+            raise ValueError(f"AttentionConfig.num_warps must be a power of two, got {w}")
+        if self.num_stages < 1:
+            raise ValueError(f"AttentionConfig.num_stages must be ≥ 1, got {self.num_stages}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    seq: int  # S, cache rows per (sequence, KV head)
+    kv_heads: int
+    group_rows: int  # G padded to a power of two ≥ MIN_GROUP_ROWS
+    dim: int  # D
+    dim_pad: int  # D padded to a power of two (masked loads: the cache is not copied)
+    vdim: int
+    vdim_pad: int
+    steps_per_split: int  # list steps of block_n entries a program walks
+    steps: int  # list steps in all
+    scale: float
+    compute: np.dtype
+    has_k_scale: bool
+    cfg: AttentionConfig
+    interpret: bool
+
+
+def _next_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def default_splits(pairs: int, steps: int) -> int:
+    """Splits of each list: enough programs for PROGRAMS_PER_SM a SM, at most one a step."""
+    want = -(-PROGRAMS_PER_SM * backend.sm_count() // max(pairs, 1))
+    return max(1, min(want, steps))
+
+
+def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
+    if p.has_k_scale:
+        k_scale_ref, acc_ref, m_ref, l_ref = refs
+    else:
+        acc_ref, m_ref, l_ref = refs
+    bn = p.cfg.block_n
+    pair = pl.program_id(0)  # b·Hkv + h
+    split = pl.program_id(1)
+    b, h = pair // p.kv_heads, pair % p.kv_heads
+    dims = jnp.arange(p.dim_pad)
+    vdims = jnp.arange(p.vdim_pad)
+    k_zero, v_zero = jnp.zeros((), k_ref.dtype), jnp.zeros((), v_ref.dtype)
+    q = plt.load(q_ref.at[pair]).astype(p.compute)  # [Gp, Dp], padded rows / dims are 0
+    precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
+    scale = p.scale
+    if p.has_k_scale:
+        scale = scale * plt.load(k_scale_ref.at[pair])
+
+    def step(j, carry):
+        m, l, acc = carry
+        ids = plt.load(ids_ref.at[pair, pl.ds(j * bn, bn)])
+        ok = (ids >= 0) & (ids < p.seq)
+        rows = (b * p.seq + jnp.where(ok, ids, 0)) * p.kv_heads + h
+        k_mask = ok[:, None] & (dims[None, :] < p.dim)
+        # a typed `other`: Triton cannot cast an i32 0 to fp8
+        kt = plt.load(k_ref.at[rows[:, None], dims[None, :]], mask=k_mask, other=k_zero)
+        logits = jax.lax.dot_general(
+            q, kt.astype(p.compute), (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32, precision=precision,
+        )  # fmt: skip
+        logits = jnp.where(ok[None, :], logits * scale, -jnp.inf)  # [Gp, BN]
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        # Subtract a finite max: a row that has seen only empty entries stays at 0 weight.
+        base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        weights = jnp.exp(logits - base[:, None])
+        alpha = jnp.exp(m - base)
+        v_mask = ok[:, None] & (vdims[None, :] < p.vdim)
+        vt = plt.load(v_ref.at[rows[:, None], vdims[None, :]], mask=v_mask, other=v_zero)
+        pv = jax.lax.dot_general(
+            weights.astype(p.compute), vt.astype(p.compute), (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32, precision=precision,
+        )  # fmt: skip
+        return m_new, l * alpha + jnp.sum(weights, axis=1), acc * alpha[:, None] + pv
+
+    gp = p.group_rows
+    init = (
+        jnp.full((gp,), -jnp.inf, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+        jnp.zeros((gp, p.vdim_pad), jnp.float32),
+    )
+    first = split * p.steps_per_split
+    last = jnp.minimum(first + p.steps_per_split, p.steps)
+    m, l, acc = jax.lax.fori_loop(first, last, step, init)
+    plt.store(acc_ref.at[pair, split], acc)
+    plt.store(m_ref.at[pair, split], m)
+    plt.store(l_ref.at[pair, split], l)
+
+
+def combine_splits(acc, m, l):
+    """Merges per-split (unnormalised out, running max, normaliser) [..., splits, G(, Dv)]
+    into (out, lse); a row that attended nothing gets zeros and -inf."""
+    top = jnp.max(m, axis=-2)  # [..., G]
+    base = jnp.where(top == -jnp.inf, 0.0, top)
+    w = jnp.exp(m - base[..., None, :])  # [..., splits, G]; 0 for empty splits
+    denom = jnp.sum(w * l, axis=-2)
+    out = jnp.sum(w[..., None] * acc, axis=-3)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    out = jnp.where((denom > 0)[..., None], out / safe[..., None], 0.0)
+    lse = jnp.where(denom > 0, base + jnp.log(safe), -jnp.inf)
+    return out, lse
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "splits"))
+def indexed_attention_triton(q, k, v, indices, k_scale, v_scale, *, scale, cfg=None, splits=None):
+    """(out [B, H, Dv] float32, lse [B, H] float32); see :func:`jsparse.indexed_attention`."""
+    cfg = cfg or AttentionConfig()
+    b, h, d = q.shape
+    s, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = h // hkv
+    n = indices.shape[2]
+    bn = cfg.block_n
+    steps = max(1, -(-n // bn))
+    splits = splits or default_splits(b * hkv, steps)
+    per_split = -(-steps // splits)
+    splits = -(-steps // per_split)  # no program without a step
+    gp, dp, dvp = _next_pow2(g, MIN_GROUP_ROWS), _next_pow2(d, 16), _next_pow2(dv, 16)
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    compute = jnp.dtype(q.dtype) if jnp.dtype(k.dtype) == fp8 else jnp.dtype(k.dtype)
+    p = _Plan(
+        seq=s, kv_heads=hkv, group_rows=gp, dim=d, dim_pad=dp, vdim=dv, vdim_pad=dvp,
+        steps_per_split=per_split, steps=steps, scale=float(scale), compute=compute,
+        has_k_scale=k_scale is not None, cfg=cfg, interpret=backend.is_interpret(),
+    )  # fmt: skip
+    # The small operands are padded here; the cache is only reshaped (free, contiguous).
+    qg = jnp.pad(q.reshape(b * hkv, g, d), ((0, 0), (0, gp - g), (0, dp - d)))
+    ids = jnp.pad(
+        indices.reshape(b * hkv, n).astype(jnp.int32),
+        ((0, 0), (0, steps * bn - n)),
+        constant_values=-1,
+    )
+    inputs = [qg, ids, k.reshape(b * s * hkv, d), v.reshape(b * s * hkv, dv)]
+    if k_scale is not None:
+        inputs.append(k_scale.reshape(b * hkv).astype(jnp.float32))
+    pairs = b * hkv
+    acc, m, l = pl.pallas_call(
+        functools.partial(_kernel, p=p),
+        grid=(pairs, splits),
+        out_shape=(
+            jax.ShapeDtypeStruct((pairs, splits, gp, dvp), jnp.float32),
+            jax.ShapeDtypeStruct((pairs, splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((pairs, splits, gp), jnp.float32),
+        ),
+        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=p.interpret,
+        name="jsparse_indexed_attention",
+    )(*inputs)
+    out, lse = combine_splits(acc[:, :, :g, :dv], m[:, :, :g], l[:, :, :g])
+    if v_scale is not None:
+        out = out * v_scale.reshape(pairs, 1, 1).astype(jnp.float32)
+    return out.reshape(b, h, dv), lse.reshape(b, h)

@@ -1,0 +1,262 @@
+"""Indexed decode attention: the kernel against the jnp reference, the reference
+against a float64 numpy oracle, and the contract (empty slots, bad input, lowering)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.ops.attention import triton as attention_triton
+from tests.lowering import lower_for_h200
+
+F8 = jnp.float8_e4m3fn
+
+
+def make(b, h, hkv, d, dv, s, n, dtype=jnp.float32, seed=0, cache_dtype=None):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, h, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, hkv, dv)).astype(np.float32)
+    idx = rng.integers(-1, s, (b, hkv, n)).astype(np.int32)  # duplicates and empties
+    cache_dtype = cache_dtype or dtype
+    return (
+        jnp.asarray(q, dtype), jnp.asarray(k, cache_dtype), jnp.asarray(v, cache_dtype),
+        jnp.asarray(idx),
+    )  # fmt: skip
+
+
+def oracle(q, k, v, idx, scale, k_scale=None, v_scale=None):
+    """float64 loops: each query head over its KV head's listed rows."""
+    q, k, v, idx = (np.asarray(x, np.float64) if x.dtype != np.int32 else np.asarray(x)
+                    for x in (np.asarray(q.astype(jnp.float32)), np.asarray(k.astype(jnp.float32)),
+                              np.asarray(v.astype(jnp.float32)), np.asarray(idx)))  # fmt: skip
+    b, h, _ = q.shape
+    hkv, dv = k.shape[2], v.shape[3]
+    out, lse = np.zeros((b, h, dv)), np.full((b, h), -np.inf)
+    for bi in range(b):
+        for hi in range(h):
+            kv = hi // (h // hkv)
+            rows = [int(j) for j in idx[bi, kv] if j >= 0]
+            if not rows:
+                continue
+            ks = 1.0 if k_scale is None else float(k_scale[bi, kv])
+            vs = 1.0 if v_scale is None else float(v_scale[bi, kv])
+            logits = np.array([scale * ks * q[bi, hi] @ k[bi, j, kv] for j in rows])
+            top = logits.max()
+            p = np.exp(logits - top)
+            out[bi, hi] = (
+                vs * sum(pj * v[bi, j, kv] for pj, j in zip(p, rows, strict=True)) / p.sum()
+            )
+            lse[bi, hi] = top + math.log(p.sum())
+    return out, lse
+
+
+SHAPES = {
+    # b, h, hkv, d, dv, s, n: odd head dims and list lengths, a group of 3 (SmolLM2's 9/3)
+    "odd": (2, 6, 2, 40, 24, 53, 37),
+    "smollm2": (1, 9, 3, 64, 64, 300, 130),
+    "mha": (3, 4, 4, 16, 16, 20, 70),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_reference_matches_numpy_oracle(shape):
+    q, k, v, idx = make(*SHAPES[shape])
+    idx = idx.at[0, 0].set(-1)  # one list entirely empty
+    scale = 0.3
+    out, lse = jsparse.indexed_attention(
+        q, k, v, idx, scale=scale, return_lse=True, implementation="reference"
+    )
+    want_out, want_lse = oracle(q, k, v, idx, scale)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-6, atol=1e-6)
+    g = q.shape[1] // k.shape[2]
+    assert np.all(np.asarray(out)[0, :g] == 0) and np.all(np.asarray(lse)[0, :g] == -np.inf)
+
+
+TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3, "float8": 3e-2}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8"])
+def test_kernel_matches_reference(kernel_impl, shape, dtype):
+    cache = F8 if dtype == "float8" else None
+    qdt = jnp.bfloat16 if dtype == "float8" else getattr(jnp, dtype)
+    q, k, v, idx = make(*SHAPES[shape], dtype=qdt, cache_dtype=cache, seed=1)
+    b, hkv = idx.shape[:2]
+    scales = {}
+    if dtype == "float8":
+        rng = np.random.default_rng(2)
+        scales = {n: jnp.asarray(rng.uniform(0.5, 2.0, (b, hkv)), jnp.float32)
+                  for n in ("k_scale", "v_scale")}  # fmt: skip
+    out, lse = jsparse.indexed_attention(
+        q, k, v, idx, return_lse=True, implementation=kernel_impl, **scales
+    )
+    ref, ref_lse = jsparse.indexed_attention(
+        q, k, v, idx, return_lse=True, implementation="reference", **scales
+    )
+    assert out.dtype == q.dtype and out.shape == ref.shape and lse.dtype == jnp.float32
+    tol = TOLERANCES[dtype]
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol
+    )
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
+
+
+def test_splits_give_the_same_answer(interpret):
+    q, k, v, idx = make(*SHAPES["smollm2"], seed=3)
+    run = lambda splits: attention_triton.indexed_attention_triton(  # noqa: E731
+        q, k, v, idx, None, None, scale=0.125, splits=splits
+    )
+    (one, lse1), (four, lse4) = run(1), run(4)
+    np.testing.assert_allclose(np.asarray(four), np.asarray(one), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse4), np.asarray(lse1), rtol=1e-6, atol=1e-6)
+    cfg = attention_triton.AttentionConfig(block_n=16)
+    small, _ = attention_triton.indexed_attention_triton(
+        q, k, v, idx, None, None, scale=0.125, cfg=cfg, splits=3
+    )
+    np.testing.assert_allclose(np.asarray(small), np.asarray(one), rtol=1e-5, atol=1e-6)
+
+
+def test_every_row_listed_is_dense_attention(kernel_impl):
+    """With every cache row listed, indexed attention is plain GQA softmax attention."""
+    b, h, hkv, d, s = 2, 8, 2, 32, 45
+    q, k, v, _ = make(b, h, hkv, d, d, s, 1, seed=4)
+    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, hkv, s))
+    got = jsparse.indexed_attention(q, k, v, idx, implementation=kernel_impl)
+    kg = jnp.repeat(k, h // hkv, axis=2)  # [B, S, H, D]
+    vg = jnp.repeat(v, h // hkv, axis=2)
+    logits = jnp.einsum("bhd,bshd->bhs", q, kg, precision="highest") / math.sqrt(d)
+    want = jnp.einsum("bhs,bshd->bhd", jax.nn.softmax(logits, axis=-1), vg, precision="highest")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_a_selectors_lists_under_jit(kernel_impl):
+    """A selector's [B, Hkv, budget] output feeds the op directly, inside one jit."""
+    b, h, hkv, d, s, budget = 2, 6, 2, 32, 200, 24
+    q, k, v, _ = make(b, h, hkv, d, d, s, 1, seed=5)
+    lengths = jnp.asarray([200, 17], jnp.int32)  # the second sequence has fewer than budget
+    sel = jsparse.make_selector("oracle")
+    params = sel.calibrate(jnp.repeat(k[0], h // hkv, axis=1), k[0])  # [S, H, D], [S, Hkv, D]
+
+    @jax.jit
+    def step(q, k, v, lengths):
+        idx = sel.select(params, q, k, lengths, budget)
+        return idx, jsparse.indexed_attention(q, k, v, idx, implementation=kernel_impl)
+
+    idx, got = step(q, k, v, lengths)
+    assert np.all(np.asarray(idx)[1, :, 17:] == -1)
+    want = jsparse.indexed_attention(q, k, v, idx, implementation="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_out_of_range_entries_under_jit_are_never_read(kernel_impl):
+    q, k, v, idx = make(*SHAPES["odd"], seed=6)
+    s = k.shape[1]
+    bad = idx.at[:, :, ::5].set(s + 7).at[:, :, 1::7].set(-9)
+    cleaned = jnp.where((bad >= 0) & (bad < s), bad, -1)
+    run = jax.jit(lambda i: jsparse.indexed_attention(q, k, v, i, implementation=kernel_impl))
+    np.testing.assert_array_equal(np.asarray(run(bad)), np.asarray(run(cleaned)))
+
+
+@pytest.mark.parametrize("n, s", [(0, 10), (5, 0)], ids=["no-entries", "no-cache"])
+def test_nothing_to_attend_gives_zeros(n, s):
+    q, k, v, _ = make(2, 4, 2, 16, 8, max(s, 1), 1)
+    k, v = k[:, :s], v[:, :s]
+    idx = jnp.full((2, 2, n), -1, jnp.int32)
+    out, lse = jsparse.indexed_attention(q, k, v, idx, return_lse=True)
+    assert out.shape == (2, 4, 8) and np.all(np.asarray(out) == 0)
+    assert np.all(np.asarray(lse) == -np.inf)
+
+
+def _bad_inputs():
+    q, k, v, idx = make(2, 6, 2, 16, 8, 30, 5)
+    ones = jnp.ones((2, 2), jnp.float32)
+    # fmt: off
+    return [
+        ("rank", dict(q=q[0]), r"q: expected rank 3"),
+        ("cache rank", dict(k=k[0]), r"k: expected rank 4"),
+        ("q dtype", dict(q=q.astype(jnp.int32)), r"q: dtype int32"),
+        ("mixed", dict(k=k.astype(jnp.bfloat16), v=v.astype(jnp.bfloat16)),
+         r"k: dtype bfloat16 with q float32"),
+        ("k and v", dict(v=v.astype(jnp.float16)), r"k, v: dtypes float32 and float16"),
+        ("index dtype", dict(indices=idx.astype(jnp.int16)), r"indices: dtype int16"),
+        ("batch", dict(k=k[:1], v=v[:1]), r"k: axis 0 of shape \(1, 30, 2, 16\) is 1; expected 2"),
+        ("head dim", dict(k=k[..., :8]), r"k: axis 3 .* expected 16"),
+        ("v length", dict(v=v[:, :29]), r"v: axis 1 .* expected 30"),
+        ("groups", dict(q=jnp.concatenate([q, q[:, :1]], axis=1)), r"q: 7 heads with 2 KV heads"),
+        ("list heads", dict(indices=idx[:, :1]), r"indices: axis 1 .* expected 2"),
+        ("beyond S", dict(indices=idx.at[1, 0, 3].set(30)),
+         r"indices: indices\[1, 0, 3\] = 30 is outside \[0, S\) = \[0, 30\)"),
+        ("below -1", dict(indices=idx.at[0, 1, 0].set(-2)), r"indices\[0, 1, 0\] = -2"),
+        ("scale", dict(scale=float("nan")), r"scale: got nan"),
+        ("k_scale shape", dict(k_scale=jnp.ones((2,), jnp.float32)), r"k_scale: expected rank 2"),
+        ("k_scale value", dict(k_scale=ones.at[1, 0].set(0.0)),
+         r"k_scale: k_scale\[1, 0\] = 0.0; expected finite and > 0"),
+        ("v_scale value", dict(v_scale=ones.at[0, 1].set(jnp.inf)), r"v_scale: v_scale\[0, 1\]"),
+    ], dict(q=q, k=k, v=v, indices=idx)
+    # fmt: on
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _bad_inputs()[0]])
+def test_bad_input_names_the_argument(case):
+    cases, good = _bad_inputs()
+    _, change, message = next(c for c in cases if c[0] == case)
+    args = {**good, **change}
+    kwargs = {n: args.pop(n) for n in list(args) if n not in ("q", "k", "v", "indices")}
+    with pytest.raises(ValueError, match=message):
+        jsparse.indexed_attention(args["q"], args["k"], args["v"], args["indices"], **kwargs)
+
+
+def test_unknown_implementation():
+    q, k, v, idx = make(1, 2, 1, 16, 16, 8, 4)
+    with pytest.raises(ValueError, match="implementation: got 'mosaic'"):
+        jsparse.indexed_attention(q, k, v, idx, implementation="mosaic")
+
+
+PAIRS = [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32), (jnp.float16, jnp.float16),
+         (jnp.bfloat16, F8)]  # fmt: skip
+
+
+@pytest.mark.parametrize("qdt, cdt", PAIRS, ids=["bf16", "f32", "f16", "fp8"])
+@pytest.mark.parametrize("shape", [(4, 32, 8, 128, 128, 4096, 2048), (2, 6, 2, 80, 48, 300, 100)])
+def test_lowers_to_cuda(qdt, cdt, shape):
+    b, h, hkv, d, dv, s, n = shape
+    sds = jax.ShapeDtypeStruct
+    args = [sds((b, h, d), qdt), sds((b, s, hkv, d), cdt), sds((b, s, hkv, dv), cdt),
+            sds((b, hkv, n), jnp.int32)]  # fmt: skip
+    scales = [sds((b, hkv), jnp.float32)] * 2 if cdt == F8 else [None, None]
+
+    def fn(q, k, v, i, *sc):
+        return attention_triton.indexed_attention_triton(q, k, v, i, *(sc or scales), scale=0.1)
+
+    lowered = lower_for_h200(fn, *args, *(scales if cdt == F8 else []))
+    assert "jsparse_indexed_attention" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("b, s", [(1, 131072), (32, 32768)])
+def test_gpu_decode_shapes(b, s, cache):
+    """32 query / 8 KV heads, D = 128, budget 2048, lists from a real top-k."""
+    h, hkv, d, n = 32, 8, 128, 2048
+    key = jax.random.PRNGKey(b)
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, h, d), jnp.bfloat16)
+    k = jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
+    scores = jnp.einsum("bkd,bskd->bks", q[:, ::4].astype(jnp.float32), k.astype(jnp.float32))
+    idx = jax.lax.top_k(scores, n)[1].astype(jnp.int32)
+    idx = idx.at[:, :, -100:].set(-1)
+    scales = {}
+    if cache == "fp8":
+        scales = dict(k_scale=jnp.full((b, hkv), 0.5), v_scale=jnp.full((b, hkv), 0.25))
+        k, v = (k * 2).astype(F8), (v * 4).astype(F8)
+    got = jsparse.indexed_attention(q, k, v, idx, implementation="triton", **scales)
+    want = jsparse.indexed_attention(q, k, v, idx, implementation="reference", **scales)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2
+    )
