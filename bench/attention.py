@@ -100,20 +100,25 @@ def _cudnn_runs(cache, heads: int) -> bool:
         return False
 
 
-def method_fn(method, cache, dense_cache, impl, scale, *, heads: int, on_gpu: bool):
-    """(q, idx) -> out [B, H, Dv]."""
+def method_fn(method, impl, scale, *, heads: int, on_gpu: bool, dense_cache=None):
+    """(q, idx, k, v, k_scale, v_scale) -> out [B, H, Dv]; the cache goes in as arguments
+    (closed over, jit would embed it in the program as constants). ``dense`` reads its
+    BF16 cache from k, v and ignores the scales."""
     if method == "base":
-        return lambda q, idx: jsparse.indexed_attention(
-            q, cache["k"], cache["v"], idx, scale=scale, k_scale=cache["k_scale"],
-            v_scale=cache["v_scale"], implementation=impl,
-        )  # fmt: skip
+
+        def base(q, idx, k, v, k_scale, v_scale):
+            return jsparse.indexed_attention(
+                q, k, v, idx, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                implementation=impl,
+            )  # fmt: skip
+
+        return base
     if method == "xla":
-        fn = functools.partial(xla_gather_attention, scale=scale)
-        return lambda q, idx: fn(q, cache["k"], cache["v"], idx, cache["k_scale"], cache["v_scale"])
+        return lambda q, idx, k, v, ks, vs: xla_gather_attention(q, k, v, idx, ks, vs, scale)
     if method == "dense":
         cudnn = on_gpu and _cudnn_runs(dense_cache, heads)
         fn = functools.partial(dense_attention, scale=scale, cudnn=cudnn)
-        return lambda q, idx: fn(q, dense_cache["k"], dense_cache["v"])
+        return lambda q, idx, k, v, ks, vs: fn(q, k, v)
     raise SystemExit(f"--op attention has methods base, xla and dense, not {method!r}")
 
 
@@ -164,8 +169,12 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             nbytes = dense_bytes if method == "dense" else sparse_bytes
             row = dict(case=label, method=method, b=b, s=s, budget=n, dtype=case["dtype"])
             row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
-            fn = jax.jit(method_fn(method, cache, dense_cache, impl, scale, heads=h, on_gpu=on_gpu))
-            call = lambda a, fn=fn: fn(*a)  # noqa: E731
+            src = dense_cache if method == "dense" else cache
+            fn = jax.jit(
+                method_fn(method, impl, scale, heads=h, on_gpu=on_gpu, dense_cache=dense_cache)
+            )
+            kv = (src["k"], src["v"], src["k_scale"], src["v_scale"])
+            call = lambda a, fn=fn, kv=kv: fn(*a, *kv)  # noqa: E731
             q0, idx0 = sets[0]
             common.check_then_time(
                 row, call, sets,

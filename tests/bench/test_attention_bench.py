@@ -18,8 +18,9 @@ def test_check_accepts_every_method_and_flags_a_wrong_answer():
     inputs = dict(q=q, idx=idx, cache=cache, dense_cache=dense, scale=scale)
     out = {}
     for method in ("xla", "dense", "base"):
-        fn = attention.method_fn(method, cache, dense, "reference", scale, heads=4, on_gpu=False)
-        out[method] = fn(q, idx)
+        fn = attention.method_fn(method, "reference", scale, heads=4, on_gpu=False)
+        src = dense if method == "dense" else cache
+        out[method] = fn(q, idx, src["k"], src["v"], src["k_scale"], src["v_scale"])
         assert attention.check(method, out[method], **inputs) == [], method
     assert attention.check("dense", out["xla"], **inputs) != []  # sparse is not dense
     wrong = out["xla"].at[1, 3, 0].add(jnp.bfloat16(1.0))
