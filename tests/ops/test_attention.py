@@ -86,6 +86,7 @@ def test_kernel_matches_reference(kernel_impl, shape, dtype):
     cache = F8 if dtype == "float8" else None
     qdt = jnp.bfloat16 if dtype == "float8" else getattr(jnp, dtype)
     q, k, v, idx = make(*SHAPES[shape], dtype=qdt, cache_dtype=cache, seed=1)
+    idx = idx.at[-1, 0].set(-1)  # one list empty: zeros and an lse of -inf
     b, hkv = idx.shape[:2]
     scales = {}
     if dtype == "float8":

@@ -12,7 +12,8 @@ One program owns one (sequence, KV head) and a contiguous share of its index lis
 
 so each listed row is read once per KV head, not once per query head, and nothing is
 copied out of the cache first. Each program writes its running max, normaliser and
-unnormalised output; one XLA fusion merges the splits (log-sum-exp weights).
+unnormalised output, and a small second launch merges the splits (log-sum-exp
+weights); a list that one program walks alone is normalised in place.
 """
 
 from __future__ import annotations
@@ -56,16 +57,20 @@ class AttentionConfig:
 class _Plan:
     seq: int  # S, cache rows per (sequence, KV head)
     kv_heads: int
+    group: int  # G, query heads per KV head
     group_rows: int  # G padded to a power of two ≥ MIN_GROUP_ROWS
     dim: int  # D
     dim_pad: int  # D padded to a power of two (masked loads: the cache is not copied)
     vdim: int
     vdim_pad: int
+    list_len: int  # N
     steps_per_split: int  # list steps of block_n entries a program walks
     steps: int  # list steps in all
+    splits: int
     scale: float
     compute: np.dtype
     has_k_scale: bool
+    has_v_scale: bool
     cfg: AttentionConfig
     interpret: bool
 
@@ -81,30 +86,33 @@ def default_splits(pairs: int, steps: int) -> int:
 
 
 def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
-    if p.has_k_scale:
-        k_scale_ref, acc_ref, m_ref, l_ref = refs
-    else:
-        acc_ref, m_ref, l_ref = refs
+    n_scales = p.has_k_scale + p.has_v_scale
+    scale_refs, outs = refs[:n_scales], refs[n_scales:]
     bn = p.cfg.block_n
     pair = pl.program_id(0)  # b·Hkv + h
     split = pl.program_id(1)
     b, h = pair // p.kv_heads, pair % p.kv_heads
     dims = jnp.arange(p.dim_pad)
     vdims = jnp.arange(p.vdim_pad)
+    heads = jnp.arange(p.group_rows)
+    # typed `other`s: Triton cannot cast an i32 0 to fp8
     k_zero, v_zero = jnp.zeros((), k_ref.dtype), jnp.zeros((), v_ref.dtype)
-    q = plt.load(q_ref.at[pair]).astype(p.compute)  # [Gp, Dp], padded rows / dims are 0
+    # q is [B·Hkv, G, D] as given: the padded head rows and dims load as zeros.
+    q_mask = (heads[:, None] < p.group) & (dims[None, :] < p.dim)
+    q = plt.load(q_ref.at[pair, heads[:, None], dims[None, :]], mask=q_mask, other=0.0)
+    q = q.astype(p.compute)
     precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
     scale = p.scale
     if p.has_k_scale:
-        scale = scale * plt.load(k_scale_ref.at[pair])
+        scale = scale * plt.load(scale_refs[0].at[pair])
 
     def step(j, carry):
         m, l, acc = carry
-        ids = plt.load(ids_ref.at[pair, pl.ds(j * bn, bn)])
+        at = j * bn + jnp.arange(bn)
+        ids = plt.load(ids_ref.at[pair, at], mask=at < p.list_len, other=-1)
         ok = (ids >= 0) & (ids < p.seq)
         rows = (b * p.seq + jnp.where(ok, ids, 0)) * p.kv_heads + h
         k_mask = ok[:, None] & (dims[None, :] < p.dim)
-        # a typed `other`: Triton cannot cast an i32 0 to fp8
         kt = plt.load(k_ref.at[rows[:, None], dims[None, :]], mask=k_mask, other=k_zero)
         logits = jax.lax.dot_general(
             q, kt.astype(p.compute), (((1,), (1,)), ((), ())),
@@ -133,70 +141,110 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
     first = split * p.steps_per_split
     last = jnp.minimum(first + p.steps_per_split, p.steps)
     m, l, acc = jax.lax.fori_loop(first, last, step, init)
+    if p.splits == 1:  # the whole list in one program: normalise here, no merge launch
+        v_scale = plt.load(scale_refs[-1].at[pair]) if p.has_v_scale else None
+        _store_final(outs, pair, m, l, acc, v_scale, p)
+        return
+    acc_ref, m_ref, l_ref = outs
     plt.store(acc_ref.at[pair, split], acc)
     plt.store(m_ref.at[pair, split], m)
     plt.store(l_ref.at[pair, split], l)
 
 
-def combine_splits(acc, m, l):
-    """Merges per-split (unnormalised out, running max, normaliser) [..., splits, G(, Dv)]
-    into (out, lse); a row that attended nothing gets zeros and -inf."""
-    top = jnp.max(m, axis=-2)  # [..., G]
+def _store_final(outs, pair, m, l, acc, v_scale, p: _Plan):
+    """out = acc / l (0 where nothing was attended) in the output dtype and lse = m +
+    log l, for the G real head rows and Dv real dims only."""
+    out_ref, lse_ref = outs
+    heads = jnp.arange(p.group_rows)
+    vdims = jnp.arange(p.vdim_pad)
+    some = l > 0
+    safe = jnp.where(some, l, 1.0)
+    out = jnp.where(some[:, None], acc / safe[:, None], 0.0)
+    if v_scale is not None:
+        out = out * v_scale
+    lse = jnp.where(some, m + jnp.log(safe), -jnp.inf)
+    real = heads < p.group
+    mask = real[:, None] & (vdims[None, :] < p.vdim)
+    out_at = out_ref.at[pair, heads[:, None], vdims[None, :]]
+    plt.store(out_at, out.astype(out_ref.dtype), mask=mask)
+    plt.store(lse_ref.at[pair, heads], lse, mask=real)
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p: _Plan):
+    """One program per (sequence, KV head): the splits' partial softmaxes, weighted by
+    exp(m_split - max m), into the final output. Written as XLA ops, the merge took three
+    to four small fusions, ~4 µs of a one-sequence step (WORKSPACE.md, run 153)."""
+    v_scale_ref, outs = (refs[0], refs[1:]) if p.has_v_scale else (None, refs)
+    pair = pl.program_id(0)
+    top = jnp.max(plt.load(m_ref.at[pair]), axis=0)  # [Gp] over [splits, Gp]
     base = jnp.where(top == -jnp.inf, 0.0, top)
-    w = jnp.exp(m - base[..., None, :])  # [..., splits, G]; 0 for empty splits
-    denom = jnp.sum(w * l, axis=-2)
-    out = jnp.sum(w[..., None] * acc, axis=-3)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    out = jnp.where((denom > 0)[..., None], out / safe[..., None], 0.0)
-    lse = jnp.where(denom > 0, base + jnp.log(safe), -jnp.inf)
-    return out, lse
+
+    def add(s, carry):
+        l, acc = carry
+        w = jnp.exp(plt.load(m_ref.at[pair, s]) - base)  # 0 for a split that saw nothing
+        acc = acc + w[:, None] * plt.load(acc_ref.at[pair, s])
+        return l + w * plt.load(l_ref.at[pair, s]), acc
+
+    gp = p.group_rows
+    init = (jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, p.vdim_pad), jnp.float32))
+    l, acc = jax.lax.fori_loop(0, p.splits, add, init)
+    v_scale = plt.load(v_scale_ref.at[pair]) if p.has_v_scale else None
+    _store_final(outs, pair, base, l, acc, v_scale, p)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "splits"))
 def indexed_attention_triton(q, k, v, indices, k_scale, v_scale, *, scale, cfg=None, splits=None):
-    """(out [B, H, Dv] float32, lse [B, H] float32); see :func:`jsparse.indexed_attention`."""
+    """(out [B, H, Dv] in q's dtype, lse [B, H] float32); see
+    :func:`jsparse.indexed_attention`."""
     cfg = cfg or AttentionConfig()
     b, h, d = q.shape
     s, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = h // hkv
     n = indices.shape[2]
-    bn = cfg.block_n
-    steps = max(1, -(-n // bn))
-    splits = splits or default_splits(b * hkv, steps)
+    steps = max(1, -(-n // cfg.block_n))
+    pairs = b * hkv
+    splits = splits or default_splits(pairs, steps)
     per_split = -(-steps // splits)
     splits = -(-steps // per_split)  # no program without a step
-    gp, dp, dvp = _next_pow2(g, MIN_GROUP_ROWS), _next_pow2(d, 16), _next_pow2(dv, 16)
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     compute = jnp.dtype(q.dtype) if jnp.dtype(k.dtype) == fp8 else jnp.dtype(k.dtype)
     p = _Plan(
-        seq=s, kv_heads=hkv, group_rows=gp, dim=d, dim_pad=dp, vdim=dv, vdim_pad=dvp,
-        steps_per_split=per_split, steps=steps, scale=float(scale), compute=compute,
-        has_k_scale=k_scale is not None, cfg=cfg, interpret=backend.is_interpret(),
+        seq=s, kv_heads=hkv, group=g, group_rows=_next_pow2(g, MIN_GROUP_ROWS), dim=d,
+        dim_pad=_next_pow2(d, 16), vdim=dv, vdim_pad=_next_pow2(dv, 16), list_len=n,
+        steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
+        compute=compute, has_k_scale=k_scale is not None, has_v_scale=v_scale is not None,
+        cfg=cfg, interpret=backend.is_interpret(),
     )  # fmt: skip
-    # The small operands are padded here; the cache is only reshaped (free, contiguous).
-    qg = jnp.pad(q.reshape(b * hkv, g, d), ((0, 0), (0, gp - g), (0, dp - d)))
-    ids = jnp.pad(
-        indices.reshape(b * hkv, n).astype(jnp.int32),
-        ((0, 0), (0, steps * bn - n)),
-        constant_values=-1,
+    # Reshapes only (free): the kernel masks the padded head rows, dims and list tail.
+    inputs = [q.reshape(pairs, g, d), indices.reshape(pairs, n),
+              k.reshape(b * s * hkv, d), v.reshape(b * s * hkv, dv)]  # fmt: skip
+    scales = [x.reshape(pairs).astype(jnp.float32) for x in (k_scale, v_scale) if x is not None]
+    final = (
+        jax.ShapeDtypeStruct((pairs, g, dv), q.dtype),
+        jax.ShapeDtypeStruct((pairs, g), jnp.float32),
     )
-    inputs = [qg, ids, k.reshape(b * s * hkv, d), v.reshape(b * s * hkv, dv)]
-    if k_scale is not None:
-        inputs.append(k_scale.reshape(b * hkv).astype(jnp.float32))
-    pairs = b * hkv
-    acc, m, l = pl.pallas_call(
+    gp, dvp = p.group_rows, p.vdim_pad
+    partial = (
+        jax.ShapeDtypeStruct((pairs, splits, gp, dvp), jnp.float32),
+        jax.ShapeDtypeStruct((pairs, splits, gp), jnp.float32),
+        jax.ShapeDtypeStruct((pairs, splits, gp), jnp.float32),
+    )
+    outs = pl.pallas_call(
         functools.partial(_kernel, p=p),
         grid=(pairs, splits),
-        out_shape=(
-            jax.ShapeDtypeStruct((pairs, splits, gp, dvp), jnp.float32),
-            jax.ShapeDtypeStruct((pairs, splits, gp), jnp.float32),
-            jax.ShapeDtypeStruct((pairs, splits, gp), jnp.float32),
-        ),
+        out_shape=final if splits == 1 else partial,
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=p.interpret,
         name="jsparse_indexed_attention",
-    )(*inputs)
-    out, lse = combine_splits(acc[:, :, :g, :dv], m[:, :, :g], l[:, :, :g])
-    if v_scale is not None:
-        out = out * v_scale.reshape(pairs, 1, 1).astype(jnp.float32)
+    )(*inputs, *scales)
+    if splits > 1:
+        outs = pl.pallas_call(
+            functools.partial(_merge_kernel, p=p),
+            grid=(pairs,),
+            out_shape=final,
+            compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+            interpret=p.interpret,
+            name="jsparse_indexed_attention_merge",
+        )(*outs, *scales[p.has_k_scale :])
+    out, lse = outs
     return out.reshape(b, h, dv), lse.reshape(b, h)
