@@ -112,9 +112,11 @@ def test_splits_give_the_same_answer(interpret):
     run = lambda splits: attention_triton.indexed_attention_triton(  # noqa: E731
         q, k, v, idx, None, None, scale=0.125, splits=splits
     )
-    (one, lse1), (four, lse4) = run(1), run(4)
-    np.testing.assert_allclose(np.asarray(four), np.asarray(one), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(lse4), np.asarray(lse1), rtol=1e-6, atol=1e-6)
+    one, lse1 = run(1)
+    for splits in (3, 4):
+        out, lse = run(splits)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(one), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(lse1), rtol=1e-6, atol=1e-6)
     cfg = attention_triton.AttentionConfig(block_n=16)
     small, _ = attention_triton.indexed_attention_triton(
         q, k, v, idx, None, None, scale=0.125, cfg=cfg, splits=3
@@ -231,11 +233,15 @@ def test_lowers_to_cuda(qdt, cdt, shape):
             sds((b, hkv, n), jnp.int32)]  # fmt: skip
     scales = [sds((b, hkv), jnp.float32)] * 2 if cdt == F8 else [None, None]
 
-    def fn(q, k, v, i, *sc):
-        return attention_triton.indexed_attention_triton(q, k, v, i, *(sc or scales), scale=0.1)
+    for splits in (None, 1, 5):  # the default; in place; a merge of a non-power-of-2 count
 
-    lowered = lower_for_h200(fn, *args, *(scales if cdt == F8 else []))
-    assert "jsparse_indexed_attention" in lowered.as_text()
+        def fn(q, k, v, i, *sc, splits=splits):
+            return attention_triton.indexed_attention_triton(
+                q, k, v, i, *(sc or scales), scale=0.1, splits=splits
+            )
+
+        lowered = lower_for_h200(fn, *args, *(scales if cdt == F8 else []))
+        assert "jsparse_indexed_attention" in lowered.as_text()
 
 
 @pytest.mark.gpu
