@@ -267,3 +267,21 @@ def test_gpu_decode_shapes(b, s, cache):
     np.testing.assert_allclose(
         np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2
     )
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["far-above-0", "far-below-0"])
+def test_logits_far_from_zero_stay_finite(interpret, sign):
+    """Every split subtracts its running max and the merge the largest: logits of ±5000
+    give a uniform softmax over the listed rows, not inf or an all-zero output."""
+    b, h, hkv, d, s, n = 1, 4, 1, 16, 40, 300
+    q = jnp.ones((b, h, d), jnp.float32)
+    k = jnp.full((b, s, hkv, d), sign * 5000.0 / d, jnp.float32)
+    v = jnp.asarray(np.random.default_rng(7).standard_normal((b, s, hkv, d)), jnp.float32)
+    idx = jnp.asarray(np.random.default_rng(8).integers(0, s, (b, hkv, n)), jnp.int32)
+    for splits in (1, 5):  # 5: the merge pads to 8 splits
+        out, lse = attention_triton.indexed_attention_triton(
+            q, k, v, idx, None, None, scale=1.0, splits=splits
+        )
+        want = np.mean(np.asarray(v)[0, np.asarray(idx)[0, 0], 0], axis=0)
+        np.testing.assert_allclose(np.asarray(out)[0], np.broadcast_to(want, (h, d)), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse), sign * 5000.0 + np.log(n), rtol=1e-6)
