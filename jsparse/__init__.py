@@ -50,6 +50,7 @@ __all__ = [
     "MomentState",
     "Moments",
     "Selector",
+    "SparseAttention",
     "__version__",
     "backend",
     "compute_moments",
@@ -74,9 +75,14 @@ __all__ = [
 
 
 def __getattr__(name):
-    # The certified package (planner, kernels) stays off the import path until used.
+    # The certified package (planner, kernels) and the Flax modules stay off the import
+    # path until used.
     if name == "indexer_topk_decode":
         from jsparse.certified import indexer_topk_decode
 
         return indexer_topk_decode
+    if name == "SparseAttention":
+        from jsparse.nn import SparseAttention
+
+        return SparseAttention
     raise AttributeError(f"module 'jsparse' has no attribute {name!r}")

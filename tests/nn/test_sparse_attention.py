@@ -1,0 +1,117 @@
+"""SparseAttention as the attention core of the NNX Llama: a full budget decodes exactly
+like dense attention, a small one attends exactly the selected tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jsparse
+from jsparse.models.llama import DenseCausalAttention, Llama, LlamaConfig, forward_fn
+
+TINY = LlamaConfig(
+    vocab_size=96, d_model=32, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, d_ff=40,
+    rope_theta=100.0, norm_eps=1e-5, max_seq_len=64, name="tiny",
+)  # fmt: skip
+
+
+def _model(core=None, seed=0):
+    model = Llama(TINY, core, rngs=nnx.Rngs(seed))
+    # larger weights than the init's 0.02, so attention is far from uniform
+    state = nnx.state(model, nnx.Param)
+    model_state = jax.tree.map(lambda p: p * 20.0, state)
+    nnx.update(model, model_state)
+    return model
+
+
+def _decode(model, tokens, steps):
+    """Prefill tokens[:, :-steps], then decode the rest one token at a time."""
+    fwd = forward_fn(model)
+    cache = model.init_cache(tokens.shape[0], 48)
+    logits, cache = fwd(tokens[:, :-steps], cache)
+    outs = [logits[:, -1]]
+    for i in range(steps, 0, -1):
+        logits, cache = fwd(tokens[:, -i : tokens.shape[1] - i + 1], cache)
+        outs.append(logits[:, -1])
+    return np.stack([np.asarray(o) for o in outs], axis=1)
+
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 30)), jnp.int32)
+
+
+@pytest.mark.parametrize("selector", ["oracle", "full"])
+def test_a_budget_covering_the_context_decodes_like_dense(selector, kernel_impl):
+    dense = _decode(_model(), TOKENS, steps=6)
+    core = lambda i: jsparse.SparseAttention(selector, {}, 48, implementation=kernel_impl)  # noqa: E731
+    sparse = _decode(_model(core), TOKENS, steps=6)
+    np.testing.assert_allclose(sparse, dense, rtol=2e-4, atol=2e-4)
+
+
+def test_a_small_budget_attends_exactly_the_selected_tokens():
+    rng = np.random.default_rng(1)
+    b, s, h, hkv, d, filled, budget = 2, 40, 6, 2, 8, 33, 5
+    q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.float32)
+    k_pos = jnp.where(jnp.arange(s) < filled, jnp.arange(s), -1)[None].repeat(b, 0)
+    q_pos = jnp.full((b, 1), filled - 1, jnp.int32)
+    sel = jsparse.make_selector("jssa", rank=4)
+    params = sel.calibrate(
+        jnp.asarray(rng.standard_normal((200, h, d)), jnp.float32),
+        jnp.asarray(rng.standard_normal((200, hkv, d)), jnp.float32),
+    )
+    core = jsparse.SparseAttention(sel, params, budget)
+    got = core(q, k, v, q_positions=q_pos, k_positions=k_pos)
+    idx = sel.select(params, q[:, 0], k, jnp.full((b,), filled, jnp.int32), budget)
+    assert np.all((np.asarray(idx) >= 0) & (np.asarray(idx) < filled))
+    want = jsparse.indexed_attention(q[:, 0], k, v, idx, implementation="reference")
+    np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want), rtol=1e-6, atol=1e-6)
+    dense = DenseCausalAttention()(q, k, v, q_positions=q_pos, k_positions=k_pos)
+    assert not np.allclose(np.asarray(got), np.asarray(dense), atol=1e-3)  # 5 of 33 tokens
+
+
+def test_calibrated_layers_travel_with_the_model_state():
+    rng = np.random.default_rng(2)
+    sel = jsparse.make_selector("jssa", rank=4)
+    params = [
+        sel.calibrate(
+            jnp.asarray(rng.standard_normal((100, 6, 8)), jnp.float32),
+            jnp.asarray(rng.standard_normal((100, 2, 8)), jnp.float32),
+        )
+        for _ in range(TINY.n_layers)
+    ]
+    model = _model(lambda i: jsparse.SparseAttention(sel, params[i], 8))
+    state = nnx.state(model, jsparse.nn.SelectorParams)
+    leaves = jax.tree.leaves(state)
+    assert len(leaves) == TINY.n_layers * len(params[0])
+    np.testing.assert_array_equal(
+        np.asarray(model.layers[1].attn.core.params.get_value()["basis"]),
+        np.asarray(params[1]["basis"]),
+    )
+    out = _decode(model, TOKENS, steps=3)  # prefill dense, then three sparse steps
+    assert np.all(np.isfinite(out))
+    assert not np.allclose(out[:, 1:], _decode(_model(), TOKENS, steps=3)[:, 1:], atol=1e-3)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="budget: got 0"):
+        jsparse.SparseAttention("oracle", {}, 0)
+    with pytest.raises(ValueError, match="selector: got int"):
+        jsparse.SparseAttention(3, {}, 8)
+    with pytest.raises(ValueError, match=r"selector_options \['rank'\]"):
+        jsparse.SparseAttention(jsparse.make_selector("jssa"), {}, 8, rank=4)
+    core = jsparse.SparseAttention("oracle", {}, 4)
+    q = jnp.ones((1, 1, 2, 8))
+    k = jnp.ones((1, 6, 1, 8))
+    scrambled = jnp.asarray([[0, -1, 2, 3, -1, -1]], jnp.int32)  # a hole before slot 2
+    with pytest.raises(ValueError, match="k_positions: sequence 0's visible slots"):
+        core(q, k, k, q_positions=jnp.asarray([[3]]), k_positions=scrambled)
+
+
+@pytest.mark.gpu
+def test_gpu_full_budget_decode_compiled():
+    """The same equality with the Triton kernel compiled (f32 caches: full-precision dots)."""
+    dense = _decode(_model(), TOKENS, steps=4)
+    core = lambda i: jsparse.SparseAttention("oracle", {}, 48, implementation="triton")  # noqa: E731
+    np.testing.assert_allclose(_decode(_model(core), TOKENS, steps=4), dense, rtol=2e-4, atol=2e-4)
