@@ -112,15 +112,32 @@ class ProjectedKeys(NamedTuple):
     scale: Float[Array, "B Hkv"]  # f32; 1 for bfloat16 / float32 caches
 
 
+def _selection_kernels() -> bool:
+    """Whether :func:`top_budget` selects with the Pallas kernels (GPU or interpret mode)."""
+    from jsparse import backend
+
+    return backend.has_nvidia_gpu() or backend.is_interpret()
+
+
 def top_budget(
     scores: Float[Array, "B Hkv S"], lengths: Int[Array, " B"], budget: int
 ) -> Int[Array, "B Hkv budget"]:
-    """Top-``budget`` positions per row, invisible tokens masked, ``-1`` padded.
+    """Top-``budget`` positions per row, invisible tokens masked, ``-1`` padded, in the
+    order score descending, then position ascending (deterministic ties).
 
-    ``jax.lax.top_k`` returns equal scores lowest index first, which makes ties
-    deterministic (score descending, then position ascending).
+    On an NVIDIA GPU (or in Pallas interpret mode) this is :func:`jsparse.topk`, the
+    indexer's exact selection kernels, which keep that order; elsewhere
+    ``jax.lax.top_k``, which returns equal scores lowest index first. Both give the same
+    positions for finite scores; ``lax.top_k`` sorts every row, the kernels do not.
     """
-    s = scores.shape[-1]
+    b, hkv, s = scores.shape
+    if _selection_kernels():
+        from jsparse.ops.topk import topk  # Pallas imports only when used
+
+        ends = jnp.repeat(jnp.clip(lengths.astype(jnp.int32), 0, s), hkv)
+        rows = scores.reshape(b * hkv, s).astype(jnp.float32)
+        idx, _ = topk(rows, budget, kv_end=ends, sorted=True, implementation="triton")
+        return idx.reshape(b, hkv, budget)
     pos = jnp.arange(s, dtype=jnp.int32)
     visible = pos[None, None, :] < lengths[:, None, None]
     masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)

@@ -1,0 +1,57 @@
+"""The selectors' top-budget step: the exact Top-K kernels (GPU, interpret mode) and
+``lax.top_k`` (elsewhere) pick the same positions in the same order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.selectors import base
+from jsparse.selectors.base import top_budget
+
+
+def _scores(b, hkv, s, seed=0):
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((b, hkv, s)).astype(np.float32)
+    scores[0, 0, ::3] = 0.5  # ties, some straddling the cut
+    scores[-1, -1] = 1.0  # a row of equal scores
+    return jnp.asarray(scores)
+
+
+@pytest.mark.parametrize(
+    "s, budget, lengths",
+    [(300, 40, [300, 17, 0]), (64, 100, [64, 5, 63]), (1000, 256, [999, 1000, 300])],
+    ids=["cut", "budget-beyond-S", "long"],
+)  # fmt: skip
+def test_kernels_and_lax_top_k_agree(monkeypatch, interpret, s, budget, lengths):
+    scores = _scores(len(lengths), 2, s)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    monkeypatch.setattr(base, "_selection_kernels", lambda: False)
+    want = np.asarray(top_budget(scores, lengths, budget))
+    monkeypatch.setattr(base, "_selection_kernels", lambda: True)
+    got = np.asarray(top_budget(scores, lengths, budget))
+    np.testing.assert_array_equal(got, want)
+    assert np.all(got[1][:, min(int(lengths[1]), budget) :] == -1)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_and_lax_top_k_agree(monkeypatch):
+    scores = _scores(8, 8, 131072, seed=1)
+    lengths = jnp.asarray([131072, 70000, 2048, 2047, 100, 131071, 99999, 65536], jnp.int32)
+    monkeypatch.setattr(base, "_selection_kernels", lambda: False)
+    want = np.asarray(top_budget(scores, lengths, 2048))
+    monkeypatch.setattr(base, "_selection_kernels", lambda: True)
+    np.testing.assert_array_equal(np.asarray(top_budget(scores, lengths, 2048)), want)
+    per = jax.vmap(lambda sc, ln: top_budget(sc[None], ln[None], 2048)[0])  # compiled, batched
+    np.testing.assert_array_equal(np.asarray(per(scores, lengths)), want)
+
+
+def test_kernels_under_vmap(monkeypatch, interpret):
+    """``jax.vmap(sel.select)`` is part of the selector contract: the kernels batch too."""
+    scores = _scores(3, 2, 200)
+    lengths = jnp.asarray([200, 50, 7], jnp.int32)
+    monkeypatch.setattr(base, "_selection_kernels", lambda: False)
+    want = np.asarray(top_budget(scores, lengths, 16))
+    monkeypatch.setattr(base, "_selection_kernels", lambda: True)
+    per = jax.vmap(lambda sc, ln: top_budget(sc[None], ln[None], 16)[0])
+    np.testing.assert_array_equal(np.asarray(per(scores, lengths)), want)
