@@ -196,6 +196,7 @@ def _bad_inputs():
          r"indices: indices\[1, 0, 3\] = 30 is outside \[0, S\) = \[0, 30\)"),
         ("below -1", dict(indices=idx.at[0, 1, 0].set(-2)), r"indices\[0, 1, 0\] = -2"),
         ("scale", dict(scale=float("nan")), r"scale: got nan"),
+        ("scale type", dict(scale=jnp.float32(0.5)), r"scale: got Array"),
         ("k_scale shape", dict(k_scale=jnp.ones((2,), jnp.float32)), r"k_scale: expected rank 2"),
         ("k_scale value", dict(k_scale=ones.at[1, 0].set(0.0)),
          r"k_scale: k_scale\[1, 0\] = 0.0; expected finite and > 0"),
@@ -212,6 +213,14 @@ def test_bad_input_names_the_argument(case):
     kwargs = {n: args.pop(n) for n in list(args) if n not in ("q", "k", "v", "indices")}
     with pytest.raises(ValueError, match=message):
         jsparse.indexed_attention(args["q"], args["k"], args["v"], args["indices"], **kwargs)
+
+
+def test_a_numpy_scale_is_a_scale():
+    q, k, v, idx = make(1, 2, 1, 16, 16, 8, 4)
+    want = jsparse.indexed_attention(q, k, v, idx, scale=0.25)
+    np.testing.assert_array_equal(
+        jsparse.indexed_attention(q, k, v, idx, scale=np.float32(0.25)), want
+    )
 
 
 def test_unknown_implementation():

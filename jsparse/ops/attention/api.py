@@ -101,8 +101,9 @@ def indexed_attention(
             raise ValueError(f"{name}: {name}{list(bad)} = {x_np[bad]}; expected finite and > 0")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"scale: got {scale!r}; expected a finite Python float")
+    real = isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool)
+    if not (real and math.isfinite(scale)):
+        raise ValueError(f"scale: got {scale!r}; expected a finite real number")
     ids_np = _checks.concrete(indices)
     if ids_np is not None:
         bad = (ids_np < -1) | (ids_np >= s)
