@@ -3,6 +3,7 @@
     python bench/model.py perplexity [--novel prideprejudice] [--tokens 512 4096]
     python bench/model.py throughput [--context 2048 8192] [--weights real|synthetic]
     python bench/model.py capture [--novel persuasion] [--tokens 8192] [--out DIR]
+    python bench/model.py sparse-decode [--prefill 2048] [--steps 192] [--budgets 32 64 128]
 
 Every run prints the device, jax / flax versions and the git commit, checks its output
 before timing it, and writes everything it printed to ``--json PATH`` as well.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -221,6 +223,58 @@ def cmd_perplexity(args) -> dict:
     return {"rows": rows}
 
 
+def cmd_sparse_decode(args) -> dict:
+    """Token-by-token decoding with jsparse.SparseAttention in every layer against the
+    dense core: the NLL of each decoded token. Prefill is dense for both (as
+    SparseAttention does), so the decoded tokens are the only difference. Selectors are
+    calibrated on a calibration novel's tokens, the text is held out."""
+    import jsparse
+    from jsparse.models.capture import capture_qkv
+    from jsparse.models.gguf_loader import load_model
+
+    model = load_model()
+    calib = assets.novel_token_ids(args.calib_novel, 0, args.calib_tokens)
+    captured = {i: d for i, d in capture_qkv(model, calib)}
+    ids = np.asarray(assets.novel_token_ids(args.novel, args.offset, args.prefill + args.steps))
+
+    def decode_nll(core):
+        model.set_core(core)
+        fwd = forward_fn(model)
+        cache = model.init_cache(1, args.prefill + args.steps)
+        logits, cache = fwd(jnp.asarray(ids[None, : args.prefill]), cache)
+        nll = []
+        for i in range(args.prefill, args.prefill + args.steps):
+            nll.append(-float(jax.nn.log_softmax(logits[0, -1])[ids[i]]))
+            if i + 1 < args.prefill + args.steps:
+                logits, cache = fwd(jnp.asarray(ids[None, i : i + 1]), cache)
+        return np.asarray(nll)
+
+    dense = decode_nll(lambda i: DenseCausalAttention(args.query_chunk, args.key_chunk))
+    if not np.all(np.isfinite(dense)):
+        raise SystemExit("the dense decode gave non-finite NLLs: not comparing against it")
+    rows = [dict(core="dense", budget=None, mean_nll=float(dense.mean()),
+                 perplexity=math.exp(dense.mean()), delta_nll=0.0)]  # fmt: skip
+    print(f"dense: mean NLL {dense.mean():.4f} (perplexity {math.exp(dense.mean()):.3f}) "
+          f"over {args.steps} decoded tokens")  # fmt: skip
+    for name in args.selectors:
+        sel = jsparse.make_selector(name)
+        params = [sel.calibrate(jnp.asarray(captured[i]["q"]), jnp.asarray(captured[i]["k"]))
+                  for i in range(model.config.n_layers)]  # fmt: skip
+        for budget in args.budgets:
+            nll = decode_nll(
+                lambda i, sel=sel, params=params, budget=budget: jsparse.SparseAttention(
+                    sel, params[i], budget,
+                    dense=DenseCausalAttention(args.query_chunk, args.key_chunk),
+                )
+            )  # fmt: skip
+            delta = float(nll.mean() - dense.mean())
+            rows.append(dict(core=name, budget=budget, mean_nll=float(nll.mean()),
+                             perplexity=math.exp(nll.mean()), delta_nll=delta))  # fmt: skip
+            print(f"{sel.describe()} budget {budget}: mean NLL {nll.mean():.4f} "
+                  f"(perplexity {math.exp(nll.mean()):.3f}), Δ {delta:+.4f} nats")  # fmt: skip
+    return {"rows": rows}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -251,6 +305,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="also write the capture directory here")
     p.add_argument("--weights", choices=("real", "synthetic"), default="real")
 
+    p = sub.add_parser("sparse-decode", help="decoded tokens' NLL: SparseAttention vs dense")
+    p.add_argument("--novel", default=assets.EVALUATION_NOVELS[0], choices=sorted(assets.NOVELS))
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--prefill", type=int, default=2048, help="dense prefill tokens")
+    p.add_argument("--steps", type=int, default=192, help="tokens decoded one at a time")
+    p.add_argument("--budgets", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--selectors", nargs="+", default=["oracle", "jssa_rd", "jssa"])
+    p.add_argument("--calib-novel", default=assets.CALIBRATION_NOVELS[0],
+                   choices=sorted(assets.CALIBRATION_NOVELS))  # fmt: skip
+    p.add_argument("--calib-tokens", type=int, default=2048)
+
     args = parser.parse_args(argv)
     env = environment()
     print(
@@ -259,7 +324,12 @@ def main(argv=None) -> int:
         f"commit {env['commit']}, {env['date']}"
     )
     print("command: python bench/model.py " + " ".join(sys.argv[1:] if argv is None else argv))
-    run = {"perplexity": cmd_perplexity, "throughput": cmd_throughput, "capture": cmd_capture}
+    run = {
+        "perplexity": cmd_perplexity,
+        "throughput": cmd_throughput,
+        "capture": cmd_capture,
+        "sparse-decode": cmd_sparse_decode,
+    }
     result = run[args.command](args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
