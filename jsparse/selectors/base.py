@@ -131,7 +131,7 @@ def top_budget(
     positions for finite scores; ``lax.top_k`` sorts every row, the kernels do not.
     """
     b, hkv, s = scores.shape
-    if _selection_kernels():
+    if _selection_kernels() and b * hkv > 0:
         from jsparse.ops.topk import topk  # Pallas imports only when used
 
         ends = jnp.repeat(jnp.clip(lengths.astype(jnp.int32), 0, s), hkv)

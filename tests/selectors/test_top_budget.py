@@ -55,3 +55,9 @@ def test_kernels_under_vmap(monkeypatch, interpret):
     monkeypatch.setattr(base, "_selection_kernels", lambda: True)
     per = jax.vmap(lambda sc, ln: top_budget(sc[None], ln[None], 16)[0])
     np.testing.assert_array_equal(np.asarray(per(scores, lengths)), want)
+
+
+def test_an_empty_batch_selects_nothing(monkeypatch, interpret):
+    monkeypatch.setattr(base, "_selection_kernels", lambda: True)
+    idx = top_budget(jnp.zeros((0, 2, 50)), jnp.zeros((0,), jnp.int32), 8)
+    assert idx.shape == (0, 2, 8)
