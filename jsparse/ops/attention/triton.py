@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse.ops.indexer.triton import next_pow2
 
 # tl.dot needs M ≥ 16: the G query heads of a KV head are padded to this many rows.
 MIN_GROUP_ROWS = 16
@@ -73,10 +74,6 @@ class _Plan:
     has_v_scale: bool
     cfg: AttentionConfig
     interpret: bool
-
-
-def _next_pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 def default_splits(pairs: int, steps: int) -> int:
@@ -177,7 +174,7 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p: _Plan):
     merge was three to four fusions, ~4 µs, run 153.)"""
     v_scale_ref, (out_ref, lse_ref) = (refs[0], refs[1:]) if p.has_v_scale else (None, refs)
     pair, g = pl.program_id(0), pl.program_id(1)
-    split = jnp.arange(_next_pow2(p.splits))
+    split = jnp.arange(next_pow2(p.splits))
     real = split < p.splits
     vdims = jnp.arange(p.vdim_pad)
     m = plt.load(m_ref.at[pair, split, g], mask=real, other=-jnp.inf)
@@ -216,8 +213,8 @@ def indexed_attention_triton(q, k, v, indices, k_scale, v_scale, *, scale, cfg=N
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     compute = jnp.dtype(q.dtype) if jnp.dtype(k.dtype) == fp8 else jnp.dtype(k.dtype)
     p = _Plan(
-        seq=s, kv_heads=hkv, group=g, group_rows=_next_pow2(g, MIN_GROUP_ROWS), dim=d,
-        dim_pad=_next_pow2(d, 16), vdim=dv, vdim_pad=_next_pow2(dv, 16), list_len=n,
+        seq=s, kv_heads=hkv, group=g, group_rows=next_pow2(g, MIN_GROUP_ROWS), dim=d,
+        dim_pad=next_pow2(d, 16), vdim=dv, vdim_pad=next_pow2(dv, 16), list_len=n,
         steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
         compute=compute, has_k_scale=k_scale is not None, has_v_scale=v_scale is not None,
         cfg=cfg, interpret=backend.is_interpret(),

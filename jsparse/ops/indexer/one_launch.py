@@ -388,8 +388,8 @@ def plan_for(q, k, top_k, k_scale, *, programs=None):
         compute=scorer.compute_dtype(q.dtype, k.dtype, False), top_k=top_k,
         cap=methods.candidate_capacity(top_k, s), programs=programs, block_s=cfg.block_s,
         rank_block=RANK_BLOCK, rank_chunk=RANK_CHUNK, rank_per_lane=RANK_PER_LANE,
-        counts_width=scorer._next_pow2(programs), buckets=BUCKETS,
-        compact_block=min(4096, scorer._next_pow2(per_max)),
+        counts_width=scorer.next_pow2(programs), buckets=BUCKETS,
+        compact_block=min(4096, scorer.next_pow2(per_max)),
         compact_single=per_max <= 4096,
         has_scale=k_scale is not None, fused=not backend.is_interpret(),
     ), cfg  # fmt: skip

@@ -129,7 +129,8 @@ def _widen_in_memory(t: int, q_dtype, k_dtype, compute, *, shared_keys: bool) ->
     return bool(has_fp8 and jnp.dtype(compute) != fp8 and shared_keys and widens_fp8_in_memory(t))
 
 
-def _next_pow2(n: int, minimum: int = 1) -> int:
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """The smallest power of two ≥ ``n`` and ≥ ``minimum`` (Triton blocks are powers of two)."""
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
@@ -473,8 +474,8 @@ def _pad_heads_dims(q, weights, k, block_t):
     Padded heads have weight 0 and padded dims are zero, so no score changes.
     """
     _, h, d = q.shape
-    hp = _next_pow2(h, max(1, 16 // block_t))
-    dp = _next_pow2(d, 16)
+    hp = next_pow2(h, max(1, 16 // block_t))
+    dp = next_pow2(d, 16)
     if hp != h:
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
         weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
