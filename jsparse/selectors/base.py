@@ -25,7 +25,10 @@ Contract of ``select``:
   ``jax.jit(sel.select, static_argnames="budget")`` and ``jax.vmap`` work.
 * Selectors with a projected-key cache (jssa, jssa_*, loki, fasa, kq_svd, head_shared)
   also expose ``project_keys(params, k) -> ProjectedKeys`` (the cache as stored, in
-  ``cache_dtype``) and ``select_projected(params, q, cache, lengths, budget)``.
+  ``cache_dtype``) and ``select_projected(params, q, cache, lengths, budget)``. For
+  decoding, ``empty_cache(params, batch, slots)`` allocates one and
+  ``append_keys(params, cache, k_new, slots)`` writes one token's projection per
+  sequence with the cache's existing scales, so a step never re-projects the context.
   ``bytes_per_token(head_dim)`` is the scoring-side memory per token per KV head, the
   quantity "equal memory" compares.
 """
@@ -286,19 +289,51 @@ class ProjectedSelector(Selector):
         qm = q.astype(jnp.float32).reshape(q.shape[0], hkv, -1, q.shape[-1]).mean(axis=2)
         return jnp.einsum("bhd,hrd->bhr", qm, a, precision=HIGHEST)
 
-    def project_keys(self, params: Params, k: Float[Array, "B S Hkv D"]) -> ProjectedKeys:
-        """The scoring cache ``B k`` as stored (``cache_dtype``) with its per-head scale."""
+    def project_keys(
+        self, params: Params, k: Float[Array, "B S Hkv D"], *, headroom: float = 1.0
+    ) -> ProjectedKeys:
+        """The scoring cache ``B k`` as stored (``cache_dtype``) with its per-head scale.
+
+        ``headroom`` ≥ 1 widens the FP8 scale past the amax of ``k`` so that keys appended
+        later (:meth:`append_keys`, which keeps the scale) saturate less often; FP8 is a
+        floating-point format, so this costs only the bottom of its exponent range.
+        """
+        return quantize_cache(self._project(params, k), self.cache_dtype, headroom=headroom)
+
+    def _project(self, params: Params, k: Float[Array, "B S Hkv D"]) -> Float[Array, "B S Hkv R"]:
         _, b = self.maps(params)
         _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")
         _checks.check_dim("k", k, 2, b.shape[0], "KV heads of the calibrated params")
         _checks.check_dim("k", k, 3, b.shape[-1], "head_dim of the calibrated params")
-        proj = jnp.einsum("bshd,hrd->bshr", k.astype(jnp.float32), b, precision=HIGHEST)
-        return quantize_cache(proj, self.cache_dtype)
+        return jnp.einsum("bshd,hrd->bshr", k.astype(jnp.float32), b, precision=HIGHEST)
+
+    def empty_cache(self, params: Params, batch: int, slots: int) -> ProjectedKeys:
+        """A zero cache of ``slots`` tokens per sequence, scales 1 (``project_keys`` of a
+        prefill replaces it; decoding from it directly keeps scale 1)."""
+        hkv, rank, _ = self.maps(params)[1].shape
+        dtype, _ = CACHE_DTYPES[self.cache_dtype]
+        return ProjectedKeys(
+            jnp.zeros((batch, slots, hkv, rank), dtype), jnp.ones((batch, hkv), jnp.float32)
+        )
+
+    def append_keys(
+        self,
+        params: Params,
+        cache: ProjectedKeys,
+        k_new: Float[Array, "B Hkv D"],
+        slots: Int[Array, " B"],
+    ) -> ProjectedKeys:
+        """``cache`` with sequence b's slot ``slots[b]`` holding the projection of
+        ``k_new[b]``, quantised with the cache's scales (FP8 values beyond them saturate).
+        One decode step's update: it reads one key per sequence, not the context."""
+        proj = self._project(params, k_new[:, None])[:, 0]  # [B, Hkv, R]
+        row = quantize_with_scale(proj, cache.scale, self.cache_dtype)
+        return cache._replace(values=write_token_rows(cache.values, row, slots))
 
     def scores_projected(self, params: Params, q, cache: ProjectedKeys) -> Float[Array, "B Hkv S"]:
-        qp = self.project_queries(params, q)
-        s = jnp.einsum("bhr,bshr->bhs", qp, cache.values.astype(jnp.float32), precision=HIGHEST)
-        return s * cache.scale[:, :, None]
+        # The per-head scale goes on the query: one pass over the scores fewer.
+        qp = self.project_queries(params, q) * cache.scale[:, :, None]
+        return jnp.einsum("bhr,bshr->bhs", qp, cache.values.astype(jnp.float32), precision=HIGHEST)
 
     def scores(self, params, q, k, lengths):
         return self.scores_projected(params, q, self.project_keys(params, k))
@@ -315,14 +350,37 @@ class ProjectedSelector(Selector):
         return top_budget(self.scores_projected(params, q, cache), lengths, budget)
 
 
-def quantize_cache(proj: Float[Array, "B S Hkv R"], cache_dtype: str) -> ProjectedKeys:
-    dtype, _ = CACHE_DTYPES[cache_dtype]
+def quantize_cache(
+    proj: Float[Array, "B S Hkv R"], cache_dtype: str, *, headroom: float = 1.0
+) -> ProjectedKeys:
+    """The stored cache of ``proj``: FP8 with one scale per (sequence, KV head), the amax
+    times ``headroom`` over 448; bfloat16 / float32 rounded, scale 1."""
+    if not headroom >= 1.0:
+        raise ValueError(f"headroom: got {headroom!r}; expected a number >= 1")
     ones = jnp.ones((proj.shape[0], proj.shape[2]), jnp.float32)
     if cache_dtype != "float8_e4m3fn":
-        return ProjectedKeys(round_to(proj, dtype), ones)
-    fmax = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(proj), axis=(1, 3))  # [B, Hkv]
+        return ProjectedKeys(quantize_with_scale(proj, ones, cache_dtype), ones)
+    fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    amax = jnp.max(jnp.abs(proj), axis=(1, 3), initial=0.0) * headroom  # [B, Hkv]
     scale = jnp.where(amax > 0, amax / fmax, 1.0)
-    # e4m3fn has no inf: an unclipped overflow would become NaN.
-    values = round_to(jnp.clip(proj / scale[:, None, :, None], -fmax, fmax), dtype)
-    return ProjectedKeys(values, scale)
+    return ProjectedKeys(quantize_with_scale(proj, scale, cache_dtype), scale)
+
+
+def quantize_with_scale(
+    proj: Float[Array, "B *S Hkv R"], scale: Float[Array, "B Hkv"], cache_dtype: str
+) -> Array:
+    """``proj / scale`` in ``cache_dtype`` (FP8 clipped to ±448: e4m3fn has no inf, an
+    unclipped overflow would become NaN); ``proj`` is ``[B, S, Hkv, R]`` or ``[B, Hkv, R]``."""
+    dtype, _ = CACHE_DTYPES[cache_dtype]
+    if cache_dtype != "float8_e4m3fn":
+        return round_to(proj, dtype)
+    fmax = float(jnp.finfo(dtype).max)
+    s = scale[:, None, :, None] if proj.ndim == 4 else scale[:, :, None]
+    return round_to(jnp.clip(proj / s, -fmax, fmax), dtype)
+
+
+def write_token_rows(values: Array, rows: Array, slots: Int[Array, " B"]) -> Array:
+    """``values`` [B, S, ...] with ``values[b, slots[b]] = rows[b]``; a slot outside
+    [0, S) writes nothing (not numpy's wrap-around of a negative index)."""
+    slots = jnp.where(slots < 0, values.shape[1], slots)
+    return values.at[jnp.arange(values.shape[0]), slots].set(rows.astype(values.dtype), mode="drop")

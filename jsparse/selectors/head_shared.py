@@ -9,7 +9,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jsparse.selectors.base import HIGHEST, ProjectedSelector, register
+from jsparse.selectors.base import HIGHEST, ProjectedSelector, register, top_budget
 from jsparse.selectors.jssa import JSSASelector
 
 __all__ = ["HeadSharedSelector"]
@@ -57,18 +57,38 @@ class HeadSharedSelector(ProjectedSelector):
         return 0.0 if self.basis == "full" else super().bytes_per_token(head_dim)
 
     def scores(self, params, q, k, lengths):
-        b, s, hkv, d = k.shape
+        b, _, hkv, d = k.shape
         qh = q.astype(jnp.float32).reshape(b, hkv, -1, d)  # [B, Hkv, G, D]
         if self.basis == "full":
             logits = jnp.einsum("bhgd,bshd->bhgs", qh, k.astype(jnp.float32), precision=HIGHEST)
-        else:
-            cache = self.project_keys(params, k)
-            qp = jnp.einsum("bhgd,hrd->bhgr", qh, params["basis"], precision=HIGHEST)
-            logits = jnp.einsum(
-                "bhgr,bshr->bhgs", qp, cache.values.astype(jnp.float32), precision=HIGHEST
+            return _votes(logits, lengths, d)
+        return self._projected_votes(params, q, self.project_keys(params, k), lengths)
+
+    def _projected_votes(self, params, q, cache, lengths):
+        b, _, hkv, _ = cache.values.shape
+        d = q.shape[-1]
+        qh = q.astype(jnp.float32).reshape(b, hkv, -1, d)  # [B, Hkv, G, D]
+        qp = jnp.einsum("bhgd,hrd->bhgr", qh, params["basis"], precision=HIGHEST)
+        logits = jnp.einsum(
+            "bhgr,bshr->bhgs", qp, cache.values.astype(jnp.float32), precision=HIGHEST
+        )
+        return _votes(logits * cache.scale[:, :, None, None], lengths, d)
+
+    def select_projected(self, params, q, cache, lengths, budget):
+        """The shared vote from a projected cache (``basis="jssa"`` only: ``"full"``
+        votes with the keys themselves and keeps no cache)."""
+        if self.basis == "full":
+            raise NotImplementedError(
+                "head_shared(basis='full') keeps no projected cache; use select(params, q, k, "
+                "lengths, budget)"
             )
-            logits = logits * cache.scale[:, :, None, None]
-        visible = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
-        logits = jnp.where(visible[:, None, None, :], logits / math.sqrt(d), -jnp.inf)
-        votes = jax.nn.softmax(logits, axis=-1).sum(axis=(1, 2))  # [B, S]
-        return jnp.broadcast_to(votes[:, None, :], (b, hkv, s))
+        return top_budget(self._projected_votes(params, q, cache, lengths), lengths, budget)
+
+
+def _votes(logits, lengths, d):
+    """Softmax votes of every query head summed per token, the same row for each KV head."""
+    b, hkv, _, s = logits.shape
+    visible = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
+    logits = jnp.where(visible[:, None, None, :], logits / math.sqrt(d), -jnp.inf)
+    votes = jax.nn.softmax(logits, axis=-1).sum(axis=(1, 2))  # [B, S]
+    return jnp.broadcast_to(votes[:, None, :], (b, hkv, s))

@@ -35,11 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from jsparse import _checks
 from jsparse._rounding import round_to
 from jsparse.calibration.eigenbasis import jssa_basis
 from jsparse.calibration.moments import Moments
-from jsparse.selectors.base import HIGHEST, ProjectedSelector, register
+from jsparse.selectors.base import HIGHEST, ProjectedSelector, register, write_token_rows
 from jsparse.selectors.kq_svd import _fit as _kq_svd_fit
 
 __all__ = ["JSSARDSelector", "MixedKeys", "component_weights", "plan_bit_allocation"]
@@ -183,21 +182,47 @@ class JSSARDSelector(ProjectedSelector):
     def maps(self, params):
         return params["query_map"], params["key_map"]
 
-    def project_keys(self, params, k) -> MixedKeys:
-        b = params["key_map"]
-        _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")
-        _checks.check_dim("k", k, 2, b.shape[0], "KV heads of the calibrated params")
-        _checks.check_dim("k", k, 3, b.shape[-1], "head_dim of the calibrated params")
-        proj = jnp.einsum("bshd,hrd->bshr", k.astype(jnp.float32), b, precision=HIGHEST)
-        x = proj - params["key_offset"][None, None]  # centred: a per-query constant shift
+    def project_keys(self, params, k, *, headroom: float = 1.0) -> MixedKeys:
+        """The mixed cache; ``headroom`` widens the FP8 scale only (see
+        :meth:`ProjectedSelector.project_keys`): int4 levels are uniform, so a wider
+        int4 range would cost resolution on every key, and appended keys clip instead."""
+        if not headroom >= 1.0:
+            raise ValueError(f"headroom: got {headroom!r}; expected a number >= 1")
+        x = self._centred(params, k)
         hi, lo = x[..., : self.fp8_dims], x[..., self.fp8_dims :]
-        hi_amax = jnp.max(jnp.abs(hi), axis=(1, 3), initial=0.0)  # [B, Hkv]
+        hi_amax = jnp.max(jnp.abs(hi), axis=(1, 3), initial=0.0) * headroom  # [B, Hkv]
         hi_scale = jnp.where(hi_amax > 0, hi_amax / _FP8_MAX, 1.0)  # [B, Hkv]
-        high = round_to(jnp.clip(hi / hi_scale[:, None, :, None], -_FP8_MAX, _FP8_MAX), _FP8)
         lo_amax = jnp.max(jnp.abs(lo), axis=1, initial=0.0)  # [B, Hkv, R4]
         lo_scale = jnp.where(lo_amax > 0, lo_amax / _INT4_MAX, 1.0)
+        return self._quantize(x, hi_scale, lo_scale)
+
+    def _centred(self, params, k):
+        proj = self._project(params, k)  # [B, S, Hkv, R]
+        return proj - params["key_offset"]  # centred: a per-query constant shift
+
+    def _quantize(self, x, hi_scale, lo_scale) -> MixedKeys:
+        """``x`` ([B, S, Hkv, R], centred) in the mixed format with the given scales."""
+        hi, lo = x[..., : self.fp8_dims], x[..., self.fp8_dims :]
+        high = round_to(jnp.clip(hi / hi_scale[:, None, :, None], -_FP8_MAX, _FP8_MAX), _FP8)
         low = jnp.clip(jnp.round(lo / lo_scale[:, None]), -_INT4_MAX, _INT4_MAX).astype(jnp.int4)
         return MixedKeys(high, hi_scale, low, lo_scale)
+
+    def empty_cache(self, params, batch: int, slots: int) -> MixedKeys:
+        hkv = params["key_map"].shape[0]
+        return MixedKeys(
+            jnp.zeros((batch, slots, hkv, self.fp8_dims), _FP8),
+            jnp.ones((batch, hkv), jnp.float32),
+            jnp.zeros((batch, slots, hkv, self.int4_dims), jnp.int4),
+            jnp.ones((batch, hkv, self.int4_dims), jnp.float32),
+        )
+
+    def append_keys(self, params, cache: MixedKeys, k_new, slots) -> MixedKeys:
+        x = self._centred(params, k_new[:, None])  # [B, 1, Hkv, R]
+        row = self._quantize(x, cache.high_scale, cache.low_scale)
+        return cache._replace(
+            high=write_token_rows(cache.high, row.high[:, 0], slots),
+            low=write_token_rows(cache.low, row.low[:, 0], slots),
+        )
 
     def dequantize(self, params, cache: MixedKeys) -> Float[Array, "B S Hkv R"]:
         """The cached projection in f32 (offset added back)."""

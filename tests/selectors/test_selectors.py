@@ -260,3 +260,55 @@ def test_quest_metadata_matches_masked_brute_force():
             else:
                 np.testing.assert_array_equal(lo[b, p], toks.min(axis=0))
                 np.testing.assert_array_equal(hi[b, p], toks.max(axis=0))
+
+
+@pytest.mark.parametrize(
+    "name, cache_dtype", [("jssa", "float8_e4m3fn"), ("jssa", "bfloat16"), ("jssa_rd", "mixed")]
+)
+def test_appended_keys_equal_projecting_with_the_kept_scales(name, cache_dtype):
+    """A decode cache (prefill of 50 keys, then 12 appended one at a time) equals the
+    projection of all 62 keys quantised with the prefill's scales; an out-of-range slot
+    writes nothing."""
+    extra = {} if name == "jssa_rd" else {"cache_dtype": cache_dtype}
+    sel, params = _calibrated(name, **extra)
+    _, _, _, k = _data()  # [3, 70, Hkv, D]
+    prefill = sel.project_keys(params, k[:, :50], headroom=2.0)
+    # the prefill's values in the first 50 of 70 slots, its scales ([B, S, Hkv, R] = values)
+    cache = jax.tree.map(
+        lambda e, p: e.at[:, :50].set(p) if e.ndim == 4 else p,
+        sel.empty_cache(params, 3, 70),
+        prefill,
+    )
+    for t in range(50, 62):
+        cache = sel.append_keys(params, cache, k[:, t], jnp.full((3,), t, jnp.int32))
+    if name == "jssa_rd":
+        want = sel._quantize(sel._centred(params, k[:, :62]), prefill.high_scale, prefill.low_scale)
+        pairs = [(cache.high, want.high), (cache.low, want.low)]
+    else:
+        from jsparse.selectors.base import quantize_with_scale
+
+        want = quantize_with_scale(sel._project(params, k[:, :62]), prefill.scale, cache_dtype)
+        pairs = [(cache.values, want)]
+    for got, exp in pairs:
+        np.testing.assert_array_equal(
+            np.asarray(got[:, :62], np.float32), np.asarray(exp, np.float32)
+        )
+        assert not np.asarray(got[:, 62:], np.float32).any()  # untouched
+    before = jax.tree.leaves(cache)
+    after = sel.append_keys(params, cache, k[:, 0], jnp.asarray([-1, 70, 99], jnp.int32))
+    for a, b in zip(before, jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match=r"headroom: got 0\.5"):
+        sel.project_keys(params, k, headroom=0.5)
+
+
+def test_head_shared_selects_the_same_from_its_projected_cache():
+    sel, params = _calibrated("head_shared")
+    _, _, q, k = _data()
+    lengths = jnp.asarray([70, 41, 9], jnp.int32)
+    np.testing.assert_array_equal(
+        sel.select_projected(params, q, sel.project_keys(params, k), lengths, 7),
+        sel.select(params, q, k, lengths, 7),
+    )
+    with pytest.raises(NotImplementedError, match="keeps no projected cache"):
+        make_selector("head_shared", basis="full").select_projected({}, q, None, lengths, 7)
