@@ -21,6 +21,13 @@ sees none gets 0); slots need not be in position order. The core applies the
 (``G = H // Hkv``). The core may be an ``nnx.Module`` (then its state is part of the
 model's) or any callable. :class:`DenseCausalAttention` is the exact default.
 
+A core that keeps a cache of its own beside K and V (a sparse method's projected-key
+cache) defines ``init_core_state(batch, max_len, n_kv_heads, head_dim)``. Its value,
+when not None, rides in each layer's :class:`KVCache` as ``core_state``; the model
+then calls ``core(..., core_state=state)`` after appending this call's keys and
+expects ``(out, new_state)`` back. It is a pytree, so it passes through ``jax.jit``
+with the rest of the cache.
+
 Prefill + decode: ``cache = model.init_cache(batch, max_len)``, then
 ``logits, cache = model(tokens, cache=cache)`` any number of times; each call appends
 its tokens at positions ``cache.length ...``. All sequences of a batch share positions.
@@ -288,26 +295,32 @@ def as_core_module(core: AttentionCore) -> nnx.Module:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """One layer's cache. ``length``: tokens written so far (shared by the batch)."""
+    """One layer's cache. ``length``: tokens written so far (shared by the batch);
+    ``core_state``: the attention core's own cache (see the module docstring), or None."""
 
     k: Float[Array, "B S Hkv D"]
     v: Float[Array, "B S Hkv Dv"]
     positions: Int[Array, "B S"]  # token position of each slot, -1 = empty
     length: Int[Array, ""]
+    core_state: Any = None
 
     @classmethod
-    def empty(cls, batch: int, max_len: int, n_kv_heads: int, head_dim: int) -> KVCache:
+    def empty(
+        cls, batch: int, max_len: int, n_kv_heads: int, head_dim: int, core_state: Any = None
+    ) -> KVCache:
         return cls(
             k=jnp.zeros((batch, max_len, n_kv_heads, head_dim), jnp.float32),
             v=jnp.zeros((batch, max_len, n_kv_heads, head_dim), jnp.float32),
             positions=jnp.full((batch, max_len), -1, jnp.int32),
             length=jnp.zeros((), jnp.int32),
+            core_state=core_state,
         )
 
     def append(self, k, v, positions) -> KVCache:
         """Writes T new entries at slots ``length ... length + T - 1``."""
         start = self.length
-        return KVCache(
+        return dataclasses.replace(
+            self,
             k=jax.lax.dynamic_update_slice(self.k, k, (0, start, 0, 0)),
             v=jax.lax.dynamic_update_slice(self.v, v, (0, start, 0, 0)),
             positions=jax.lax.dynamic_update_slice(self.positions, positions, (0, start)),
@@ -344,7 +357,12 @@ class Attention(nnx.Module):
             out = self.core(q, k, v, q_positions=positions, k_positions=positions)
         else:
             cache = cache.append(k, v, positions)
-            out = self.core(q, cache.k, cache.v, q_positions=positions, k_positions=cache.positions)
+            kw = dict(q_positions=positions, k_positions=cache.positions)
+            if cache.core_state is None:
+                out = self.core(q, cache.k, cache.v, **kw)
+            else:
+                out, state = self.core(q, cache.k, cache.v, core_state=cache.core_state, **kw)
+                cache = dataclasses.replace(cache, core_state=state)
         return self.o_proj(out.reshape(b, t, -1)), cache
 
     def __call__(self, x, positions, cache: KVCache | None = None):
@@ -421,12 +439,16 @@ class Llama(nnx.Module):
             layer.attn.core = as_core_module(core(i))
 
     def init_cache(self, batch: int, max_len: int | None = None) -> tuple[KVCache, ...]:
-        """An empty KV cache of ``max_len`` slots (default: the model's context) per layer."""
+        """An empty KV cache of ``max_len`` slots (default: the model's context) per layer,
+        with each core's own state where its core defines ``init_core_state``."""
         c = self.config
         max_len = c.max_seq_len if max_len is None else max_len
-        return tuple(
-            KVCache.empty(batch, max_len, c.n_kv_heads, c.head_dim) for _ in range(c.n_layers)
-        )
+        caches = []
+        for layer in self.layers:
+            init = getattr(layer.attn.core, "init_core_state", None)
+            state = None if init is None else init(batch, max_len, c.n_kv_heads, c.head_dim)
+            caches.append(KVCache.empty(batch, max_len, c.n_kv_heads, c.head_dim, state))
+        return tuple(caches)
 
     def embed_tokens(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T C"]:
         return jnp.take(self.embed[...], tokens, axis=0)

@@ -10,6 +10,12 @@ with ``k``, ``v`` the whole cache and ``k_positions = -1`` on empty slots. A dec
 (T = 1) lets a selector pick ``budget`` tokens per KV head from the visible cache and
 attends only those with :func:`jsparse.indexed_attention`, which reads the selected
 rows in place; prefill (T > 1) runs the dense core, as the JSSA paper does.
+
+Selectors that score from a projected-key cache (JSSA and its relatives) keep that
+cache as the core's state (``init_core_state``; the model carries it in its KV cache):
+prefill projects the prompt's keys once, each decode step projects only the new key
+and scores from the cache. Without a state (a model that does not carry one) each step
+projects the visible keys again, which reads the whole K cache.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from jaxtyping import Array, Float, Int
 
 from jsparse import _checks
 from jsparse.ops.attention import indexed_attention
-from jsparse.selectors import Selector, make_selector
+from jsparse.selectors import ProjectedSelector, Selector, make_selector
 
 
 class SelectorParams(nnx.Variable):
@@ -44,6 +50,9 @@ class SparseAttention(nnx.Module):
       dense: the core for prefill (T > 1); default the model's exact
         :class:`jsparse.models.llama.DenseCausalAttention`.
       implementation: for :func:`jsparse.indexed_attention` (see :mod:`jsparse.backend`).
+      fp8_headroom: the FP8 scale of the projected-key cache is the prompt keys' amax
+        times this over 448; keys appended while decoding keep that scale and saturate
+        beyond it (see :meth:`jsparse.selectors.ProjectedSelector.project_keys`).
 
     The cache must hold each sequence's visible tokens in its first slots (slot order =
     position order, as :class:`jsparse.models.llama.KVCache` writes them): the
@@ -59,6 +68,7 @@ class SparseAttention(nnx.Module):
         *,
         dense: nnx.Module | None = None,
         implementation: str | Sequence[str] | None = None,
+        fp8_headroom: float = 2.0,
         **selector_options,
     ):
         if isinstance(selector, str):
@@ -74,6 +84,8 @@ class SparseAttention(nnx.Module):
             )
         if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
             raise ValueError(f"budget: got {budget!r}; expected an int ≥ 1 (tokens per KV head)")
+        if not fp8_headroom >= 1.0:
+            raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a number >= 1")
         if dense is None:
             from jsparse.models.llama import DenseCausalAttention  # the model imports flax too
 
@@ -83,6 +95,26 @@ class SparseAttention(nnx.Module):
         self.budget = int(budget)
         self.dense = dense
         self.implementation = implementation
+        self.fp8_headroom = float(fp8_headroom)
+
+    @property
+    def keeps_projected_cache(self) -> bool:
+        """Whether decoding scores from a projected-key cache kept in the core's state."""
+        sel = self.selector
+        return isinstance(sel, ProjectedSelector) and sel.bytes_per_token(1) > 0
+
+    def init_core_state(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int):
+        """The empty projected-key cache (None for selectors that keep none)."""
+        if not self.keeps_projected_cache:
+            return None
+        params = self.params.get_value()
+        key_map = self.selector.maps(params)[1]
+        if key_map.shape[0] != n_kv_heads or key_map.shape[-1] != head_dim:
+            raise ValueError(
+                f"params: calibrated for {key_map.shape[0]} KV heads of dim "
+                f"{key_map.shape[-1]}, the cache has {n_kv_heads} of dim {head_dim}"
+            )
+        return self.selector.empty_cache(params, batch, max_len)
 
     def __call__(
         self,
@@ -92,15 +124,33 @@ class SparseAttention(nnx.Module):
         *,
         q_positions: Int[Array, "B T"],
         k_positions: Int[Array, "B S"],
-    ) -> Float[Array, "B T H Dv"]:
+        core_state=None,
+    ):
+        """The attention output ``[B, T, H, Dv]``; with ``core_state``, also the updated
+        state: ``(out, core_state)``."""
+        params = self.params.get_value()
         if q.shape[1] != 1:
-            return self.dense(q, k, v, q_positions=q_positions, k_positions=k_positions)
+            out = self.dense(q, k, v, q_positions=q_positions, k_positions=k_positions)
+            if core_state is None:
+                return out
+            # Empty slots borrow slot 0's key: projected, they are real keys' values, so
+            # they leave the scales alone (lengths keep them out of every selection).
+            filled = (k_positions >= 0)[:, :, None, None]
+            keys = jnp.where(filled, k, k[:, :1])
+            return out, self.selector.project_keys(params, keys, headroom=self.fp8_headroom)
         visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
         _check_prefix(visible)
         lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
-        idx = self.selector.select(self.params.get_value(), q[:, 0], k, lengths, self.budget)
-        out = indexed_attention(q[:, 0], k, v, idx, implementation=self.implementation)
-        return out[:, None]
+        if core_state is None:
+            idx = self.selector.select(params, q[:, 0], k, lengths, self.budget)
+        else:
+            # This step's key is the last visible slot (the cache is in position order).
+            slot = lengths - 1
+            k_new = k[jnp.arange(k.shape[0]), jnp.maximum(slot, 0)]  # [B, Hkv, D]
+            core_state = self.selector.append_keys(params, core_state, k_new, slot)
+            idx = self.selector.select_projected(params, q[:, 0], core_state, lengths, self.budget)
+        out = indexed_attention(q[:, 0], k, v, idx, implementation=self.implementation)[:, None]
+        return out if core_state is None else (out, core_state)
 
 
 def _check_prefix(visible):

@@ -110,8 +110,81 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.gpu
-def test_gpu_full_budget_decode_compiled():
-    """The same equality with the Triton kernel compiled (f32 caches: full-precision dots)."""
+@pytest.mark.parametrize("selector", ["oracle", "jssa"])
+def test_gpu_full_budget_decode_compiled(selector):
+    """The same equality with the Triton kernels compiled (f32 caches: full-precision
+    dots); ``jssa`` selects from its kept FP8 projected cache with the Top-K kernels."""
     dense = _decode(_model(), TOKENS, steps=4)
-    core = lambda i: jsparse.SparseAttention("oracle", {}, 48, implementation="triton")  # noqa: E731
-    np.testing.assert_allclose(_decode(_model(core), TOKENS, steps=4), dense, rtol=2e-4, atol=2e-4)
+    sel, params = _calibrated("jssa", rank=4) if selector == "jssa" else (selector, {})
+    core = lambda i: jsparse.SparseAttention(sel, params, 48, implementation="triton")  # noqa: E731
+    model = _model(core)
+    assert (model.init_cache(2, 48)[0].core_state is None) == (selector == "oracle")
+    np.testing.assert_allclose(_decode(model, TOKENS, steps=4), dense, rtol=2e-4, atol=2e-4)
+
+
+def _calibrated(name, **options):
+    rng = np.random.default_rng(3)
+    sel = jsparse.make_selector(name, **options)
+    h, hkv, d = TINY.n_heads, TINY.n_kv_heads, TINY.head_dim
+    params = sel.calibrate(
+        jnp.asarray(rng.standard_normal((300, h, d)), jnp.float32),
+        jnp.asarray(rng.standard_normal((300, hkv, d)), jnp.float32),
+    )
+    return sel, params
+
+
+def _stateless(core):
+    """The same core behind a plain function: the model then carries no core state, and
+    each decode step projects the visible keys again."""
+    return lambda q, k, v, **kw: core(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("name", ["jssa", "loki", "kq_svd"])
+def test_the_kept_projected_cache_selects_like_projecting_every_step(name):
+    """With a float32 cache, scales play no part: keeping the cache and re-projecting the
+    whole context every step must select the same tokens, so decode the same logits."""
+    sel, params = _calibrated(name, rank=4, cache_dtype="float32")
+    core = lambda i: jsparse.SparseAttention(sel, params, 6)  # noqa: E731
+    model = _model(core)
+    assert model.init_cache(2, 48)[0].core_state is not None
+    kept = _decode(model, TOKENS, steps=6)
+    again = _decode(_model(lambda i: _stateless(core(i))), TOKENS, steps=6)
+    assert _model(lambda i: _stateless(core(i))).init_cache(2, 48)[0].core_state is None
+    np.testing.assert_allclose(kept, again, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(kept[:, 1:], _decode(_model(), TOKENS, steps=6)[:, 1:], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["jssa", "jssa_rd", "head_shared"])
+def test_a_budget_covering_the_context_decodes_like_dense_with_the_kept_cache(name):
+    options = {"fp8_dims": 2, "int4_dims": 4} if name == "jssa_rd" else {"rank": 4}
+    sel, params = _calibrated(name, **options)
+    model = _model(lambda i: jsparse.SparseAttention(sel, params, 48))
+    assert model.init_cache(2, 48)[0].core_state is not None
+    np.testing.assert_allclose(
+        _decode(model, TOKENS, steps=5), _decode(_model(), TOKENS, steps=5), rtol=2e-4, atol=2e-4
+    )
+
+
+def test_the_kept_cache_holds_each_key_once_at_its_slot():
+    """After a prefill and three steps, the state is the projection of exactly the
+    written keys, at their slots, with the prefill's FP8 scale (headroom 2)."""
+    sel, params = _calibrated("jssa", rank=4)
+    model = _model(lambda i: jsparse.SparseAttention(sel, params, 4))
+    fwd = forward_fn(model)
+    cache = model.init_cache(2, 40)
+    _, cache = fwd(TOKENS[:, :20], cache)
+    prefill_scale = np.asarray(cache[1].core_state.scale)
+    for t in range(20, 23):
+        _, cache = fwd(TOKENS[:, t : t + 1], cache)
+    layer = cache[1]
+    state = layer.core_state
+    np.testing.assert_array_equal(np.asarray(state.scale), prefill_scale)
+    k = layer.k[:, :23]
+    proj = np.einsum("bshd,hrd->bshr", np.asarray(k, np.float64), np.asarray(params["basis"]))
+    amax = np.abs(proj[:, :20]).max(axis=(1, 3))
+    np.testing.assert_allclose(prefill_scale, 2.0 * amax / 448.0, rtol=1e-5)
+    want = jsparse.selectors.base.quantize_with_scale(
+        jnp.asarray(proj, jnp.float32), state.scale, "float8_e4m3fn"
+    )
+    got = state.values[:, :23]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
