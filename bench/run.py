@@ -5,6 +5,7 @@
     python bench/run.py --op indexer --preset decode --json out/decode.json
     python bench/run.py --op topk --preset selection --unsorted --device-time   # selection alone
     python bench/run.py --op attention --preset decode --device-time  # indexed decode attention
+    python bench/run.py --op decode-step --preset decode --device-time  # a sparse decode step
     python bench/run.py --op dosa --prefill --keys 131072       # DoSA (bench/dosa.py)
     python bench/run.py --op model throughput --context 2048    # the real model (bench/model.py)
     python bench/run.py --set jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS=8 --op indexer \
@@ -26,7 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-OPS = {"attention": "bench.attention", "indexer": "bench.indexer", "topk": "bench.topk"}
+OPS = {
+    "attention": "bench.attention",
+    "decode-step": "bench.decode_step",
+    "indexer": "bench.indexer",
+    "topk": "bench.topk",
+}
 # Ops with a command line of their own: `--op NAME` forwards every other argument.
 CLIS = {"dosa": "bench.dosa", "model": "bench.model", "recall": "bench.recall"}
 

@@ -1,0 +1,207 @@
+"""Benchmark of one attention layer's decode step (``--op decode-step``).
+
+One new token per sequence. As in a model, its key and value are already in the
+[B, S, Hkv, D] BF16 cache (slot S - 1, every slot visible) when the core runs. Methods:
+
+* ``dense``: attention over the whole cache (``jax.nn.dot_product_attention``, cuDNN
+  where it runs): the full-KV step that sparse decoding must beat.
+* ``jssa``: :class:`jsparse.SparseAttention`'s decode step with its kept FP8 projected
+  cache, as a model runs it. It projects the new key into the cache. It scores the cache
+  with the projected mean query, and selects the top ``budget`` per KV head with the
+  Top-K kernels. :func:`jsparse.indexed_attention` then reads those rows in place.
+* ``xla``: the same sparse step in plain JAX: scores, ``lax.top_k``, gather, attend.
+
+Data are random (the step's cost does not depend on which tokens win; accuracy is
+measured on the real model, ``--op model sparse-decode``). Each method is checked first:
+``dense`` against the f32 reference over every row, the sparse steps against the
+reference attention over the rows ``lax.top_k`` picks from the same scores. The floor
+is what the sparse step must read: the projected cache and the selected K/V rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import jsparse
+
+from . import common
+from .attention import dense_attention, xla_gather_attention
+
+DEFAULT_METHODS = ["xla", "dense", "jssa"]
+
+
+def add_arguments(parser):
+    parser.add_argument(
+        "--device-time", action="store_true",
+        help="also the GPU busy time per call from a profiler trace (kernels only), by kernel",
+    )  # fmt: skip
+
+
+def make_layer(case: dict, seed: int = 0):
+    """The BF16 K/V cache, a JSSA selector calibrated on random activations, and its FP8
+    projected cache of the first S - 1 tokens (the prefill and earlier steps)."""
+    b, s, h, hkv, d, rank = (case[x] for x in ("b", "s", "h", "hkv", "d", "rank"))
+    kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 3)
+    k = jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
+    sel = jsparse.make_selector("jssa", rank=rank)
+    kq, kk2 = jax.random.split(kc)
+    params = sel.calibrate(
+        jax.random.normal(kq, (4096, h, d), jnp.float32),
+        jax.random.normal(kk2, (4096, hkv, d), jnp.float32),
+    )
+    earlier = jnp.where(jnp.arange(s)[None, :, None, None] < s - 1, k, k[:, :1])
+    state = sel.project_keys(params, earlier, headroom=2.0)
+    return k, v, sel, params, state
+
+
+def step_fn(method: str, impl: str, case: dict, sel, params, *, on_gpu: bool, k=None, v=None):
+    """``(q, k, v, state) -> (out [B, H, D], state)``. The cache and state go in as
+    arguments (closed over, jit would embed them in the program as constants); the
+    caller donates the state, so that the step updates it in place as a decode loop does
+    (the sparse steps write one projected key into it; ``dense`` passes it through)."""
+    b, s, d, n = case["b"], case["s"], case["d"], case["budget"]
+    scale = 1.0 / math.sqrt(d)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    q_positions = jnp.full((b, 1), s - 1, jnp.int32)
+    if method == "jssa":
+        core = jsparse.SparseAttention(sel, params, n, implementation=impl)
+
+        def jssa(q, k, v, state):
+            out, state = core(
+                q[:, None], k, v, q_positions=q_positions, k_positions=positions,
+                core_state=state,
+            )  # fmt: skip
+            return out[:, 0], state
+
+        return jssa
+    if method == "xla":
+
+        def xla(q, k, v, state):
+            lists, state = reference_lists(sel, params, q, k, state, n)
+            return xla_gather_attention(q, k, v, lists, None, None, scale), state
+
+        return xla
+    if method == "dense":
+        cudnn = on_gpu and _cudnn_runs(q_shape=(b, case["h"], d), k=k, v=v)
+        return lambda q, k, v, state: (dense_attention(q, k, v, scale, cudnn=cudnn), state)
+    raise SystemExit(f"--op decode-step has methods xla, dense and jssa, not {method!r}")
+
+
+def reference_lists(sel, params, q, k, state, budget):
+    """The sparse step's lists by plain JAX: append the new key, score, ``lax.top_k``;
+    and the updated state."""
+    b, s = k.shape[:2]
+    state = sel.append_keys(params, state, k[:, s - 1], jnp.full((b,), s - 1, jnp.int32))
+    scores = sel.scores_projected(params, q, state)
+    return jax.lax.top_k(scores, min(budget, s))[1].astype(jnp.int32), state
+
+
+def _cudnn_runs(q_shape, k, v) -> bool:
+    """Whether cuDNN's fused attention compiles for this cache (else XLA's, reported)."""
+    q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
+    try:
+        fn = functools.partial(dense_attention, scale=1.0, cudnn=True)
+        jax.jit(fn).lower(q, k, v).compile()
+        return True
+    except Exception as err:  # any refusal of cuDNN's
+        print(f"  (dense: cuDNN attention does not run here, XLA's instead: {type(err).__name__})")
+        return False
+
+
+def check(method, got, *, q, k, v, want_lists, scale) -> list[str]:
+    """The first and last sequence against the f32 reference attention over the rows
+    ``lax.top_k`` picks (every row for ``dense``)."""
+    b, s, hkv, _ = k.shape
+    problems = []
+    for i in sorted({0, b - 1}):
+        lists = want_lists[i : i + 1]
+        if method == "dense":
+            lists = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, hkv, s))
+        want = jsparse.indexed_attention(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], lists, scale=scale,
+            implementation="reference",
+        )  # fmt: skip
+        err = np.abs(np.asarray(got[i], np.float32) - np.asarray(want[0], np.float32))
+        bound = 3e-2 * max(1.0, float(np.max(np.abs(np.asarray(want, np.float32)))))
+        if not err.max() <= bound:
+            problems.append(f"sequence {i}: max |error| {err.max():.3g} > {bound:.3g}")
+    return problems
+
+
+def run(args, floors: common.Floors, impl: str) -> list[dict]:
+    from jsparse import backend
+
+    on_gpu = backend.has_nvidia_gpu()
+    cases = common.expand_cases(common.load_presets("decode-step")[args.preset])
+    rows = []
+    progress = tqdm(total=len(cases) * len(args.method), desc="decode-step", disable=args.quiet)
+    for case in cases:
+        b, s, h, hkv, d, n, r = (case[x] for x in ("b", "s", "h", "hkv", "d", "budget", "rank"))
+        label = f"B{b} S{s} H{h}/{hkv} D{d} N{n} r{r}"
+        k, v, sel, params, state = make_layer(case)
+        scale = 1.0 / math.sqrt(d)
+        n_eff = min(n, s)
+        sparse_bytes = b * s * hkv * r + b * hkv * n_eff * 2 * d * 2 + b * h * 2 * d * 2
+        dense_bytes = b * s * hkv * 2 * d * 2 + b * h * 2 * d * 2
+        floor_s = sparse_bytes / floors.copy_bytes_per_s
+        sets = [
+            jax.random.normal(jax.random.PRNGKey(1000 + i), (b, h, d), jnp.bfloat16)
+            for i in range(common.rotation_sets(sparse_bytes))
+        ]
+        want_lists, _ = jax.jit(functools.partial(reference_lists, sel, budget=n))(
+            params, sets[0], k, state
+        )
+        # Each call appends the same key at the same slot: chaining the donated state
+        # through every call and method leaves it the same.
+        held = [state]
+        del state
+        case_rows = []
+        for method in args.method:
+            progress.set_postfix_str(f"{label} {method}")
+            nbytes = dense_bytes if method == "dense" else sparse_bytes
+            row = dict(case=label, method=method, b=b, s=s, budget=n, rank=r)
+            row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
+            step = step_fn(method, impl, case, sel, params, on_gpu=on_gpu, k=k, v=v)
+            fn = jax.jit(step, donate_argnums=3)
+
+            def call(q, fn=fn, k=k, v=v, held=held):
+                out, held[0] = fn(q, k, v, held[0])
+                return out
+
+            common.check_then_time(
+                row, call, sets,
+                functools.partial(check, method, q=sets[0], k=k, v=v, want_lists=want_lists,
+                                  scale=scale),
+                budget_s=args.budget, device_time=args.device_time, nbytes=nbytes,
+                floor_s=floor_s,
+            )  # fmt: skip
+            case_rows.append(row)
+            progress.update()
+        common.add_speedups(case_rows, ("xla", "dense"))
+        rows.extend(case_rows)
+        del sets, k, v, held
+    progress.close()
+    return rows
+
+
+COLUMNS = [
+    ("case", "case"),
+    ("method", "method"),
+    ("ms", "median ms"),
+    ("spread_ms", "p10-p90 ms"),
+    ("tbps", "TB/s"),
+    ("pct_floor", "% floor"),
+    ("vs_xla", "× xla"),
+    ("vs_dense", "× dense"),
+    ("device_ms", "GPU busy ms"),
+    ("device_vs_xla", "busy × xla"),
+    ("device_vs_dense", "busy × dense"),
+    ("status", "status"),
+]
