@@ -54,6 +54,7 @@ from jsparse.calibration.moments import (
     init_moments,
     update_moments,
 )
+from jsparse.ops.projected import projected_scores
 
 __all__ = [
     "CACHE_DTYPES",
@@ -333,7 +334,7 @@ class ProjectedSelector(Selector):
     def scores_projected(self, params: Params, q, cache: ProjectedKeys) -> Float[Array, "B Hkv S"]:
         # The per-head scale goes on the query: one pass over the scores fewer.
         qp = self.project_queries(params, q) * cache.scale[:, :, None]
-        return jnp.einsum("bhr,bshr->bhs", qp, cache.values.astype(jnp.float32), precision=HIGHEST)
+        return projected_scores(qp, cache.values)
 
     def scores(self, params, q, k, lengths):
         return self.scores_projected(params, q, self.project_keys(params, k))
