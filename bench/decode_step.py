@@ -7,9 +7,11 @@ One new token per sequence. As in a model, its key and value are already in the
   where it runs): the full-KV step that sparse decoding must beat.
 * ``jssa``: :class:`jsparse.SparseAttention`'s decode step with its kept FP8 projected
   cache, as a model runs it. It projects the new key into the cache. It scores the cache
-  with the projected mean query, and selects the top ``budget`` per KV head with the
-  Top-K kernels. :func:`jsparse.indexed_attention` then reads those rows in place.
-* ``xla``: the same sparse step in plain JAX: scores, ``lax.top_k``, gather, attend.
+  with the projected mean query (the ``projected_scores`` kernel), and selects the top
+  ``budget`` per KV head with the Top-K kernels. :func:`jsparse.indexed_attention` then
+  reads those rows in place.
+* ``xla``: the same sparse step in plain JAX: scores (an einsum), ``lax.top_k``,
+  gather, attend.
 
 Data are random (the step's cost does not depend on which tokens win; accuracy is
 measured on the real model, ``--op model sparse-decode``). Each method is checked first:
@@ -29,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jsparse
+from jsparse.ops.projected import projected_scores
 
 from . import common
 from .attention import dense_attention, xla_gather_attention
@@ -99,7 +102,8 @@ def reference_lists(sel, params, q, k, state, budget):
     and the updated state."""
     b, s = k.shape[:2]
     state = sel.append_keys(params, state, k[:, s - 1], jnp.full((b,), s - 1, jnp.int32))
-    scores = sel.scores_projected(params, q, state)
+    qp = sel.project_queries(params, q) * state.scale[:, :, None]
+    scores = projected_scores(qp, state.values, implementation="reference")  # XLA's einsum
     return jax.lax.top_k(scores, min(budget, s))[1].astype(jnp.int32), state
 
 
