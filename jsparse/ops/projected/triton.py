@@ -34,6 +34,7 @@ class _Plan:
     heads_pad: int
     rank: int
     block_s: int
+    transposed_store: bool
     interpret: bool
 
 
@@ -56,12 +57,19 @@ def _kernel(q_ref, x_ref, out_ref, *, p: _Plan):
     x = plt.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask, other=zero)
     prod = x.astype(jnp.float32) * q[None, :]
     scores = jnp.sum(prod.reshape(p.block_s, p.heads_pad, p.rank), axis=2)  # [BS, Hp]
-    out_at = out_ref.at[b * p.kv_heads + heads[None, :], tokens[:, None]]
-    plt.store(out_at, scores, mask=in_seq[:, None] & (heads[None, :] < p.kv_heads))
+    if p.transposed_store:
+        out_at = out_ref.at[b * p.kv_heads + heads[:, None], tokens[None, :]]
+        plt.store(out_at, scores.T, mask=(heads[:, None] < p.kv_heads) & in_seq[None, :])
+    else:
+        out_at = out_ref.at[b * p.kv_heads + heads[None, :], tokens[:, None]]
+        plt.store(out_at, scores, mask=in_seq[:, None] & (heads[None, :] < p.kv_heads))
 
 
-@functools.partial(jax.jit, static_argnames=("block_s",))
-def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
+@functools.partial(jax.jit, static_argnames=("block_s", "num_warps", "transposed_store"))
+def projected_scores_triton(
+    q_proj, values, *, block_s: int | None = None, num_warps: int = NUM_WARPS,
+    transposed_store: bool = False,
+):  # fmt: skip
     """float32 [B, Hkv, S]; see :func:`jsparse.ops.projected.projected_scores`."""
     b, s, hkv, r = values.shape
     hp = next_pow2(hkv, 1)
@@ -70,13 +78,13 @@ def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
         block_s = max(16, min(1024, TILE_BYTES // row_bytes))
         block_s = min(block_s, next_pow2(s, 16))
     p = _Plan(seq=s, kv_heads=hkv, heads_pad=hp, rank=r, block_s=block_s,
-              interpret=backend.is_interpret())  # fmt: skip
+              transposed_store=transposed_store, interpret=backend.is_interpret())  # fmt: skip
     q = jnp.pad(q_proj.astype(jnp.float32).reshape(b, hkv * r), ((0, 0), (0, (hp - hkv) * r)))
     out = pl.pallas_call(
         functools.partial(_kernel, p=p),
         grid=(b, pl.cdiv(s, block_s)),
         out_shape=jax.ShapeDtypeStruct((b * hkv, s), jnp.float32),
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=p.interpret,
         name="jsparse_projected_scores",
     )(q, values.reshape(b * s, hkv * r))
