@@ -27,23 +27,24 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
 import jsparse
 from jsparse.ops.projected import projected_scores
 
 from . import common
-from .attention import dense_attention, xla_gather_attention
+from .attention import (
+    COLUMNS,
+    add_arguments,
+    bf16_mismatch,
+    cudnn_runs,
+    dense_attention,
+    xla_gather_attention,
+)
+
+__all__ = ["COLUMNS", "DEFAULT_METHODS", "add_arguments", "check", "run", "step_fn"]
 
 DEFAULT_METHODS = ["xla", "dense", "jssa"]
-
-
-def add_arguments(parser):
-    parser.add_argument(
-        "--device-time", action="store_true",
-        help="also the GPU busy time per call from a profiler trace (kernels only), by kernel",
-    )  # fmt: skip
 
 
 def make_layer(case: dict, seed: int = 0):
@@ -92,7 +93,7 @@ def step_fn(method: str, impl: str, case: dict, sel, params, *, on_gpu: bool, k=
 
         return xla
     if method == "dense":
-        cudnn = on_gpu and _cudnn_runs(q_shape=(b, case["h"], d), k=k, v=v)
+        cudnn = on_gpu and cudnn_runs({"k": k, "v": v}, case["h"])
         return lambda q, k, v, state: (dense_attention(q, k, v, scale, cudnn=cudnn), state)
     raise SystemExit(f"--op decode-step has methods xla, dense and jssa, not {method!r}")
 
@@ -105,18 +106,6 @@ def reference_lists(sel, params, q, k, state, budget):
     qp = sel.project_queries(params, q) * state.scale[:, :, None]
     scores = projected_scores(qp, state.values, implementation="reference")  # XLA's einsum
     return jax.lax.top_k(scores, min(budget, s))[1].astype(jnp.int32), state
-
-
-def _cudnn_runs(q_shape, k, v) -> bool:
-    """Whether cuDNN's fused attention compiles for this cache (else XLA's, reported)."""
-    q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
-    try:
-        fn = functools.partial(dense_attention, scale=1.0, cudnn=True)
-        jax.jit(fn).lower(q, k, v).compile()
-        return True
-    except Exception as err:  # any refusal of cuDNN's
-        print(f"  (dense: cuDNN attention does not run here, XLA's instead: {type(err).__name__})")
-        return False
 
 
 def check(method, got, *, q, k, v, want_lists, scale) -> list[str]:
@@ -132,10 +121,7 @@ def check(method, got, *, q, k, v, want_lists, scale) -> list[str]:
             q[i : i + 1], k[i : i + 1], v[i : i + 1], lists, scale=scale,
             implementation="reference",
         )  # fmt: skip
-        err = np.abs(np.asarray(got[i], np.float32) - np.asarray(want[0], np.float32))
-        bound = 3e-2 * max(1.0, float(np.max(np.abs(np.asarray(want, np.float32)))))
-        if not err.max() <= bound:
-            problems.append(f"sequence {i}: max |error| {err.max():.3g} > {bound:.3g}")
+        problems += bf16_mismatch(i, got[i], want[0])
     return problems
 
 
@@ -193,19 +179,3 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
         del sets, k, v, held
     progress.close()
     return rows
-
-
-COLUMNS = [
-    ("case", "case"),
-    ("method", "method"),
-    ("ms", "median ms"),
-    ("spread_ms", "p10-p90 ms"),
-    ("tbps", "TB/s"),
-    ("pct_floor", "% floor"),
-    ("vs_xla", "× xla"),
-    ("vs_dense", "× dense"),
-    ("device_ms", "GPU busy ms"),
-    ("device_vs_xla", "busy × xla"),
-    ("device_vs_dense", "busy × dense"),
-    ("status", "status"),
-]
