@@ -261,16 +261,22 @@ def cmd_sparse_decode(args) -> dict:
         params = [sel.calibrate(jnp.asarray(captured[i]["q"]), jnp.asarray(captured[i]["k"]))
                   for i in range(model.config.n_layers)]  # fmt: skip
         for budget in args.budgets:
-            nll = decode_nll(
-                lambda i, sel=sel, params=params, budget=budget: jsparse.SparseAttention(
+
+            def core(i, sel=sel, params=params, budget=budget):
+                layer = jsparse.SparseAttention(
                     sel, params[i], budget,
                     dense=DenseCausalAttention(args.query_chunk, args.key_chunk),
-                )
-            )  # fmt: skip
+                )  # fmt: skip
+                # A plain function carries no core state: every step re-projects the keys.
+                return (lambda q, k, v, **kw: layer(q, k, v, **kw)) if args.reproject else layer
+
+            nll = decode_nll(core)
             delta = float(nll.mean() - dense.mean())
             rows.append(dict(core=name, budget=budget, mean_nll=float(nll.mean()),
-                             perplexity=math.exp(nll.mean()), delta_nll=delta))  # fmt: skip
-            print(f"{sel.describe()} budget {budget}: mean NLL {nll.mean():.4f} "
+                             perplexity=math.exp(nll.mean()), delta_nll=delta,
+                             reproject=args.reproject))  # fmt: skip
+            mode = ", re-projected every step" if args.reproject else ""
+            print(f"{sel.describe()} budget {budget}{mode}: mean NLL {nll.mean():.4f} "
                   f"(perplexity {math.exp(nll.mean()):.3f}), Δ {delta:+.4f} nats")  # fmt: skip
     return {"rows": rows}
 
@@ -315,6 +321,9 @@ def main(argv=None) -> int:
     p.add_argument("--calib-novel", default=assets.CALIBRATION_NOVELS[0],
                    choices=sorted(assets.CALIBRATION_NOVELS))  # fmt: skip
     p.add_argument("--calib-tokens", type=int, default=2048)
+    p.add_argument("--reproject", action="store_true",
+                   help="re-project the visible keys at every step (fresh FP8 / int4 scales) "
+                   "instead of keeping the projected cache from the prefill")  # fmt: skip
 
     args = parser.parse_args(argv)
     env = environment()
