@@ -6,7 +6,7 @@ cache's [B, S, Hkv, R] layout), so the program loads a [block_s, Hkv·R] tile of
 rows. Widened to f32, the tile is multiplied by the queries and reduced over each
 head's R columns (a [block_s, Hkv, R] view, hence R a power of two), and the
 [Hkv, block_s] scores are stored. The job is a stream over the cache, so the tile is
-sized for bytes in flight, not for arithmetic.
+sized for bytes in flight (16 KiB), not for arithmetic.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from jax.experimental.pallas import triton as plt
 from jsparse import backend
 from jsparse.ops.indexer.triton import next_pow2
 
-# Bytes of cache one program loads: 32 KiB keeps ~4 programs' tiles in flight per SM.
-TILE_BYTES = 32 * 1024
+# Bytes of cache one program loads. Runs 160-161: 16 KiB (64 rows of 256 B) is 1-2% ahead
+# of 8 and 32 KiB; 64 KiB and up spill the widened tile. Warps (4 or 8) and storing the
+# scores along tokens instead of heads changed nothing (3.5-3.7 TB/s).
+TILE_BYTES = 16 * 1024
 NUM_WARPS = 4
 
 
@@ -34,7 +36,6 @@ class _Plan:
     heads_pad: int
     rank: int
     block_s: int
-    transposed_store: bool
     interpret: bool
 
 
@@ -57,19 +58,12 @@ def _kernel(q_ref, x_ref, out_ref, *, p: _Plan):
     x = plt.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask, other=zero)
     prod = x.astype(jnp.float32) * q[None, :]
     scores = jnp.sum(prod.reshape(p.block_s, p.heads_pad, p.rank), axis=2)  # [BS, Hp]
-    if p.transposed_store:
-        out_at = out_ref.at[b * p.kv_heads + heads[:, None], tokens[None, :]]
-        plt.store(out_at, scores.T, mask=(heads[:, None] < p.kv_heads) & in_seq[None, :])
-    else:
-        out_at = out_ref.at[b * p.kv_heads + heads[None, :], tokens[:, None]]
-        plt.store(out_at, scores, mask=in_seq[:, None] & (heads[None, :] < p.kv_heads))
+    out_at = out_ref.at[b * p.kv_heads + heads[None, :], tokens[:, None]]
+    plt.store(out_at, scores, mask=in_seq[:, None] & (heads[None, :] < p.kv_heads))
 
 
-@functools.partial(jax.jit, static_argnames=("block_s", "num_warps", "transposed_store"))
-def projected_scores_triton(
-    q_proj, values, *, block_s: int | None = None, num_warps: int = NUM_WARPS,
-    transposed_store: bool = False,
-):  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("block_s",))
+def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
     """float32 [B, Hkv, S]; see :func:`jsparse.ops.projected.projected_scores`."""
     b, s, hkv, r = values.shape
     hp = next_pow2(hkv, 1)
@@ -78,13 +72,13 @@ def projected_scores_triton(
         block_s = max(16, min(1024, TILE_BYTES // row_bytes))
         block_s = min(block_s, next_pow2(s, 16))
     p = _Plan(seq=s, kv_heads=hkv, heads_pad=hp, rank=r, block_s=block_s,
-              transposed_store=transposed_store, interpret=backend.is_interpret())  # fmt: skip
+              interpret=backend.is_interpret())  # fmt: skip
     q = jnp.pad(q_proj.astype(jnp.float32).reshape(b, hkv * r), ((0, 0), (0, (hp - hkv) * r)))
     out = pl.pallas_call(
         functools.partial(_kernel, p=p),
         grid=(b, pl.cdiv(s, block_s)),
         out_shape=jax.ShapeDtypeStruct((b * hkv, s), jnp.float32),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=p.interpret,
         name="jsparse_projected_scores",
     )(q, values.reshape(b * s, hkv * r))
