@@ -320,7 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--selectors", nargs="+", default=["oracle", "jssa_rd", "jssa"])
     p.add_argument("--calib-novel", default=assets.CALIBRATION_NOVELS[0],
                    choices=sorted(assets.CALIBRATION_NOVELS))  # fmt: skip
-    p.add_argument("--calib-tokens", type=int, default=2048)
+    p.add_argument("--calib-tokens", type=int, default=16384,
+                   help="calibration tokens; the exact-objective maps (jssa_rd, kq_svd) "
+                   "overfit 2048 (WORKSPACE.md, session 28)")  # fmt: skip
     p.add_argument("--reproject", action="store_true",
                    help="re-project the visible keys at every step (fresh FP8 / int4 scales) "
                    "instead of keeping the projected cache from the prefill")  # fmt: skip
