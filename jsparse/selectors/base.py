@@ -356,15 +356,26 @@ def quantize_cache(
 ) -> ProjectedKeys:
     """The stored cache of ``proj``: FP8 with one scale per (sequence, KV head), the amax
     times ``headroom`` over 448; bfloat16 / float32 rounded, scale 1."""
-    if not headroom >= 1.0:
-        raise ValueError(f"headroom: got {headroom!r}; expected a number >= 1")
+    _check_headroom(headroom)
     ones = jnp.ones((proj.shape[0], proj.shape[2]), jnp.float32)
     if cache_dtype != "float8_e4m3fn":
         return ProjectedKeys(quantize_with_scale(proj, ones, cache_dtype), ones)
-    fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
-    amax = jnp.max(jnp.abs(proj), axis=(1, 3), initial=0.0) * headroom  # [B, Hkv]
-    scale = jnp.where(amax > 0, amax / fmax, 1.0)
+    scale = fp8_scale(proj, headroom)
     return ProjectedKeys(quantize_with_scale(proj, scale, cache_dtype), scale)
+
+
+def fp8_scale(proj: Float[Array, "B S Hkv R"], headroom: float = 1.0) -> Float[Array, "B Hkv"]:
+    """One FP8 scale per (sequence, KV head): the amax of ``proj`` times ``headroom`` over
+    448 (1 where the amax is 0)."""
+    _check_headroom(headroom)
+    fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    amax = jnp.max(jnp.abs(proj), axis=(1, 3), initial=0.0) * headroom
+    return jnp.where(amax > 0, amax / fmax, 1.0)
+
+
+def _check_headroom(headroom: float) -> None:
+    if not headroom >= 1.0:
+        raise ValueError(f"headroom: got {headroom!r}; expected a number >= 1")
 
 
 def quantize_with_scale(

@@ -35,16 +35,21 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from jsparse._rounding import round_to
 from jsparse.calibration.eigenbasis import jssa_basis
 from jsparse.calibration.moments import Moments
-from jsparse.selectors.base import HIGHEST, ProjectedSelector, register, write_token_rows
+from jsparse.selectors.base import (
+    HIGHEST,
+    ProjectedSelector,
+    fp8_scale,
+    quantize_with_scale,
+    register,
+    write_token_rows,
+)
 from jsparse.selectors.kq_svd import _fit as _kq_svd_fit
 
 __all__ = ["JSSARDSelector", "MixedKeys", "component_weights", "plan_bit_allocation"]
 
 _FP8 = jnp.float8_e4m3fn
-_FP8_MAX = 448.0
 _INT4_MAX = 7  # symmetric levels -7..7
 # Quantisation noise variance relative to the component's variance (MATH: uniform noise,
 # step²/12): FP8 e4m3 has 3 mantissa bits (relative step 2^-3, so (2^-4)²/3 of x²);
@@ -186,12 +191,9 @@ class JSSARDSelector(ProjectedSelector):
         """The mixed cache; ``headroom`` widens the FP8 scale only (see
         :meth:`ProjectedSelector.project_keys`): int4 levels are uniform, so a wider
         int4 range would cost resolution on every key, and appended keys clip instead."""
-        if not headroom >= 1.0:
-            raise ValueError(f"headroom: got {headroom!r}; expected a number >= 1")
         x = self._centred(params, k)
         hi, lo = x[..., : self.fp8_dims], x[..., self.fp8_dims :]
-        hi_amax = jnp.max(jnp.abs(hi), axis=(1, 3), initial=0.0) * headroom  # [B, Hkv]
-        hi_scale = jnp.where(hi_amax > 0, hi_amax / _FP8_MAX, 1.0)  # [B, Hkv]
+        hi_scale = fp8_scale(hi, headroom)  # [B, Hkv]
         lo_amax = jnp.max(jnp.abs(lo), axis=1, initial=0.0)  # [B, Hkv, R4]
         lo_scale = jnp.where(lo_amax > 0, lo_amax / _INT4_MAX, 1.0)
         return self._quantize(x, hi_scale, lo_scale)
@@ -203,7 +205,7 @@ class JSSARDSelector(ProjectedSelector):
     def _quantize(self, x, hi_scale, lo_scale) -> MixedKeys:
         """``x`` ([B, S, Hkv, R], centred) in the mixed format with the given scales."""
         hi, lo = x[..., : self.fp8_dims], x[..., self.fp8_dims :]
-        high = round_to(jnp.clip(hi / hi_scale[:, None, :, None], -_FP8_MAX, _FP8_MAX), _FP8)
+        high = quantize_with_scale(hi, hi_scale, "float8_e4m3fn")
         low = jnp.clip(jnp.round(lo / lo_scale[:, None]), -_INT4_MAX, _INT4_MAX).astype(jnp.int4)
         return MixedKeys(high, hi_scale, low, lo_scale)
 
