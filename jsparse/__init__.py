@@ -19,6 +19,12 @@ Token selection (JSSA and the baselines it is compared with)::
     params = sel.calibrate(q_calib, k_calib)              # one layer
     idx = sel.select(params, q, k, lengths, budget)       # int32 [B, Hkv, budget]
     out = jsparse.indexed_attention(q, k, v, idx)         # [B, H, Dv], rows read in place
+
+MLA decoding (one latent + RoPE row per token, one index set for every head)::
+
+    sel = jsparse.make_selector("jssa_mla", rank=64)
+    idx = sel.select(params, q_abs, cache[:, :, None], lengths, budget)[:, 0]  # [B, budget]
+    out = jsparse.indexed_mla_attention(q_abs, cache, idx, scale=192**-0.5)  # [B, H, 512]
 """
 
 from jsparse import backend
@@ -38,6 +44,7 @@ from jsparse.calibration import (
 from jsparse.checkpoint import load_bases, save_bases
 from jsparse.ops.attention import indexed_attention
 from jsparse.ops.indexer import IndexerTopK, indexer_scores, indexer_topk, indexer_topk_batch
+from jsparse.ops.mla import indexed_mla_attention
 from jsparse.ops.topk import topk
 from jsparse.selectors import DEFAULT_SELECTOR, SELECTORS, Selector, make_selector
 
@@ -56,6 +63,7 @@ __all__ = [
     "compute_moments",
     "finalize_moments",
     "indexed_attention",
+    "indexed_mla_attention",
     "indexer_scores",
     "indexer_topk",
     "indexer_topk_batch",

@@ -1,10 +1,21 @@
 """Token selectors of the JSSA paper behind one interface (see ``base.py`` and README.md).
 
 Names: ``jssa``, ``jssa_rd``, ``loki``, ``fasa``, ``kq_svd``, ``quest``, ``oracle``,
-``head_shared``, ``full``.
+``head_shared``, ``full``, and ``jssa_mla`` for multi-head latent attention.
 """
 
-from jsparse.selectors import fasa, full, head_shared, jssa, jssa_rd, kq_svd, loki, oracle, quest
+from jsparse.selectors import (
+    fasa,
+    full,
+    head_shared,
+    jssa,
+    jssa_mla,
+    jssa_rd,
+    kq_svd,
+    loki,
+    oracle,
+    quest,
+)
 from jsparse.selectors.base import (
     CACHE_DTYPES,
     DEFAULT_SELECTOR,
@@ -27,6 +38,7 @@ __all__ = [
     "full",
     "head_shared",
     "jssa",
+    "jssa_mla",
     "jssa_rd",
     "kq_svd",
     "loki",

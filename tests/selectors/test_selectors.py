@@ -20,21 +20,27 @@ ALL = sorted(SELECTORS)
 def _config(name, rank=4):
     if name == "jssa_rd":
         return {"fp8_dims": 1, "int4_dims": rank - 1}
+    if name == "jssa_mla":  # MLA: one KV head, a 12-dim latent and 4 RoPE dims
+        return {"rank": rank, "latent_dim": 12}
     return {"rank": rank} if name in RANKED else {}
 
 
 @functools.cache
-def _data(s=70, b=3):
-    q, k, _ = synthetic_qkv(jax.random.key(0), 512, n_heads=H, n_kv_heads=HKV, head_dim=D, latent=6)
+def _data(s=70, b=3, hkv=HKV):
+    q, k, _ = synthetic_qkv(jax.random.key(0), 512, n_heads=H, n_kv_heads=hkv, head_dim=D, latent=6)
     qe, ke, _ = synthetic_qkv(
-        jax.random.key(0), s + b, n_heads=H, n_kv_heads=HKV, head_dim=D, latent=6, start=900
+        jax.random.key(0), s + b, n_heads=H, n_kv_heads=hkv, head_dim=D, latent=6, start=900
     )
     kb = jnp.stack([ke[i : i + s] for i in range(b)])  # [B, S, Hkv, D]
     return q, k, qe[s : s + b], kb
 
 
+def _data_for(name):
+    return _data(hkv=1) if name == "jssa_mla" else _data()
+
+
 def _calibrated(name, **extra):
-    q, k, _, _ = _data()
+    q, k, _, _ = _data_for(name)
     config = _config(name, extra.pop("rank", 4))
     sel = make_selector(name, **{**config, **extra})
     return sel, sel.calibrate(q, k)
@@ -65,14 +71,15 @@ def test_registry():
 def test_contract(name):
     """Shape, dtype, distinct visible ids, -1 padding last, budget >= length gives all."""
     sel, params = _calibrated(name)
-    _, _, q, k = _data()
+    _, _, q, k = _data_for(name)
+    hkv = k.shape[2]
     lengths = jnp.array([70, 33, 5], jnp.int32)
     for budget in (8, 40, 80):
         idx = np.asarray(sel.select(params, q, k, lengths, budget))
         width = k.shape[1] if name == "full" else budget
-        assert idx.shape == (3, HKV, width) and idx.dtype == np.int32
+        assert idx.shape == (3, hkv, width) and idx.dtype == np.int32
         for b, length in enumerate(np.asarray(lengths)):
-            for h in range(HKV):
+            for h in range(hkv):
                 row = idx[b, h]
                 valid = row[row >= 0]
                 assert len(set(valid.tolist())) == len(valid)
@@ -263,15 +270,17 @@ def test_quest_metadata_matches_masked_brute_force():
 
 
 @pytest.mark.parametrize(
-    "name, cache_dtype", [("jssa", "float8_e4m3fn"), ("jssa", "bfloat16"), ("jssa_rd", "mixed")]
-)
+    "name, cache_dtype",
+    [("jssa", "float8_e4m3fn"), ("jssa", "bfloat16"), ("jssa_rd", "mixed"),
+     ("jssa_mla", "float8_e4m3fn")],
+)  # fmt: skip
 def test_appended_keys_equal_projecting_with_the_kept_scales(name, cache_dtype):
     """A decode cache (prefill of 50 keys, then 12 appended one at a time) equals the
     projection of all 62 keys quantised with the prefill's scales; an out-of-range slot
     writes nothing."""
     extra = {} if name == "jssa_rd" else {"cache_dtype": cache_dtype}
     sel, params = _calibrated(name, **extra)
-    _, _, _, k = _data()  # [3, 70, Hkv, D]
+    _, _, _, k = _data_for(name)  # [3, 70, Hkv, D]
     prefill = sel.project_keys(params, k[:, :50], headroom=2.0)
     # the prefill's values in the first 50 of 70 slots, its scales ([B, S, Hkv, R] = values)
     cache = jax.tree.map(

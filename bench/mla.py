@@ -1,0 +1,171 @@
+"""Benchmark of indexed MLA decode attention (``--op mla``).
+
+One absorbed decode query per sequence, every head over the ``budget`` cache rows that
+its sequence's list names (rows ``[latent ; RoPE key]``, DeepSeek-V3's 512 + 64).
+Methods:
+
+* ``base``: :func:`jsparse.indexed_mla_attention`, the rows read in place by the kernel;
+* ``xla``: the same sparse attention in plain XLA: gather the rows, then attend;
+* ``dense``: absorbed MLA over the whole cache in XLA (BF16): what selection is meant
+  to beat.
+
+Lists are distinct random positions. The floor is the larger of the sparse job's bytes
+(the listed rows, q, the lists, the output) at the copy bandwidth and its FLOPs
+(2·(D + Dc) per head and row) at the XLA matmul rate; ``dense`` reports its own rate
+over the whole cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+import jsparse
+
+from . import common
+from .attention import bf16_mismatch
+
+DEFAULT_METHODS = ["xla", "dense", "base"]
+DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+SCALE = 192**-0.5  # DeepSeek-V3: 1/sqrt(128 nope + 64 RoPE dims of a head)
+
+
+def add_arguments(parser):
+    parser.add_argument(
+        "--device-time", action="store_true",
+        help="also the GPU busy time per call from a profiler trace (kernels only), by kernel",
+    )  # fmt: skip
+
+
+def make_cache(case: dict, seed: int):
+    """The BF16 cache [B, S, Dc + Dr], and its FP8 version (one scale per sequence)."""
+    b, s, d = case["b"], case["s"], case["dc"] + case["dr"]
+    cache = jax.random.normal(jax.random.PRNGKey(seed), (b, s, d), jnp.bfloat16)
+    if case["dtype"] != "fp8":
+        return dict(cache=cache, cache_scale=None), cache
+    scale = jnp.max(jnp.abs(cache.astype(jnp.float32)), axis=(1, 2)) / 448.0
+    fp8 = (cache.astype(jnp.float32) / scale[:, None, None]).astype(jnp.float8_e4m3fn)
+    return dict(cache=fp8, cache_scale=scale), cache
+
+
+def make_query(case: dict, seed: int):
+    """q [B, H, D] (bf16) and distinct random lists [B, budget]."""
+    b, s, h, n, d = case["b"], case["s"], case["h"], case["budget"], case["dc"] + case["dr"]
+    kq, ki = jax.random.split(jax.random.PRNGKey(1000 + seed))
+    q = jax.random.normal(kq, (b, h, d), jnp.bfloat16)
+    idx = jax.lax.top_k(jax.random.uniform(ki, (b, s)), n)[1].astype(jnp.int32)
+    return q, idx
+
+
+def xla_gather_attention(q, cache, idx, cache_scale, dc):
+    """The sparse job in plain XLA: gather the listed rows, then attend (bf16 math)."""
+    rows = jnp.take_along_axis(cache, idx[:, :, None], axis=1).astype(jnp.bfloat16)
+    if cache_scale is not None:
+        rows = rows * cache_scale[:, None, None].astype(jnp.bfloat16)
+    logits = jnp.einsum("bhd,bnd->bhn", q, rows, preferred_element_type=jnp.float32) * SCALE
+    p = jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
+    out = jnp.einsum("bhn,bnc->bhc", p, rows[..., :dc], preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
+
+
+def dense_attention(q, cache, dc):
+    """Absorbed MLA over every row of the BF16 cache."""
+    logits = jnp.einsum("bhd,bsd->bhs", q, cache, preferred_element_type=jnp.float32) * SCALE
+    p = jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
+    out = jnp.einsum("bhs,bsc->bhc", p, cache[..., :dc], preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
+
+
+def method_fn(method, impl, dc):
+    """(q, idx, cache, cache_scale) -> out [B, H, Dc]; ``dense`` gets the BF16 cache."""
+    if method == "base":
+        return lambda q, idx, c, cs: jsparse.indexed_mla_attention(
+            q, c, idx, scale=SCALE, latent_dim=dc, cache_scale=cs, implementation=impl
+        )
+    if method == "xla":
+        return lambda q, idx, c, cs: xla_gather_attention(q, c, idx, cs, dc)
+    if method == "dense":
+        return lambda q, idx, c, cs: dense_attention(q, c, dc)
+    raise SystemExit(f"--op mla has methods base, xla and dense, not {method!r}")
+
+
+def check(method, got, *, q, idx, src, dc) -> list[str]:
+    """The first and last sequence against the f32 reference (dense: every row listed)."""
+    b, s = q.shape[0], src["cache"].shape[1]
+    problems = []
+    for i in sorted({0, b - 1}):
+        lists = idx[i : i + 1]
+        if method == "dense":
+            lists = jnp.arange(s, dtype=jnp.int32)[None]
+        scale = None if src["cache_scale"] is None else src["cache_scale"][i : i + 1]
+        want = jsparse.indexed_mla_attention(
+            q[i : i + 1], src["cache"][i : i + 1], lists, scale=SCALE, latent_dim=dc,
+            cache_scale=scale, implementation="reference",
+        )  # fmt: skip
+        problems += bf16_mismatch(i, got[i], want[0])
+    return problems
+
+
+def run(args, floors: common.Floors, impl: str) -> list[dict]:
+    cases = common.expand_cases(common.load_presets("mla")[args.preset])
+    rows = []
+    progress = tqdm(total=len(cases) * len(args.method), desc="mla", disable=args.quiet)
+    for case in cases:
+        b, s, h, dc, dr, n = (case[x] for x in ("b", "s", "h", "dc", "dr", "budget"))
+        d = dc + dr
+        label = f"B{b} S{s} H{h} D{dc}+{dr} N{n} {case['dtype']}"
+        cache, bf16_cache = make_cache(case, seed=0)
+        dense_src = dict(cache=bf16_cache, cache_scale=None)
+        itemsize = jnp.dtype(DTYPES[case["dtype"]]).itemsize
+        sparse_bytes = b * n * (d * itemsize + 4) + b * h * (d + dc) * 2
+        dense_bytes = b * s * d * 2 + b * h * (d + dc) * 2
+        flops = 2 * b * h * n * (d + dc)
+        dense_flops = 2 * b * h * s * (d + dc)
+        rate = floors.matmul_flops_per_s.get("bf16", float("nan"))
+        floor_s = max(sparse_bytes / floors.copy_bytes_per_s, flops / rate)
+        # Rotate queries and lists (the cache is one): a set's listed rows leave the L2.
+        sets = [make_query(case, i) for i in range(common.rotation_sets(sparse_bytes))]
+        case_rows = []
+        for method in args.method:
+            progress.set_postfix_str(f"{label} {method}")
+            dense = method == "dense"
+            nbytes = dense_bytes if dense else sparse_bytes
+            row = dict(case=label, method=method, b=b, s=s, h=h, budget=n, dtype=case["dtype"])
+            row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
+            src = dense_src if dense else cache
+            fn = jax.jit(method_fn(method, impl, dc))
+            call = lambda a, fn=fn, src=src: fn(*a, src["cache"], src["cache_scale"])  # noqa: E731
+            q0, idx0 = sets[0]
+            common.check_then_time(
+                row, call, sets,
+                functools.partial(check, method, q=q0, idx=idx0, src=src, dc=dc),
+                budget_s=args.budget, device_time=args.device_time, nbytes=nbytes,
+                floor_s=floor_s, flops=dense_flops if dense else flops,
+            )  # fmt: skip
+            case_rows.append(row)
+            progress.update()
+        common.add_speedups(case_rows, ("xla", "dense"))
+        rows.extend(case_rows)
+        del sets, cache, bf16_cache, dense_src
+    progress.close()
+    return rows
+
+
+COLUMNS = [
+    ("case", "case"),
+    ("method", "method"),
+    ("ms", "median ms"),
+    ("spread_ms", "p10-p90 ms"),
+    ("tbps", "TB/s"),
+    ("tflops", "TFLOP/s"),
+    ("pct_floor", "% floor"),
+    ("vs_xla", "× xla"),
+    ("vs_dense", "× dense"),
+    ("device_ms", "GPU busy ms"),
+    ("device_vs_xla", "busy × xla"),
+    ("device_vs_dense", "busy × dense"),
+    ("status", "status"),
+]

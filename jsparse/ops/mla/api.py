@@ -1,0 +1,127 @@
+"""Public indexed MLA decode attention: :func:`indexed_mla_attention`."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jsparse import _checks, backend
+from jsparse.ops.mla.reference import indexed_mla_attention_reference
+
+QUERY_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+CACHE_FLOATS = (*QUERY_FLOATS, jnp.float8_e4m3fn)
+
+
+def indexed_mla_attention(
+    q: Float[Array, "B H D"],
+    cache: Float[Array, "B S D"],
+    indices: Int[Array, "B N"],
+    *,
+    scale: float,
+    latent_dim: int = 512,
+    cache_scale: Float[Array, " B"] | None = None,
+    return_lse: bool = False,
+    implementation: str | Sequence[str] | None = None,
+):
+    """Multi-head latent attention (MLA) decoding over the cache rows one list names.
+
+    Every head of sequence ``b`` attends the rows ``indices[b]`` (MLA shares one index
+    set per token across heads), softmax over ``scale · q·[c ; k_r]``, and averages the
+    latents ``c``; the kernel reads each listed row once for a block of heads, where it
+    lies in the cache, and uses its latent part as both key and value.
+
+    Args:
+      q: [B, H, D] float32, bfloat16 or float16: the absorbed decode queries
+        ``[W_UKᵀ q_nope ; q_rope]``, D = latent_dim + the RoPE dim.
+      cache: [B, S, D], each token's latent ``c`` (first ``latent_dim`` values) and
+        RoPE key ``k_r``; ``q``'s dtype, or float8_e4m3fn (widened on load).
+      indices: [B, N] int32, entries in [0, S) or -1 (an empty slot), e.g. the
+        ``[B, 1, budget]`` output of ``make_selector("jssa_mla").select`` reshaped.
+      scale: logit scale. No default: with absorbed queries the usual one is
+        ``1/sqrt(nope + rope dims of a head)`` (DeepSeek-V3: 1/sqrt(192)), which the
+        op cannot infer from D.
+      latent_dim: Dc, the latent width (DeepSeek-V2/V3: 512); 1 ≤ Dc ≤ D.
+      cache_scale: optional [B] float32 > 0 dequantisation scale of an FP8 cache.
+      return_lse: also return the log-sum-exp of the scaled logits, [B, H] float32.
+      implementation: see :mod:`jsparse.backend` (``"triton"`` or ``"reference"``).
+
+    Returns:
+      out [B, H, Dc] in ``q``'s dtype (zeros where the list is empty; ``W_UV`` is
+      applied by the caller), and with ``return_lse`` also lse [B, H] float32.
+
+    Index values are checked when concrete; under ``jit`` an entry outside [0, S) is
+    treated as empty (never read).
+    """
+    _checks.check_rank("q", q, 3, "[B, H, D]")
+    _checks.check_rank("cache", cache, 3, "[B, S, D]")
+    _checks.check_rank("indices", indices, 2, "[B, N]")
+    _checks.check_dtype("q", q, QUERY_FLOATS)
+    _checks.check_dtype("cache", cache, CACHE_FLOATS)
+    _checks.check_dtype("indices", indices, (jnp.int32,))
+    b, h, d = q.shape
+    s = cache.shape[1]
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    if jnp.dtype(cache.dtype) not in (jnp.dtype(q.dtype), fp8):
+        raise ValueError(
+            f"cache: dtype {_checks.dtype_name(cache.dtype)} with q "
+            f"{_checks.dtype_name(q.dtype)}; expected q's dtype, or float8_e4m3fn"
+        )
+    _checks.check_dim("cache", cache, 0, b, f"B of q {tuple(q.shape)}")
+    _checks.check_dim("cache", cache, 2, d, f"D of q {tuple(q.shape)}")
+    _checks.check_dim("indices", indices, 0, b, f"B of q {tuple(q.shape)}")
+    if not isinstance(latent_dim, (int, np.integer)) or not 1 <= latent_dim <= d:
+        raise ValueError(f"latent_dim: got {latent_dim!r}; expected an int in [1, D = {d}]")
+    if cache_scale is not None:
+        _checks.check_rank("cache_scale", cache_scale, 1, "[B]")
+        _checks.check_dtype("cache_scale", cache_scale, (jnp.float32,))
+        _checks.check_dim("cache_scale", cache_scale, 0, b, f"B of q {tuple(q.shape)}")
+        x = _checks.concrete(cache_scale)
+        if x is not None and not (np.isfinite(x) & (x > 0)).all():
+            at = int(np.argwhere(~(np.isfinite(x) & (x > 0)))[0, 0])
+            raise ValueError(f"cache_scale: cache_scale[{at}] = {x[at]}; expected finite and > 0")
+    real = isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool)
+    if not (real and math.isfinite(scale)):
+        raise ValueError(f"scale: got {scale!r}; expected a finite real number")
+    ids = _checks.concrete(indices)
+    if ids is not None:
+        bad = (ids < -1) | (ids >= s)
+        if bad.any():
+            at = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"indices: indices{list(at)} = {ids[at]} is outside [0, S) = [0, {s}) "
+                "and not -1 (an empty slot)"
+            )
+    if 0 in (b, h, s, indices.shape[1]):  # nothing to attend: every query is empty
+        out = jnp.zeros((b, h, int(latent_dim)), q.dtype)
+        lse = jnp.full((b, h), -jnp.inf, jnp.float32)
+    else:
+        out, lse = backend.dispatch(
+            "indexed_mla_attention", _implementations(), implementation,
+            q, cache, indices, cache_scale, int(latent_dim), float(scale),
+        )  # fmt: skip
+        out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+@functools.cache  # one jit wrapper: a fresh one per call costs host time
+def _implementations():
+    from jsparse.ops.mla import triton  # Pallas imports only when used
+
+    def run_triton(q, cache, indices, cache_scale, latent_dim, scale):
+        return triton.indexed_mla_attention_triton(
+            q, cache, indices, cache_scale, latent_dim=latent_dim, scale=scale
+        )
+
+    reference = jax.jit(indexed_mla_attention_reference, static_argnames=("latent_dim", "scale"))
+
+    def run_reference(q, cache, indices, cache_scale, latent_dim, scale):
+        return reference(q, cache, indices, latent_dim=latent_dim, scale=scale,
+                         cache_scale=cache_scale)  # fmt: skip
+
+    return {"triton": run_triton, "reference": run_reference}

@@ -1,0 +1,97 @@
+"""JSSA for multi-head latent attention (MATH.md §2.5).
+
+An MLA token caches one latent ``c`` (Dc = 512 in DeepSeek-V2/V3) and one RoPE key
+``k_r`` (Dr = 64), shared by every head; absorbed queries ``[W_UKᵀ q_nope ; q_rope]``
+score ``q_c·c + q_r·k_r``. JSSA-MLA averages the absorbed queries over all heads,
+calibrates ``M ∈ R^{r×Dc}`` on the latent part with JSSA's formula, and scores
+``(M q̄_c)·(M c) + q̄_r·k_r`` from a cache of ``[M c ; k_r]`` (r + Dr values, FP8).
+
+In the selector interface an MLA layer is one KV head of width D = Dc + Dr
+(``q [B, H, D]``, ``k [B, S, 1, D]``), and the map is the block-diagonal
+``E = diag(M, I_Dr)``, itself row-orthonormal: ``(E q̄)·(E k)`` is the score above, so
+the projected cache, its FP8 scale, appends and the scoring kernel are JSSA's own. One
+index list per token serves every head (:func:`jsparse.indexed_mla_attention`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from jsparse.calibration.eigenbasis import jssa_basis
+from jsparse.calibration.moments import Moments, normalize_trace
+from jsparse.calibration.stiefel import refine_basis
+from jsparse.selectors.base import CACHE_DTYPES, ProjectedSelector, register
+
+__all__ = ["JSSAMLASelector", "embed_latent_basis"]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class JSSAMLASelector(ProjectedSelector):
+    """Scores ``(M q̄_c)·(M c) + q̄_r·k_r``, ``M = TopEig_r(G̃_Q + G̃_K)`` of the latent part.
+
+    Options: ``rank`` (r, latent dims kept; the paper: 64), ``latent_dim`` (Dc),
+    ``cache_dtype``, ``normalize``, ``refine_steps`` / ``refine_lr`` (as ``jssa``).
+    Params: ``{"basis": [1, r + Dr, D]}``, the block-diagonal map ``diag(M, I_Dr)``.
+    """
+
+    rank: int = 64
+    latent_dim: int = 512
+    normalize: bool = True
+    refine_steps: int = 0
+    refine_lr: float = 0.05
+
+    name: ClassVar[str] = "jssa_mla"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.latent_dim, int) or self.latent_dim < self.rank:
+            raise ValueError(
+                f"latent_dim: got {self.latent_dim!r}; expected an int >= rank = {self.rank}"
+            )
+
+    def calibrate_from_moments(self, moments: Moments):
+        hkv, d = moments.gram_q.shape[-3], moments.gram_q.shape[-1]
+        if hkv != 1:
+            raise ValueError(
+                f"jssa_mla: moments of {hkv} KV heads; MLA caches one latent row per token, "
+                "expected keys [N, 1, D] (all heads share it)"
+            )
+        dc = self.latent_dim
+        if dc > d:
+            raise ValueError(f"jssa_mla: latent_dim {dc} exceeds the row width D = {d}")
+        latent = Moments(
+            moments.gram_q[..., :dc, :dc], moments.gram_k[..., :dc, :dc],
+            moments.mean_q[..., :dc], moments.mean_k[..., :dc], moments.n_tokens,
+        )  # fmt: skip
+        basis = jssa_basis(latent, self.rank, normalize=self.normalize)
+        if self.refine_steps:
+            basis = refine_basis(
+                basis,
+                normalize_trace(latent.gram_q),
+                normalize_trace(latent.gram_k),
+                steps=self.refine_steps,
+                lr=self.refine_lr,
+            ).basis
+        return {"basis": embed_latent_basis(basis, d)}
+
+    def maps(self, params):
+        return params["basis"], params["basis"]
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        """``[M c ; k_r]``: r + (D - Dc) values per token (128 bytes in FP8 for V3)."""
+        return float((self.rank + head_dim - self.latent_dim) * CACHE_DTYPES[self.cache_dtype][1])
+
+
+def embed_latent_basis(basis, width: int):
+    """``diag(M, I)``: ``[*L, r, Dc]`` → ``[*L, r + width - Dc, width]``, the latent basis
+    followed by the identity on the RoPE dims (row-orthonormal when ``M`` is)."""
+    r, dc = basis.shape[-2:]
+    dr = width - dc
+    lead = basis.shape[:-2]
+    top = jnp.concatenate([basis, jnp.zeros((*lead, r, dr), basis.dtype)], axis=-1)
+    eye = jnp.broadcast_to(jnp.eye(dr, width, dc, dtype=basis.dtype), (*lead, dr, width))
+    return jnp.concatenate([top, eye], axis=-2)

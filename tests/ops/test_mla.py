@@ -1,0 +1,227 @@
+"""Indexed MLA decode attention: the kernel against the jnp reference, the reference
+against a float64 numpy oracle, and the contract (empty slots, bad input, lowering)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.ops.mla import triton as mla_triton
+from tests.lowering import lower_for_h200
+
+F8 = jnp.float8_e4m3fn
+
+
+def make(b, h, dc, dr, s, n, dtype=jnp.float32, seed=0, cache_dtype=None):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, h, dc + dr)).astype(np.float32)
+    cache = rng.standard_normal((b, s, dc + dr)).astype(np.float32)
+    idx = rng.integers(-1, s, (b, n)).astype(np.int32)  # duplicates and empties
+    cache_dtype = cache_dtype or dtype
+    return jnp.asarray(q, dtype), jnp.asarray(cache, cache_dtype), jnp.asarray(idx)
+
+
+def oracle(q, cache, idx, dc, scale, cache_scale=None):
+    """float64 loops: each head over its sequence's listed rows; values = latents."""
+    q = np.asarray(q.astype(jnp.float32), np.float64)
+    cache = np.asarray(cache.astype(jnp.float32), np.float64)
+    idx = np.asarray(idx)
+    b, h, _ = q.shape
+    out, lse = np.zeros((b, h, dc)), np.full((b, h), -np.inf)
+    for bi in range(b):
+        rows = [int(j) for j in idx[bi] if j >= 0]
+        if not rows:
+            continue
+        cs = 1.0 if cache_scale is None else float(cache_scale[bi])
+        for hi in range(h):
+            logits = np.array([scale * cs * q[bi, hi] @ cache[bi, j] for j in rows])
+            top = logits.max()
+            p = np.exp(logits - top)
+            values = sum(pj * cache[bi, j, :dc] for pj, j in zip(p, rows, strict=True))
+            out[bi, hi] = cs * values / p.sum()
+            lse[bi, hi] = top + math.log(p.sum())
+    return out, lse
+
+
+SHAPES = {
+    # b, h, dc, dr, s, n
+    "odd": (2, 6, 40, 8, 53, 37),  # Dc and the list not powers of two
+    "two-blocks": (1, 40, 64, 16, 90, 70),  # 40 heads: two head blocks of 32, one padded
+    "no-rope": (3, 4, 32, 0, 20, 33),  # Dr = 0
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_reference_matches_numpy_oracle(shape):
+    dc = SHAPES[shape][2]
+    q, cache, idx = make(*SHAPES[shape])
+    idx = idx.at[0].set(-1)  # one list entirely empty
+    out, lse = jsparse.indexed_mla_attention(
+        q, cache, idx, scale=0.2, latent_dim=dc, return_lse=True, implementation="reference"
+    )
+    want_out, want_lse = oracle(q, cache, idx, dc, 0.2)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(out)[0] == 0) and np.all(np.asarray(lse)[0] == -np.inf)
+
+
+TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3, "float8": 3e-2}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8"])
+def test_kernel_matches_reference(kernel_impl, shape, dtype):
+    b, h, dc = SHAPES[shape][:3]
+    qdt = jnp.bfloat16 if dtype == "float8" else getattr(jnp, dtype)
+    q, cache, idx = make(*SHAPES[shape], dtype=qdt, seed=1,
+                         cache_dtype=F8 if dtype == "float8" else None)  # fmt: skip
+    idx = idx.at[-1].set(-1)  # one list empty: zeros and an lse of -inf
+    extra = {}
+    if dtype == "float8":
+        extra["cache_scale"] = jnp.asarray(np.random.default_rng(2).uniform(0.5, 2, b), jnp.float32)
+    run = lambda impl: jsparse.indexed_mla_attention(  # noqa: E731
+        q, cache, idx, scale=0.15, latent_dim=dc, return_lse=True, implementation=impl, **extra
+    )
+    (out, lse), (ref, ref_lse) = run(kernel_impl), run("reference")
+    assert out.dtype == q.dtype and out.shape == (b, h, dc) and lse.dtype == jnp.float32
+    tol = TOLERANCES[dtype]
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol
+    )
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
+
+
+def test_splits_and_tiles_give_the_same_answer(interpret):
+    q, cache, idx = make(1, 20, 64, 16, 300, 130, seed=3)
+    run = lambda splits, cfg=None: mla_triton.indexed_mla_attention_triton(  # noqa: E731
+        q, cache, idx, None, latent_dim=64, scale=0.1, splits=splits, cfg=cfg
+    )
+    one, lse1 = run(1)
+    for splits, cfg in [(3, None), (5, None), (2, mla_triton.MLAConfig(block_n=16, block_h=16))]:
+        out, lse = run(splits, cfg)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(one), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(lse1), rtol=1e-6, atol=1e-6)
+
+
+def test_every_row_listed_is_dense_mla(kernel_impl):
+    """Every cache row listed: plain softmax attention with keys [c; k_r], values c."""
+    b, h, dc, dr, s = 2, 16, 32, 16, 45
+    q, cache, _ = make(b, h, dc, dr, s, 1, seed=4)
+    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    got = jsparse.indexed_mla_attention(q, cache, idx, scale=0.125, latent_dim=dc,
+                                        implementation=kernel_impl)  # fmt: skip
+    logits = jnp.einsum("bhd,bsd->bhs", q, cache, precision="highest") * 0.125
+    want = jnp.einsum("bhs,bsc->bhc", jax.nn.softmax(logits, -1), cache[..., :dc],
+                      precision="highest")  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_out_of_range_entries_under_jit_are_never_read(kernel_impl):
+    q, cache, idx = make(*SHAPES["odd"], seed=6)
+    s = cache.shape[1]
+    bad = idx.at[:, ::5].set(s + 7).at[:, 1::7].set(-9)
+    cleaned = jnp.where((bad >= 0) & (bad < s), bad, -1)
+    run = jax.jit(lambda i: jsparse.indexed_mla_attention(
+        q, cache, i, scale=0.2, latent_dim=40, implementation=kernel_impl))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(run(bad)), np.asarray(run(cleaned)))
+
+
+@pytest.mark.parametrize("n, s", [(0, 10), (5, 0)], ids=["no-entries", "no-cache"])
+def test_nothing_to_attend_gives_zeros(n, s):
+    q, cache, _ = make(2, 4, 16, 8, max(s, 1), 1)
+    idx = jnp.full((2, n), -1, jnp.int32)
+    out, lse = jsparse.indexed_mla_attention(
+        q, cache[:, :s], idx, scale=0.3, latent_dim=16, return_lse=True
+    )
+    assert out.shape == (2, 4, 16) and np.all(np.asarray(out) == 0)
+    assert np.all(np.asarray(lse) == -np.inf)
+
+
+def _bad_inputs():
+    q, cache, idx = make(2, 6, 16, 8, 30, 5)
+    # fmt: off
+    return [
+        ("rank", dict(q=q[0]), r"q: expected rank 3"),
+        ("cache rank", dict(cache=cache[:, :, None]), r"cache: expected rank 3"),
+        ("q dtype", dict(q=q.astype(jnp.int32)), r"q: dtype int32"),
+        ("mixed", dict(cache=cache.astype(jnp.bfloat16)), r"cache: dtype bfloat16 with q float32"),
+        ("index dtype", dict(indices=idx.astype(jnp.int16)), r"indices: dtype int16"),
+        ("index rank", dict(indices=idx[:, None]), r"indices: expected rank 2"),
+        ("batch", dict(cache=cache[:1]), r"cache: axis 0 of shape \(1, 30, 24\) is 1; expected 2"),
+        ("row width", dict(cache=cache[..., :20]), r"cache: axis 2 .* expected 24"),
+        ("list batch", dict(indices=idx[:1]), r"indices: axis 0 .* expected 2"),
+        ("latent_dim", dict(latent_dim=25),
+         r"latent_dim: got 25; expected an int in \[1, D = 24\]"),
+        ("latent_dim 0", dict(latent_dim=0), r"latent_dim: got 0"),
+        ("beyond S", dict(indices=idx.at[1, 3].set(30)),
+         r"indices: indices\[1, 3\] = 30 is outside \[0, S\) = \[0, 30\)"),
+        ("below -1", dict(indices=idx.at[0, 0].set(-2)), r"indices\[0, 0\] = -2"),
+        ("scale", dict(scale=float("inf")), r"scale: got inf"),
+        ("scale type", dict(scale=jnp.float32(0.5)), r"scale: got Array"),
+        ("cache_scale rank", dict(cache_scale=jnp.ones((2, 1), jnp.float32)),
+         r"cache_scale: expected rank 1"),
+        ("cache_scale value", dict(cache_scale=jnp.asarray([1.0, -1.0], jnp.float32)),
+         r"cache_scale: cache_scale\[1\] = -1.0; expected finite and > 0"),
+    ], dict(q=q, cache=cache, indices=idx, scale=0.25, latent_dim=16)
+    # fmt: on
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _bad_inputs()[0]])
+def test_bad_input_names_the_argument(case):
+    cases, good = _bad_inputs()
+    _, change, message = next(c for c in cases if c[0] == case)
+    args = {**good, **change}
+    q, cache, idx = args.pop("q"), args.pop("cache"), args.pop("indices")
+    with pytest.raises(ValueError, match=message):
+        jsparse.indexed_mla_attention(q, cache, idx, **args)
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="block_h must be a power of two ≥ 16, got 24"):
+        mla_triton.MLAConfig(block_h=24)
+
+
+PAIRS = [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32), (jnp.bfloat16, F8)]
+
+
+@pytest.mark.parametrize("qdt, cdt", PAIRS, ids=["bf16", "f32", "fp8"])
+@pytest.mark.parametrize("shape", [(4, 128, 512, 64, 4096, 2048), (2, 20, 40, 8, 300, 100)])
+def test_lowers_to_cuda(qdt, cdt, shape):
+    b, h, dc, dr, s, n = shape
+    sds = jax.ShapeDtypeStruct
+    args = [sds((b, h, dc + dr), qdt), sds((b, s, dc + dr), cdt), sds((b, n), jnp.int32)]
+    scale = [sds((b,), jnp.float32)] if cdt == F8 else []
+    for splits in (None, 1, 5):  # the default; in place; a merge of a non-power-of-2 count
+
+        def fn(q, c, i, *sc, splits=splits):
+            return mla_triton.indexed_mla_attention_triton(
+                q, c, i, sc[0] if sc else None, latent_dim=dc, scale=0.1, splits=splits
+            )
+
+        lowered = lower_for_h200(fn, *args, *scale)
+        assert "jsparse_indexed_mla_attention" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("b, h", [(1, 128), (16, 16)])
+def test_gpu_deepseek_shapes(b, h, cache):
+    """DeepSeek-V3 MLA (Dc 512, Dr 64), 64K context, 2048 listed rows."""
+    s, n, dc = 65536, 2048, 512
+    kq, kc, ki = jax.random.split(jax.random.PRNGKey(b), 3)
+    q = jax.random.normal(kq, (b, h, dc + 64), jnp.bfloat16)
+    c = jax.random.normal(kc, (b, s, dc + 64), jnp.bfloat16)
+    idx = jax.random.randint(ki, (b, n), -1, s, jnp.int32)
+    extra = {}
+    if cache == "fp8":
+        c, extra = (c * 4).astype(F8), dict(cache_scale=jnp.full((b,), 0.25, jnp.float32))
+    run = lambda impl: jsparse.indexed_mla_attention(  # noqa: E731
+        q, c, idx, scale=192**-0.5, latent_dim=dc, implementation=impl, **extra
+    )
+    np.testing.assert_allclose(
+        np.asarray(run("triton"), np.float32), np.asarray(run("reference"), np.float32),
+        rtol=3e-2, atol=3e-2,
+    )  # fmt: skip
