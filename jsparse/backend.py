@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,7 @@ import jax
 __all__ = [
     "IMPLEMENTATIONS",
     "Implementation",
+    "check_triton_offsets",
     "dispatch",
     "has_nvidia_gpu",
     "interpret_mode",
@@ -166,3 +168,26 @@ def dispatch(
             errors.append(f"{name}: {err}")
             _log.debug("%s: %s declined (%s), falling back", op, name, err)
     raise NotImplementedError(f"{op}: no implementation accepted the input: {'; '.join(errors)}")
+
+
+def check_triton_offsets(op: str, **operands) -> None:
+    """Raises ``NotImplementedError`` for an operand that Pallas Triton would read at
+    wrapped addresses.
+
+    Its lowering (jax 0.10-0.11) computes element offsets in signed 32 bits unless the
+    operand exceeds 4 GiB, so an operand of more than 2**31 elements but at most 4 GiB
+    (only 1-byte dtypes: an FP8 cache of 2-4 GiB) has offsets past 2**31 that wrap
+    negative: a silent wrong read or an illegal address (WORKSPACE.md, run 163). Under
+    ``implementation=None`` the op then falls back to its reference.
+    """
+    for name, x in operands.items():
+        if x is None:
+            continue
+        size = math.prod(x.shape)
+        nbytes = size * x.dtype.itemsize
+        if size > 2**31 and nbytes <= 2**32:
+            raise NotImplementedError(
+                f"{op}: {name} {tuple(x.shape)} {x.dtype} has {size} elements in {nbytes} "
+                "bytes; Pallas Triton addresses an operand of 2**31 elements to 4 GiB with "
+                "32-bit offsets that wrap"
+            )

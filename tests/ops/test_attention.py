@@ -294,3 +294,32 @@ def test_logits_far_from_zero_stay_finite(interpret, sign):
         want = np.mean(np.asarray(v)[0, np.asarray(idx)[0, 0], 0], axis=0)
         np.testing.assert_allclose(np.asarray(out)[0], np.broadcast_to(want, (h, d)), atol=1e-5)
         np.testing.assert_allclose(np.asarray(lse), sign * 5000.0 + np.log(n), rtol=1e-6)
+
+
+def test_fp8_caches_of_2_to_4_gib_are_refused_not_misread():
+    """Pallas Triton would address these with wrapping 32-bit offsets (run 163): the
+    kernel refuses them, and ``implementation=None`` falls back to the reference."""
+    sds = jax.ShapeDtypeStruct
+    b, s, hkv, d = 24, 131072, 8, 128  # 3.2 GB of FP8 keys
+    q, idx = sds((b, 32, d), jnp.bfloat16), sds((b, hkv, 2048), jnp.int32)
+    k = sds((b, s, hkv, d), F8)
+    scales = sds((b, hkv), jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"indexed_attention: k \(24, 131072, 8, 128\)"):
+        jax.eval_shape(
+            lambda *a: attention_triton.indexed_attention_triton(*a, scale=0.1),
+            q, k, k, idx, scales, scales,
+        )  # fmt: skip
+    with jsparse.backend.interpret_mode(True):
+        out = jax.eval_shape(
+            lambda *a: jsparse.indexed_attention(*a[:4], k_scale=a[4], v_scale=a[5]),
+            q, k, k, idx, scales, scales,
+        )  # fmt: skip
+    assert out.shape == (b, 32, d)
+
+
+def test_offset_check_is_about_one_byte_operands_of_2_to_4_gib():
+    check = jsparse.backend.check_triton_offsets
+    sds = jax.ShapeDtypeStruct
+    check("op", x=sds((2**31,), F8), y=sds((2**31 + 1,), jnp.bfloat16), z=sds((2**32 + 1,), F8))
+    with pytest.raises(NotImplementedError, match=r"op: w \(2147483649,\) float8_e4m3fn"):
+        check("op", w=sds((2**31 + 1,), F8))

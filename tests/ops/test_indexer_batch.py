@@ -280,3 +280,20 @@ def test_sm_count_is_the_devices():
         assert backend.sm_count() == jax.devices()[0].core_count
     else:
         assert backend.sm_count() == backend.DEFAULT_SM_COUNT
+
+
+def test_fp8_caches_of_2_to_4_gib_are_refused_not_misread():
+    """(WORKSPACE.md run 163.) 160 × 128K FP8 keys of 128 dims are 2.7 GB: the Triton
+    scorer refuses them rather than address them with wrapping 32-bit offsets."""
+    sds = jax.ShapeDtypeStruct
+    b, s, d = 160, 131072, 128
+    args = (sds((b, 64, d), jnp.bfloat16), sds((b, 64), jnp.float32),
+            sds((b, s, d), jnp.float8_e4m3fn))  # fmt: skip
+    lengths = sds((b,), jnp.int32)
+    with backend.interpret_mode(True), pytest.raises(NotImplementedError, match=r"scorer: k \("):
+        jax.eval_shape(
+            lambda q, w, k, n: jsparse.indexer_topk_batch(
+                q, w, k, 2048, lengths=n, implementation="triton"
+            ).indices,
+            *args, lengths,
+        )  # fmt: skip

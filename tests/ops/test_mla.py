@@ -1,6 +1,7 @@
 """Indexed MLA decode attention: the kernel against the jnp reference, the reference
 against a float64 numpy oracle, and the contract (empty slots, bad input, lowering)."""
 
+import functools
 import math
 
 import jax
@@ -51,6 +52,7 @@ SHAPES = {
     "odd": (2, 6, 40, 8, 53, 37),  # Dc and the list not powers of two
     "two-blocks": (1, 40, 64, 16, 90, 70),  # 40 heads: two head blocks of 32, one padded
     "no-rope": (3, 4, 32, 0, 20, 33),  # Dr = 0
+    "odd-rope": (2, 6, 40, 7, 53, 37),  # an odd row: FP8 read byte by byte, not in words
 }
 
 
@@ -188,7 +190,9 @@ PAIRS = [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32), (jnp.bfloat16
 
 
 @pytest.mark.parametrize("qdt, cdt", PAIRS, ids=["bf16", "f32", "fp8"])
-@pytest.mark.parametrize("shape", [(4, 128, 512, 64, 4096, 2048), (2, 20, 40, 8, 300, 100)])
+@pytest.mark.parametrize(
+    "shape", [(4, 128, 512, 64, 4096, 2048), (2, 20, 40, 8, 300, 100), (2, 20, 40, 7, 300, 100)]
+)
 def test_lowers_to_cuda(qdt, cdt, shape):
     b, h, dc, dr, s, n = shape
     sds = jax.ShapeDtypeStruct
@@ -203,6 +207,26 @@ def test_lowers_to_cuda(qdt, cdt, shape):
 
         lowered = lower_for_h200(fn, *args, *scale)
         assert "jsparse_indexed_mla_attention" in lowered.as_text()
+
+
+def test_fp8_caches_of_2_to_4_gib():
+    """A DeepSeek FP8 cache of 128 × 32K rows (2.4 GB) is read as 16-bit words and
+    lowers; an odd row width (read byte by byte) of that size is refused, not misread."""
+    sds = jax.ShapeDtypeStruct
+    q, idx = sds((128, 16, 576), jnp.bfloat16), sds((128, 2048), jnp.int32)
+    big = sds((128, 32768, 576), F8)
+
+    def fn(q, c, i, cs, dc=512):
+        return mla_triton.indexed_mla_attention_triton(q, c, i, cs, latent_dim=dc, scale=0.1)
+
+    lowered = lower_for_h200(fn, q, big, idx, sds((128,), jnp.float32))
+    assert "jsparse_indexed_mla_attention" in lowered.as_text()
+    odd = sds((128, 32768, 577), F8)
+    with pytest.raises(NotImplementedError, match=r"cache \(4194304, 577\) float8_e4m3fn"):
+        jax.eval_shape(
+            functools.partial(fn, dc=513), sds((128, 16, 577), jnp.bfloat16), odd, idx,
+            sds((128,), jnp.float32),
+        )  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -92,3 +92,18 @@ def test_gpu_kernel_matches_the_reference():
     got = np.asarray(projected_scores(q, x, implementation="triton"))
     want = np.asarray(projected_scores(q, x, implementation="reference"))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+
+
+def test_fp8_caches_of_2_to_4_gib_are_refused_not_misread():
+    """(WORKSPACE.md run 163.) The kernel refuses the cache; the op falls back."""
+    import jsparse
+    from jsparse.ops.projected import triton as projected_triton
+
+    sds = jax.ShapeDtypeStruct
+    q, values = sds((160, 8, 32), jnp.float32), sds((160, 65536, 8, 32), jnp.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="projected_scores: values"):
+        jax.eval_shape(projected_triton.projected_scores_triton, q, values)
+    with jsparse.backend.interpret_mode(True):
+        assert jax.eval_shape(jsparse.ops.projected.projected_scores, q, values).shape == (
+            160, 8, 65536,
+        )  # fmt: skip

@@ -202,6 +202,7 @@ def indexed_attention_triton(q, k, v, indices, k_scale, v_scale, *, scale, cfg=N
     """(out [B, H, Dv] in q's dtype, lse [B, H] float32); see
     :func:`jsparse.indexed_attention`."""
     cfg = cfg or AttentionConfig()
+    backend.check_triton_offsets("indexed_attention", k=k, v=v)
     b, h, d = q.shape
     s, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = h // hkv

@@ -553,6 +553,7 @@ def _launch(
     :func:`_widen_in_memory`); a paged pool is always so. ``report`` (dense, no fill):
     also returns the exhaustive report's five [T] rows after the scores. ``row_cols`` > 0
     (dense, no fill): scores as [T, row_cols], query t's key i at column i - start[t]."""
+    backend.check_triton_offsets("indexer scorer", k=k)
     t, _, _ = q.shape
     if report and (records_cap is not None or fill):
         raise ValueError("_launch: report is for a dense launch without fill")

@@ -10,9 +10,14 @@ the sequence's index list (split-K at small batch). Per step of ``block_n`` entr
     acc      [BH, Dc]       += softmax weights · latent (the latent is the value too)
 
 so a listed row is read once per head block and serves as key and value; nothing is
-copied out of the cache. Splits write running max, normaliser and unnormalised output,
-merged by the indexed GQA kernel's merge launch (:func:`jsparse.ops.attention.triton.
-merge_splits`); a list one program walks alone is normalised in place.
+copied out of the cache. An FP8 cache with even Dc and Dr is read as 16-bit words, each
+two values (Pallas Triton would address a 1-byte cache of 2-4 GiB with wrapping 32-bit
+offsets, run 163): the low and high bytes are two planes with their own halves of q and
+of the accumulator, and the output's two halves are interleaved back outside.
+
+Splits write running max, normaliser and unnormalised output, merged by the indexed
+GQA kernel's merge launch (:func:`jsparse.ops.attention.triton.merge_splits`); a list
+one program walks alone is normalised in place.
 """
 
 from __future__ import annotations
@@ -26,16 +31,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
-from jsparse.ops.attention.triton import (
-    MIN_GROUP_ROWS,
-    default_splits,
-    merge_splits,
-    store_normalized,
-)
+from jsparse.ops.attention.triton import MIN_GROUP_ROWS, default_splits, merge_splits
 from jsparse.ops.indexer.triton import next_pow2
 
 # The default tiles (module constants, so that `bench/run.py --set` can A/B them).
-BLOCK_N = 32  # list entries per step
+BLOCK_N = 64  # list entries per step (run 163, 128 × 32K, 128 heads: 424 µs; 32: 459)
 MAX_BLOCK_H = 32  # heads per program
 NUM_WARPS = 4
 NUM_STAGES = 2
@@ -76,14 +76,14 @@ class _Plan:
     seq: int  # S
     heads: int  # H
     head_blocks: int
-    group: int  # heads per block (the merge's and final store's "group")
+    group: int  # heads per block (the merge's "group")
     group_rows: int  # == group: a power of two ≥ 16
-    latent: int  # Dc
+    planes: int  # 1, or 2 for a packed FP8 cache (low and high bytes of each word)
+    latent: int  # latent values per plane (Dc, or Dc/2 packed)
     latent_pad: int
-    rope: int  # Dr = D - Dc (0: no RoPE part)
+    rope: int  # RoPE values per plane (0: no RoPE part)
     rope_pad: int
-    dim: int  # D, the cache row
-    vdim: int  # Dc: the output width (merge and final store read these names)
+    vdim: int  # Dc: the output width (the merge reads these names)
     vdim_pad: int
     list_len: int
     steps_per_split: int
@@ -97,7 +97,20 @@ class _Plan:
     interpret: bool
 
 
+def _unpack(words, p: _Plan):
+    """The planes of a loaded tile in the compute dtype: the tile itself, or the low and
+    high FP8 bytes of each 16-bit word (a packed cache)."""
+    if p.planes == 1:
+        return [words.astype(p.compute)]
+    fp8 = jnp.float8_e4m3fn
+    lo = jax.lax.bitcast_convert_type((words & 0xFF).astype(jnp.uint8), fp8)
+    hi = jax.lax.bitcast_convert_type((words >> 8).astype(jnp.uint8), fp8)
+    return [lo.astype(p.compute), hi.astype(p.compute)]
+
+
 def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
+    """q arrives plane by plane: [latent planes | RoPE planes], each plane p.latent
+    (p.rope) wide; the cache row is [latent words | RoPE words]."""
     scale_ref, outs = (refs[0], refs[1:]) if p.has_scale else (None, refs)
     bn = p.cfg.block_n
     pair = pl.program_id(0)  # b·head_blocks + block
@@ -105,74 +118,94 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
     b, blk = pair // p.head_blocks, pair % p.head_blocks
     heads = blk * p.group + jnp.arange(p.group)
     real = heads < p.heads
-    cdims = jnp.arange(p.latent_pad)
+    cdims, rdims = jnp.arange(p.latent_pad), jnp.arange(p.rope_pad)
     zero = jnp.zeros((), cache_ref.dtype)  # typed `other`: Triton cannot cast i32 0 to fp8
-    q_c = plt.load(
-        q_ref.at[b, heads[:, None], cdims[None, :]],
-        mask=real[:, None] & (cdims[None, :] < p.latent), other=0.0,
-    ).astype(p.compute)  # fmt: skip
-    if p.rope:
-        rdims = jnp.arange(p.rope_pad)
-        q_r = plt.load(
-            q_ref.at[b, heads[:, None], p.latent + rdims[None, :]],
-            mask=real[:, None] & (rdims[None, :] < p.rope), other=0.0,
-        ).astype(p.compute)  # fmt: skip
+
+    def load_q(start, dims, width):
+        mask = real[:, None] & (dims[None, :] < width)
+        at = q_ref.at[b, heads[:, None], start + dims[None, :]]
+        return plt.load(at, mask=mask, other=0.0).astype(p.compute)
+
+    q_c = [load_q(i * p.latent, cdims, p.latent) for i in range(p.planes)]
+    rope_at = p.planes * p.latent
+    q_r = [load_q(rope_at + i * p.rope, rdims, p.rope) for i in range(p.planes) if p.rope]
     precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
     scale = p.scale
     if p.has_scale:
         scale = scale * plt.load(scale_ref.at[pair])
 
-    def dot_t(a, x):  # a [BH, X] · x [BN, X]ᵀ
-        return jax.lax.dot_general(
-            a, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=precision,
-        )  # fmt: skip
-
     def step(j, carry):
-        m, l, acc = carry
+        m, l, accs = carry
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[b, at], mask=at < p.list_len, other=-1)
         ok = (ids >= 0) & (ids < p.seq)
         rows = b * p.seq + jnp.where(ok, ids, 0)
-        lat = plt.load(
-            cache_ref.at[rows[:, None], cdims[None, :]],
-            mask=ok[:, None] & (cdims[None, :] < p.latent), other=zero,
-        ).astype(p.compute)  # fmt: skip
-        logits = dot_t(q_c, lat)
+
+        def load_rows(start, dims, width):
+            mask = ok[:, None] & (dims[None, :] < width)
+            return _unpack(plt.load(cache_ref.at[rows[:, None], start + dims[None, :]],
+                                    mask=mask, other=zero), p)  # fmt: skip
+
+        lat = load_rows(0, cdims, p.latent)
+        logits = sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_c, lat, strict=True))
         if p.rope:
-            rope = plt.load(
-                cache_ref.at[rows[:, None], p.latent + rdims[None, :]],
-                mask=ok[:, None] & (rdims[None, :] < p.rope), other=zero,
-            ).astype(p.compute)  # fmt: skip
-            logits = logits + dot_t(q_r, rope)
+            rope = load_rows(p.latent, rdims, p.rope)
+            logits += sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_r, rope, strict=True))
         logits = jnp.where(ok[None, :], logits * scale, -jnp.inf)  # [BH, BN]
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         # Subtract a finite max: a row that has seen only empty entries stays at 0 weight.
         base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         weights = jnp.exp(logits - base[:, None])
         alpha = jnp.exp(m - base)
-        pv = jax.lax.dot_general(
-            weights.astype(p.compute), lat, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32, precision=precision,
+        w = weights.astype(p.compute)
+        accs = tuple(
+            acc * alpha[:, None] + jax.lax.dot_general(
+                w, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                precision=precision,
+            )
+            for acc, v in zip(accs, lat, strict=True)
         )  # fmt: skip
-        return m_new, l * alpha + jnp.sum(weights, axis=1), acc * alpha[:, None] + pv
+        return m_new, l * alpha + jnp.sum(weights, axis=1), accs
 
     init = (
         jnp.full((p.group,), -jnp.inf, jnp.float32),
         jnp.zeros((p.group,), jnp.float32),
-        jnp.zeros((p.group, p.latent_pad), jnp.float32),
+        tuple(jnp.zeros((p.group, p.latent_pad), jnp.float32) for _ in range(p.planes)),
     )
     first = split * p.steps_per_split
     last = jnp.minimum(first + p.steps_per_split, p.steps)
-    m, l, acc = jax.lax.fori_loop(first, last, step, init)
+    m, l, accs = jax.lax.fori_loop(first, last, step, init)
+    rows = jnp.arange(p.group)
     if p.splits == 1:  # the whole list in one program: normalise here, no merge launch
-        v_scale = plt.load(scale_ref.at[pair]) if p.has_scale else None
-        store_normalized(outs, pair, m, l, acc, v_scale, p)
+        out_ref, lse_ref = outs
+        some = l > 0
+        safe = jnp.where(some, l, 1.0)
+        factor = jnp.where(some, 1.0 / safe, 0.0)
+        if p.has_scale:
+            factor = factor * plt.load(scale_ref.at[pair])
+        planes = [acc * factor[:, None] for acc in accs]
+        _store_planes(out_ref, (pair,), planes, p)
+        plt.store(lse_ref.at[pair, rows], jnp.where(some, m + jnp.log(safe), -jnp.inf))
         return
     acc_ref, m_ref, l_ref = outs
-    plt.store(acc_ref.at[pair, split], acc)
-    plt.store(m_ref.at[pair, split], m)
-    plt.store(l_ref.at[pair, split], l)
+    _store_planes(acc_ref, (pair, split), list(accs), p)
+    plt.store(m_ref.at[pair, split, rows], m)
+    plt.store(l_ref.at[pair, split, rows], l)
+
+
+def _dot_t(a, x, precision):  # a [BH, X] · x [BN, X]ᵀ
+    return jax.lax.dot_general(
+        a, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+    )
+
+
+def _store_planes(ref, prefix, planes, p: _Plan):
+    """Plane i's p.latent real values at [i·p.latent, (i+1)·p.latent) of each head row
+    of ``ref[*prefix]``."""
+    rows, dims = jnp.arange(p.group), jnp.arange(p.latent_pad)
+    for i, plane in enumerate(planes):
+        at = ref.at[(*prefix, rows[:, None], i * p.latent + dims[None, :])]
+        plt.store(at, plane.astype(ref.dtype), mask=dims[None, :] < p.latent)
 
 
 @functools.partial(jax.jit, static_argnames=("latent_dim", "scale", "cfg", "splits"))
@@ -193,23 +226,36 @@ def indexed_mla_attention_triton(
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     compute = jnp.dtype(q.dtype) if jnp.dtype(cache.dtype) == fp8 else jnp.dtype(cache.dtype)
     dc, dr = latent_dim, d - latent_dim
+    # An FP8 cache is read as 16-bit words holding two values: Pallas Triton addresses a
+    # 1-byte operand of 2-4 GiB with 32-bit offsets that wrap (a 128 × 32K DeepSeek cache
+    # is 2.4 GB: run 163 read garbage for its last sequences), 2-byte words never.
+    packed = jnp.dtype(cache.dtype) == fp8 and dc % 2 == 0 and dr % 2 == 0
+    planes = 2 if packed else 1
+    if packed:
+        q = jnp.concatenate([q[..., 0:dc:2], q[..., 1:dc:2], q[..., dc::2], q[..., dc + 1 :: 2]],
+                            axis=-1)  # fmt: skip
+        rows = jax.lax.bitcast_convert_type(cache.reshape(b * s, d // 2, 2), jnp.uint16)
+    else:
+        rows = cache.reshape(b * s, d)
+        backend.check_triton_offsets("indexed_mla_attention", cache=rows)
     has_scale = cache_scale is not None
+    lat, rope = dc // planes, dr // planes
     p = _Plan(
         seq=s, heads=h, head_blocks=blocks, group=cfg.block_h, group_rows=cfg.block_h,
-        latent=dc, latent_pad=next_pow2(dc, 16), rope=dr, rope_pad=next_pow2(max(dr, 1), 16),
-        dim=d, vdim=dc, vdim_pad=next_pow2(dc, 16), list_len=n, steps_per_split=per_split,
-        steps=steps, splits=splits, scale=float(scale), compute=compute, has_scale=has_scale,
-        has_v_scale=has_scale, cfg=cfg, interpret=backend.is_interpret(),
+        planes=planes, latent=lat, latent_pad=next_pow2(lat, 16), rope=rope,
+        rope_pad=next_pow2(max(rope, 1), 16), vdim=dc, vdim_pad=next_pow2(dc, 16),
+        list_len=n, steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
+        compute=compute, has_scale=has_scale, has_v_scale=has_scale, cfg=cfg,
+        interpret=backend.is_interpret(),
     )  # fmt: skip
-    # Reshape only (free): the kernel masks the padded heads, dims and list tail.
     scales = [jnp.repeat(cache_scale.astype(jnp.float32), blocks)] if has_scale else []
-    bh, dcp = cfg.block_h, p.latent_pad
+    bh = cfg.block_h
     final = (
         jax.ShapeDtypeStruct((pairs, bh, dc), q.dtype),
         jax.ShapeDtypeStruct((pairs, bh), jnp.float32),
     )
     partial = (
-        jax.ShapeDtypeStruct((pairs, splits, bh, dcp), jnp.float32),
+        jax.ShapeDtypeStruct((pairs, splits, bh, p.vdim_pad), jnp.float32),
         jax.ShapeDtypeStruct((pairs, splits, bh), jnp.float32),
         jax.ShapeDtypeStruct((pairs, splits, bh), jnp.float32),
     )
@@ -220,9 +266,11 @@ def indexed_mla_attention_triton(
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=p.interpret,
         name="jsparse_indexed_mla_attention",
-    )(q, indices, cache.reshape(b * s, d), *scales)
+    )(q, indices, rows, *scales)
     if splits > 1:
         outs = merge_splits(outs, scales, p, final, "jsparse_indexed_mla_attention")
     out, lse = outs
     out = out.reshape(b, blocks * bh, dc)[:, :h]
+    if packed:  # [low bytes' dims | high bytes' dims] back to the cache's order
+        out = out.reshape(b, h, 2, dc // 2).swapaxes(2, 3).reshape(b, h, dc)
     return out, lse.reshape(b, blocks * bh)[:, :h]

@@ -65,6 +65,7 @@ def _kernel(q_ref, x_ref, out_ref, *, p: _Plan):
 @functools.partial(jax.jit, static_argnames=("block_s",))
 def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
     """float32 [B, Hkv, S]; see :func:`jsparse.ops.projected.projected_scores`."""
+    backend.check_triton_offsets("projected_scores", values=values)
     b, s, hkv, r = values.shape
     hp = next_pow2(hkv, 1)
     row_bytes = hp * r * jnp.dtype(values.dtype).itemsize
