@@ -1,0 +1,241 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) in Flax NNX, decoded densely or
+over the tokens a selector picks.
+
+Each token caches one row ``[c ; k_r]``: its normalised latent ``c`` (``latent_dim``)
+and its RoPE key ``k_r`` (``rope_dim``), shared by every head. Attention runs in the
+absorbed form: a head's query ``[q_nope ; q_rope]`` becomes ``[W_UKᵀ q_nope ; q_rope]``
+against the rows, and the output ``o_c`` (latent) becomes ``W_UV o_c``, so the cache is
+never expanded per head. Scores and outputs are those of the expanded form
+``k_h = [W_UK,h c ; k_r]``, ``v_h = W_UV,h c`` (MATH.md §2.5).
+
+The layer calls a core on the absorbed queries::
+
+    core(q [B, T, H, D], rows [B, S, D], *, q_positions [B, T], k_positions [B, S],
+         scale, latent_dim, core_state=None) -> out [B, T, H, Dc] (, core_state)
+
+``DenseMLA`` attends every visible row; ``SparseMLA`` decodes (T = 1) over the
+``budget`` rows a selector picks (``jssa_mla`` by default: one list per token for all
+heads), with :func:`jsparse.indexed_mla_attention` reading them in place, and keeps the
+selector's projected cache as its state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jsparse.models.llama import RMSNorm, apply_rope, rope_angles
+from jsparse.nn.attention import SelectorParams, _check_prefix
+from jsparse.ops.mla import indexed_mla_attention
+from jsparse.selectors import ProjectedSelector, Selector, make_selector
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class MLACache(NamedTuple):
+    """One layer's decode cache (a pytree): rows in position order, first ``lengths[b]``
+    filled, and the core's state (a selector's projected cache, or None)."""
+
+    rows: Float[Array, "B S D"]
+    lengths: Int[Array, " B"]
+    core_state: Any = None
+
+
+class DenseMLA(nnx.Module):
+    """Absorbed softmax attention over every visible row (f32; the reference core)."""
+
+    def __call__(self, q, rows, *, q_positions, k_positions, scale, latent_dim, core_state=None):
+        logits = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), rows.astype(jnp.float32),
+                            precision=HIGHEST) * scale  # fmt: skip
+        visible = (k_positions[:, None, :] >= 0) & (
+            k_positions[:, None, :] <= q_positions[:, :, None]
+        )  # [B, T, S]
+        logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)
+        p = jax.nn.softmax(logits, axis=-1)
+        p = jnp.where(visible[:, :, None, :], p, 0.0)  # a query with nothing visible: zeros
+        out = jnp.einsum("bths,bsc->bthc", p, rows[..., :latent_dim].astype(jnp.float32),
+                         precision=HIGHEST)  # fmt: skip
+        return out if core_state is None else (out, core_state)
+
+
+class SparseMLA(nnx.Module):
+    """MLA decoding over the ``budget`` rows a selector picks for each sequence.
+
+    Args:
+      selector: a :class:`jsparse.selectors.Selector` for one KV head of width
+        ``latent_dim + rope_dim`` (``jssa_mla``, or ``oracle``), or a name.
+      params: its calibrated parameters (``{}`` for ``oracle``).
+      budget: rows attended at each decode step (static).
+      implementation: for :func:`jsparse.indexed_mla_attention`.
+      fp8_headroom: the projected cache's FP8 scale is the prompt's amax times this.
+
+    Prefill (T > 1) runs :class:`DenseMLA` and projects the prompt's rows once; a decode
+    step appends its own row's projection and selects from the kept cache.
+    """
+
+    def __init__(
+        self,
+        selector: Selector | str = "jssa_mla",
+        params: Mapping[str, Array] | None = None,
+        budget: int = 2048,
+        *,
+        implementation: str | Sequence[str] | None = None,
+        fp8_headroom: float = 2.0,
+        **selector_options,
+    ):
+        if isinstance(selector, str):
+            selector = make_selector(selector, **selector_options)
+        elif selector_options:
+            raise ValueError(
+                f"selector_options {sorted(selector_options)}: given with a built selector "
+                f"({selector.describe()}); pass them to jsparse.make_selector instead"
+            )
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget: got {budget!r}; expected an int ≥ 1 (rows per step)")
+        if not fp8_headroom >= 1.0:
+            raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a number >= 1")
+        self.selector = selector
+        self.params = SelectorParams(dict(params or {}))
+        self.budget = budget
+        self.implementation = implementation
+        self.fp8_headroom = float(fp8_headroom)
+        self.dense = DenseMLA()
+
+    @property
+    def keeps_projected_cache(self) -> bool:
+        """Whether decoding scores from a projected cache kept in the core's state."""
+        return isinstance(self.selector, ProjectedSelector)
+
+    def init_core_state(self, batch: int, max_len: int, width: int):
+        """The empty projected cache of ``max_len`` rows (None for selectors without one)."""
+        if not self.keeps_projected_cache:
+            return None
+        params = self.params.get_value()
+        key_map = self.selector.maps(params)[1]
+        if key_map.shape[0] != 1 or key_map.shape[-1] != width:
+            raise ValueError(
+                f"params: calibrated for {key_map.shape[0]} KV heads of dim "
+                f"{key_map.shape[-1]}; MLA rows are one KV head of dim {width}"
+            )
+        return self.selector.empty_cache(params, batch, max_len)
+
+    def __call__(self, q, rows, *, q_positions, k_positions, scale, latent_dim, core_state=None):
+        params = self.params.get_value()
+        if q.shape[1] != 1:
+            out = self.dense(q, rows, q_positions=q_positions, k_positions=k_positions,
+                             scale=scale, latent_dim=latent_dim)  # fmt: skip
+            if core_state is None:
+                return out
+            filled = (k_positions >= 0)[:, :, None]  # empty slots borrow slot 0's row
+            keys = jnp.where(filled, rows, rows[:, :1])[:, :, None]
+            return out, self.selector.project_keys(params, keys, headroom=self.fp8_headroom)
+        visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
+        _check_prefix(visible)
+        lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
+        if core_state is None:
+            idx = self.selector.select(params, q[:, 0], rows[:, :, None], lengths, self.budget)
+        else:
+            slot = lengths - 1  # this step's row: the last visible slot
+            new = rows[jnp.arange(rows.shape[0]), jnp.maximum(slot, 0)][:, None]  # [B, 1, D]
+            core_state = self.selector.append_keys(params, core_state, new, slot)
+            idx = self.selector.select_projected(params, q[:, 0], core_state, lengths,
+                                                 self.budget)  # fmt: skip
+        out = indexed_mla_attention(
+            q[:, 0], rows, idx[:, 0], scale=scale, latent_dim=latent_dim,
+            implementation=self.implementation,
+        )[:, None]  # fmt: skip
+        return out if core_state is None else (out, core_state)
+
+
+class MLAAttention(nnx.Module):
+    """A DeepSeek-V2/V3 MLA layer (no query LoRA): ``x [B, T, d_model]`` and its cache in,
+    ``[B, T, d_model]`` and the grown cache out.
+
+    ``q = W_Q x`` per head ``[q_nope ; q_rope]``; ``[c ; k_r] = W_KVa x`` with ``c``
+    RMS-normalised; ``W_KVb`` maps ``c`` to each head's ``[k_nope ; v]``. RoPE
+    (rotate-half, ``rope_theta``) on ``q_rope`` and ``k_r``; logits scaled by
+    ``1/sqrt(nope_dim + rope_dim)``. ``core`` (default :class:`DenseMLA`) attends.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        latent_dim: int = 512,
+        rope_dim: int = 64,
+        nope_dim: int = 128,
+        v_dim: int = 128,
+        rope_theta: float = 1e4,
+        core: nnx.Module | None = None,
+        rngs: nnx.Rngs,
+    ):
+        if rope_dim % 2:
+            raise ValueError(f"rope_dim: got {rope_dim}; expected an even number (RoPE pairs)")
+        self.n_heads, self.latent_dim, self.rope_dim = n_heads, latent_dim, rope_dim
+        self.nope_dim, self.v_dim, self.rope_theta = nope_dim, v_dim, rope_theta
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
+        self.q_proj = linear(d_model, n_heads * (nope_dim + rope_dim))
+        self.kv_a = linear(d_model, latent_dim + rope_dim)
+        self.kv_norm = RMSNorm(latent_dim)
+        self.kv_b = linear(latent_dim, n_heads * (nope_dim + v_dim))
+        self.o_proj = linear(n_heads * v_dim, d_model)
+        self.core = core if core is not None else DenseMLA()
+        self.scale = 1.0 / math.sqrt(nope_dim + rope_dim)
+
+    @property
+    def row_width(self) -> int:
+        return self.latent_dim + self.rope_dim
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> MLACache:
+        state = None
+        if hasattr(self.core, "init_core_state"):
+            state = self.core.init_core_state(batch, max_len, self.row_width)
+        return MLACache(
+            jnp.zeros((batch, max_len, self.row_width), dtype), jnp.zeros((batch,), jnp.int32),
+            state,
+        )  # fmt: skip
+
+    def absorbed(self, x: Float[Array, "B T C"], positions: Int[Array, "B T"]):
+        """(absorbed queries [B, T, H, Dc + Dr], cache rows [B, T, Dc + Dr]) of ``x`` at
+        ``positions``: what the core sees, and what ``jssa_mla`` calibrates on."""
+        b, t, _ = x.shape
+        h, dc, dr = self.n_heads, self.latent_dim, self.rope_dim
+        q = self.q_proj(x).reshape(b, t, h, self.nope_dim + dr)
+        kv = self.kv_a(x)
+        c = self.kv_norm(kv[..., :dc])
+        cos, sin = rope_angles(positions, dr, self.rope_theta)
+        q_rope = apply_rope(q[..., self.nope_dim :], cos, sin)
+        k_rope = apply_rope(kv[..., None, dc:], cos, sin)[:, :, 0]
+        w_uk = self.kv_b.kernel[...].reshape(dc, h, -1)[..., : self.nope_dim]  # [Dc, H, nope]
+        q_c = jnp.einsum("bthn,chn->bthc", q[..., : self.nope_dim], w_uk, precision=HIGHEST)
+        return jnp.concatenate([q_c, q_rope], axis=-1), jnp.concatenate([c, k_rope], axis=-1)
+
+    def __call__(self, x: Float[Array, "B T C"], cache: MLACache):
+        b, t, _ = x.shape
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        q, new_rows = self.absorbed(x, positions)
+        write = jax.vmap(lambda r, n, at: jax.lax.dynamic_update_slice(r, n, (at, 0)))
+        rows = write(cache.rows, new_rows.astype(cache.rows.dtype), cache.lengths)
+        lengths = cache.lengths + t
+        slots = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :]
+        k_positions = jnp.where(slots < lengths[:, None], slots, -1)
+        kwargs = dict(q_positions=positions, k_positions=k_positions, scale=self.scale,
+                      latent_dim=self.latent_dim)  # fmt: skip
+        if cache.core_state is None:
+            out, state = self.core(q.astype(rows.dtype), rows, **kwargs), None
+        else:
+            out, state = self.core(q.astype(rows.dtype), rows, core_state=cache.core_state,
+                                   **kwargs)  # fmt: skip
+        w_uv = self.kv_b.kernel[...].reshape(self.latent_dim, self.n_heads, -1)[
+            ..., self.nope_dim :
+        ]  # [Dc, H, v]
+        heads = jnp.einsum("bthc,chv->bthv", out.astype(jnp.float32), w_uv, precision=HIGHEST)
+        y = self.o_proj(heads.reshape(b, t, -1).astype(x.dtype))
+        return y, MLACache(rows, lengths, state)

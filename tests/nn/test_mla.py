@@ -1,0 +1,122 @@
+"""The MLA layer: absorbed attention equals the expanded heads, prefill + decode equals
+one causal pass, and SparseMLA with a full budget decodes exactly like dense."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jsparse
+from jsparse.models.llama import apply_rope, rope_angles
+from jsparse.nn.mla import DenseMLA, MLAAttention, SparseMLA
+
+DIMS = dict(latent_dim=32, rope_dim=8, nope_dim=16, v_dim=12)
+D_MODEL, HEADS = 48, 4
+
+
+def layer(core=None, seed=0):
+    return MLAAttention(D_MODEL, HEADS, **DIMS, core=core, rngs=nnx.Rngs(seed))
+
+
+def inputs(b, t, seed=1):
+    return jax.random.normal(jax.random.PRNGKey(seed), (b, t, D_MODEL), jnp.float32)
+
+
+def expanded(mla: MLAAttention, x):
+    """Causal MHA with every head's keys and values expanded from the latent."""
+    b, t, _ = x.shape
+    dc, dr, dn = DIMS["latent_dim"], DIMS["rope_dim"], DIMS["nope_dim"]
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    q = mla.q_proj(x).reshape(b, t, HEADS, dn + dr)
+    kv = mla.kv_a(x)
+    c = mla.kv_norm(kv[..., :dc])
+    cos, sin = rope_angles(pos, dr, mla.rope_theta)
+    q = jnp.concatenate([q[..., :dn], apply_rope(q[..., dn:], cos, sin)], axis=-1)
+    k_r = apply_rope(kv[..., None, dc:], cos, sin)  # [B, T, 1, Dr]
+    kvb = mla.kv_b(c).reshape(b, t, HEADS, dn + DIMS["v_dim"])
+    k = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(k_r, (b, t, HEADS, dr))], axis=-1)
+    v = kvb[..., dn:]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * mla.scale
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
+    heads = jnp.einsum("bhqk,bkhv->bqhv", jax.nn.softmax(logits, -1), v, precision="highest")
+    return mla.o_proj(heads.reshape(b, t, -1))
+
+
+def test_absorbed_prefill_equals_expanded_heads():
+    mla, x = layer(), inputs(2, 11)
+    y, cache = mla(x, mla.init_cache(2, 16))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expanded(mla, x)), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, [11, 11])
+    assert not np.asarray(cache.rows[:, 11:]).any()
+
+
+def test_prefill_then_decode_equals_one_causal_pass():
+    mla, x = layer(), inputs(2, 14)
+    want = expanded(mla, x)
+    y, cache = mla(x[:, :9], mla.init_cache(2, 16))
+    step = nnx.jit(lambda m, xt, c: m(xt, c))
+    outs = [y]
+    for t in range(9, 14):
+        yt, cache = step(mla, x[:, t : t + 1], cache)
+        outs.append(yt)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(want),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+def calibrated(mla, n=96):
+    x = inputs(2, n, seed=7)
+    pos = jnp.broadcast_to(jnp.arange(n), (2, n))
+    q, rows = mla.absorbed(x, pos)
+    sel = jsparse.make_selector("jssa_mla", rank=8, latent_dim=DIMS["latent_dim"])
+    return sel, sel.calibrate(
+        q.reshape(-1, HEADS, q.shape[-1]), rows.reshape(-1, 1, rows.shape[-1])
+    )
+
+
+def test_sparse_decoding_with_every_row_equals_dense(kernel_impl):
+    dense = layer()
+    sel, params = calibrated(dense)
+    sparse = layer(SparseMLA(sel, params, budget=32, implementation=kernel_impl))
+    x = inputs(2, 24, seed=3)
+    results = []
+    for mla in (dense, sparse):
+        y, cache = mla(x[:, :18], mla.init_cache(2, 32))
+        assert (cache.core_state is not None) == (mla is sparse)
+        outs = [y]
+        for t in range(18, 24):
+            yt, cache = mla(x[:, t : t + 1], cache)
+            outs.append(yt)
+        results.append(np.asarray(jnp.concatenate(outs, 1)))
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_small_budget_attends_the_selected_rows(kernel_impl):
+    """Budget 6 of 20 rows, oracle selector: the step equals dense attention over the
+    oracle's 6 rows."""
+    core = SparseMLA("oracle", {}, budget=6, implementation=kernel_impl)
+    mla = layer(core)
+    x = inputs(1, 20, seed=4)
+    _, cache = mla(x[:, :19], mla.init_cache(1, 24))
+    y, after = mla(x[:, 19:], cache)
+    q, _ = mla.absorbed(x[:, 19:], jnp.array([[19]]))
+    scores = jnp.einsum("hd,sd->s", q[0, 0].mean(0, keepdims=True), after.rows[0, :20])
+    keep = np.sort(np.argsort(-np.asarray(scores), kind="stable")[:6])
+    rows = after.rows[:, keep]
+    out = DenseMLA()(q, rows, q_positions=jnp.array([[6]]), k_positions=jnp.arange(6)[None],
+                     scale=mla.scale, latent_dim=DIMS["latent_dim"])  # fmt: skip
+    w_uv = mla.kv_b.kernel[...].reshape(DIMS["latent_dim"], HEADS, -1)[..., DIMS["nope_dim"] :]
+    want = mla.o_proj(jnp.einsum("bthc,chv->bthv", out, w_uv).reshape(1, 1, -1))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_bad_configuration():
+    with pytest.raises(ValueError, match="budget: got 0"):
+        SparseMLA("oracle", {}, budget=0)
+    with pytest.raises(ValueError, match="rope_dim: got 7"):
+        MLAAttention(8, 2, latent_dim=8, rope_dim=7, nope_dim=4, v_dim=4, rngs=nnx.Rngs(0))
+    sel = jsparse.make_selector("jssa_mla", rank=4, latent_dim=16)
+    q = jax.random.normal(jax.random.PRNGKey(0), (64, HEADS, 24))
+    params = sel.calibrate(q, q[:, :1])
+    with pytest.raises(ValueError, match="MLA rows are one KV head of dim 40"):
+        layer(SparseMLA(sel, params, budget=4)).init_cache(1, 8)
