@@ -43,6 +43,14 @@ def expanded(mla: MLAAttention, x):
     return mla.o_proj(heads.reshape(b, t, -1))
 
 
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    """The layer's projections at full f32 precision (a GPU defaults to TF32), so the
+    absorbed and expanded forms compare at f32 rounding."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def test_absorbed_prefill_equals_expanded_heads():
     mla, x = layer(), inputs(2, 11)
     y, cache = mla(x, mla.init_cache(2, 16))

@@ -73,9 +73,20 @@ def test_reference_matches_numpy_oracle(shape):
 TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3, "float8": 3e-2}
 
 
+@pytest.fixture(params=["bytes", "words"])
+def fp8_reading(request, monkeypatch):
+    """FP8 caches read byte by byte (small caches), or as 16-bit words (caches of more
+    than 2**31 values, forced here for every size)."""
+    if request.param == "words":
+        monkeypatch.setattr(mla_triton, "FP8_WORDS_FROM", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8"])
-def test_kernel_matches_reference(kernel_impl, shape, dtype):
+def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
+    if fp8_reading == "words" and dtype != "float8":
+        pytest.skip("only FP8 caches are read as words")
     b, h, dc = SHAPES[shape][:3]
     qdt = jnp.bfloat16 if dtype == "float8" else getattr(jnp, dtype)
     q, cache, idx = make(*SHAPES[shape], dtype=qdt, seed=1,

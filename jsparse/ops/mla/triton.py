@@ -10,10 +10,11 @@ the sequence's index list (split-K at small batch). Per step of ``block_n`` entr
     acc      [BH, Dc]       += softmax weights · latent (the latent is the value too)
 
 so a listed row is read once per head block and serves as key and value; nothing is
-copied out of the cache. An FP8 cache with even Dc and Dr is read as 16-bit words, each
-two values (Pallas Triton would address a 1-byte cache of 2-4 GiB with wrapping 32-bit
-offsets, run 163): the low and high bytes are two planes with their own halves of q and
-of the accumulator, and the output's two halves are interleaved back outside.
+copied out of the cache. An FP8 cache of more than 2**31 values (even Dc and Dr) is read
+as 16-bit words, each two values (Pallas Triton would address a 1-byte cache of 2-4 GiB
+with wrapping 32-bit offsets, run 163): the low and high bytes are two planes with their
+own halves of q and of the accumulator, and the output's halves are interleaved back
+outside.
 
 Splits write running max, normaliser and unnormalised output, merged by the indexed
 GQA kernel's merge launch (:func:`jsparse.ops.attention.triton.merge_splits`); a list
@@ -38,7 +39,9 @@ from jsparse.ops.indexer.triton import next_pow2
 BLOCK_N = 64  # list entries per step (run 163, 128 × 32K, 128 heads: 424 µs; 32: 459)
 MAX_BLOCK_H = 32  # heads per program
 NUM_WARPS = 4
-NUM_STAGES = 2
+NUM_STAGES = 3  # run 164: 310 µs against 341 at 2 (128 × 32K, 128 heads, bf16)
+# FP8 caches with more values than this are read as 16-bit words (see the wrapper).
+FP8_WORDS_FROM = 2**31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,15 +211,34 @@ def _store_planes(ref, prefix, planes, p: _Plan):
         plt.store(at, plane.astype(ref.dtype), mask=dims[None, :] < p.latent)
 
 
-@functools.partial(jax.jit, static_argnames=("latent_dim", "scale", "cfg", "splits"))
 def indexed_mla_attention_triton(
     q, cache, indices, cache_scale, *, latent_dim, scale, cfg=None, splits=None
 ):
     """(out [B, H, Dc] in q's dtype, lse [B, H] float32); see
-    :func:`jsparse.indexed_mla_attention`."""
+    :func:`jsparse.indexed_mla_attention`. The module's tiles and FP8 switch are read
+    here, at call time, so that a changed setting is never hidden by a cached trace."""
+    d, dc = q.shape[-1], latent_dim
+    # An FP8 cache of more than FP8_WORDS_FROM values is read as 16-bit words holding
+    # two: Pallas Triton addresses a 1-byte operand of 2-4 GiB with 32-bit offsets that
+    # wrap (a 128 × 32K DeepSeek cache is 2.4 GB: run 163 read garbage for its last
+    # sequences), 2-byte words never. Smaller caches are read byte by byte: unpacking
+    # the words cost 1.5-2× (run 164).
+    packed = (
+        jnp.dtype(cache.dtype) == jnp.dtype(jnp.float8_e4m3fn) and dc % 2 == 0
+        and (d - dc) % 2 == 0 and cache.size > FP8_WORDS_FROM
+    )  # fmt: skip
+    return _indexed_mla_attention(
+        q, cache, indices, cache_scale, latent_dim=latent_dim, scale=scale,
+        cfg=cfg or default_config(q.shape[1]), splits=splits, packed=packed,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("latent_dim", "scale", "cfg", "splits", "packed"))
+def _indexed_mla_attention(
+    q, cache, indices, cache_scale, *, latent_dim, scale, cfg, splits, packed
+):
     b, h, d = q.shape
     s, n = cache.shape[1], indices.shape[1]
-    cfg = cfg or default_config(h)
     blocks = -(-h // cfg.block_h)
     steps = max(1, -(-n // cfg.block_n))
     pairs = b * blocks
@@ -226,10 +248,6 @@ def indexed_mla_attention_triton(
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     compute = jnp.dtype(q.dtype) if jnp.dtype(cache.dtype) == fp8 else jnp.dtype(cache.dtype)
     dc, dr = latent_dim, d - latent_dim
-    # An FP8 cache is read as 16-bit words holding two values: Pallas Triton addresses a
-    # 1-byte operand of 2-4 GiB with 32-bit offsets that wrap (a 128 × 32K DeepSeek cache
-    # is 2.4 GB: run 163 read garbage for its last sequences), 2-byte words never.
-    packed = jnp.dtype(cache.dtype) == fp8 and dc % 2 == 0 and dr % 2 == 0
     planes = 2 if packed else 1
     if packed:
         q = jnp.concatenate([q[..., 0:dc:2], q[..., 1:dc:2], q[..., dc::2], q[..., dc + 1 :: 2]],
