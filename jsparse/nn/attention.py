@@ -71,21 +71,7 @@ class SparseAttention(nnx.Module):
         fp8_headroom: float = 2.0,
         **selector_options,
     ):
-        if isinstance(selector, str):
-            selector = make_selector(selector, **selector_options)
-        elif selector_options:
-            raise ValueError(
-                f"selector_options {sorted(selector_options)}: given with a built selector "
-                f"({selector.describe()}); pass them to jsparse.make_selector instead"
-            )
-        if not isinstance(selector, Selector):
-            raise ValueError(
-                f"selector: got {type(selector).__name__}; expected a Selector or a name"
-            )
-        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
-            raise ValueError(f"budget: got {budget!r}; expected an int ≥ 1 (tokens per KV head)")
-        if not fp8_headroom >= 1.0:
-            raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a number >= 1")
+        selector = core_selector(selector, selector_options, budget, fp8_headroom, "KV head")
         if dense is None:
             from jsparse.models.llama import DenseCausalAttention  # the model imports flax too
 
@@ -139,7 +125,7 @@ class SparseAttention(nnx.Module):
             keys = jnp.where(filled, k, k[:, :1])
             return out, self.selector.project_keys(params, keys, headroom=self.fp8_headroom)
         visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
-        _check_prefix(visible)
+        check_prefix(visible)
         lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
         if core_state is None:
             idx = self.selector.select(params, q[:, 0], k, lengths, self.budget)
@@ -153,7 +139,26 @@ class SparseAttention(nnx.Module):
         return out if core_state is None else (out, core_state)
 
 
-def _check_prefix(visible):
+def core_selector(selector, selector_options, budget, fp8_headroom, per: str) -> Selector:
+    """A decode core's selector (built from a name and options, or given) after checking
+    the core's budget (rows per ``per``) and FP8 headroom."""
+    if isinstance(selector, str):
+        selector = make_selector(selector, **selector_options)
+    elif selector_options:
+        raise ValueError(
+            f"selector_options {sorted(selector_options)}: given with a built selector "
+            f"({selector.describe()}); pass them to jsparse.make_selector instead"
+        )
+    if not isinstance(selector, Selector):
+        raise ValueError(f"selector: got {type(selector).__name__}; expected a Selector or a name")
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
+        raise ValueError(f"budget: got {budget!r}; expected an int ≥ 1 (tokens per {per})")
+    if not fp8_headroom >= 1.0:
+        raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a number >= 1")
+    return selector
+
+
+def check_prefix(visible):
     seen = _checks.concrete(visible)
     if seen is None:
         return

@@ -31,9 +31,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jsparse.models.llama import RMSNorm, apply_rope, rope_angles
-from jsparse.nn.attention import SelectorParams, _check_prefix
+from jsparse.nn.attention import SelectorParams, check_prefix, core_selector
 from jsparse.ops.mla import indexed_mla_attention
-from jsparse.selectors import ProjectedSelector, Selector, make_selector
+from jsparse.selectors import ProjectedSelector, Selector
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -89,20 +89,10 @@ class SparseMLA(nnx.Module):
         fp8_headroom: float = 2.0,
         **selector_options,
     ):
-        if isinstance(selector, str):
-            selector = make_selector(selector, **selector_options)
-        elif selector_options:
-            raise ValueError(
-                f"selector_options {sorted(selector_options)}: given with a built selector "
-                f"({selector.describe()}); pass them to jsparse.make_selector instead"
-            )
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget: got {budget!r}; expected an int ≥ 1 (rows per step)")
-        if not fp8_headroom >= 1.0:
-            raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a number >= 1")
+        selector = core_selector(selector, selector_options, budget, fp8_headroom, "sequence")
         self.selector = selector
         self.params = SelectorParams(dict(params or {}))
-        self.budget = budget
+        self.budget = int(budget)
         self.implementation = implementation
         self.fp8_headroom = float(fp8_headroom)
         self.dense = DenseMLA()
@@ -136,7 +126,7 @@ class SparseMLA(nnx.Module):
             keys = jnp.where(filled, rows, rows[:, :1])[:, :, None]
             return out, self.selector.project_keys(params, keys, headroom=self.fp8_headroom)
         visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
-        _check_prefix(visible)
+        check_prefix(visible)
         lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
         if core_state is None:
             idx = self.selector.select(params, q[:, 0], rows[:, :, None], lengths, self.budget)

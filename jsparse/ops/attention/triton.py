@@ -225,16 +225,7 @@ def indexed_attention_triton(q, k, v, indices, k_scale, v_scale, *, scale, cfg=N
     inputs = [q.reshape(pairs, g, d), indices.reshape(pairs, n),
               k.reshape(b * s * hkv, d), v.reshape(b * s * hkv, dv)]  # fmt: skip
     scales = [x.reshape(pairs).astype(jnp.float32) for x in (k_scale, v_scale) if x is not None]
-    final = (
-        jax.ShapeDtypeStruct((pairs, g, dv), q.dtype),
-        jax.ShapeDtypeStruct((pairs, g), jnp.float32),
-    )
-    gp, dvp = p.group_rows, p.vdim_pad
-    partial = (
-        jax.ShapeDtypeStruct((pairs, splits, gp, dvp), jnp.float32),
-        jax.ShapeDtypeStruct((pairs, splits, gp), jnp.float32),
-        jax.ShapeDtypeStruct((pairs, splits, gp), jnp.float32),
-    )
+    final, partial = split_shapes(pairs, splits, p, q.dtype)
     outs = pl.pallas_call(
         functools.partial(_kernel, p=p),
         grid=(pairs, splits),
@@ -247,6 +238,17 @@ def indexed_attention_triton(q, k, v, indices, k_scale, v_scale, *, scale, cfg=N
         outs = merge_splits(outs, scales[p.has_k_scale :], p, final, "jsparse_indexed_attention")
     out, lse = outs
     return out.reshape(b, h, dv), lse.reshape(b, h)
+
+
+def split_shapes(pairs: int, splits: int, p, dtype):
+    """(final, partial) outputs of a split-K decode launch: ``(out [pairs, group, vdim],
+    lse [pairs, group])`` and the splits' ``(acc [pairs, splits, group_rows, vdim_pad],
+    m, l [pairs, splits, group_rows])``."""
+    sds = jax.ShapeDtypeStruct
+    final = sds((pairs, p.group, p.vdim), dtype), sds((pairs, p.group), jnp.float32)
+    rows = (pairs, splits, p.group_rows)
+    partial = sds((*rows, p.vdim_pad), jnp.float32), sds(rows, jnp.float32), sds(rows, jnp.float32)
+    return final, partial
 
 
 def merge_splits(partials, v_scales, p, final, name):

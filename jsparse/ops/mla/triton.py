@@ -32,7 +32,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
-from jsparse.ops.attention.triton import MIN_GROUP_ROWS, default_splits, merge_splits
+from jsparse.ops.attention.triton import (
+    MIN_GROUP_ROWS,
+    default_splits,
+    merge_splits,
+    split_shapes,
+)
 from jsparse.ops.indexer.triton import next_pow2
 
 # The default tiles (module constants, so that `bench/run.py --set` can A/B them).
@@ -268,15 +273,7 @@ def _indexed_mla_attention(
     )  # fmt: skip
     scales = [jnp.repeat(cache_scale.astype(jnp.float32), blocks)] if has_scale else []
     bh = cfg.block_h
-    final = (
-        jax.ShapeDtypeStruct((pairs, bh, dc), q.dtype),
-        jax.ShapeDtypeStruct((pairs, bh), jnp.float32),
-    )
-    partial = (
-        jax.ShapeDtypeStruct((pairs, splits, bh, p.vdim_pad), jnp.float32),
-        jax.ShapeDtypeStruct((pairs, splits, bh), jnp.float32),
-        jax.ShapeDtypeStruct((pairs, splits, bh), jnp.float32),
-    )
+    final, partial = split_shapes(pairs, splits, p, q.dtype)
     outs = pl.pallas_call(
         functools.partial(_kernel, p=p),
         grid=(pairs, splits),
