@@ -36,6 +36,7 @@ its tokens at positions ``cache.length ...``. All sequences of a batch share pos
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -517,11 +518,15 @@ def forward_fn(model: Llama) -> Callable[..., Any]:
     constants); the model is split once, so repeated calls pay no graph traversal.
     Later changes to ``model`` are not seen: call this again after loading new weights.
     Inputs are checked here, on concrete values, before the compiled call.
+
+    The cache passed in is donated: its buffers become the returned cache's, updated in
+    place, so a decode step does not copy the whole K/V (and projected) cache. Use the
+    returned cache; the one passed in is consumed (``logits, cache = fwd(x, cache)``).
     """
     graphdef, state = nnx.split(model)
     config = model.config
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnames="cache")
     def run(state, tokens, cache):
         return nnx.merge(graphdef, state)(tokens, cache)
 

@@ -285,3 +285,15 @@ def test_input_errors():
         LlamaConfig(
             vocab_size=8, d_model=8, n_layers=1, n_heads=3, n_kv_heads=2, head_dim=4, d_ff=8
         )
+
+
+def test_a_decode_step_consumes_the_cache_it_is_given():
+    """forward_fn donates the cache: the step updates it in place instead of copying
+    every layer's K/V cache, and the cache passed in is consumed."""
+    model = nnx_model(TINY, random_hf_weights(TINY))
+    fwd = forward_fn(model)
+    ids = tokens_of(6, seed=4)[None]
+    _, cache = fwd(ids[:, :5], model.init_cache(1, 8))
+    before = cache[0].k
+    _, after = fwd(ids[:, 5:], cache)
+    assert before.is_deleted() and int(after[0].length) == 6
