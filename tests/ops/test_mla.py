@@ -260,3 +260,87 @@ def test_gpu_deepseek_shapes(b, h, cache):
         np.asarray(run("triton"), np.float32), np.asarray(run("reference"), np.float32),
         rtol=3e-2, atol=3e-2,
     )  # fmt: skip
+
+
+def paged(cache, page_size, seed=0, extra_pages=3):
+    """The same rows in a shuffled page pool: (pool [n_pages, P, D], table [B, M])."""
+    b, s, d = cache.shape
+    m = s // page_size
+    perm = np.random.default_rng(seed).permutation(b * m + extra_pages)
+    table = perm[: b * m].reshape(b, m).astype(np.int32)
+    pool = np.zeros((b * m + extra_pages, page_size, d), np.float32)
+    pool[table.reshape(-1)] = np.asarray(cache.astype(jnp.float32)).reshape(b * m, page_size, d)
+    return jnp.asarray(pool, cache.dtype), jnp.asarray(table)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8"])
+def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype, fp8_reading):
+    if fp8_reading == "words" and dtype != "float8":
+        pytest.skip("only FP8 caches are read as words")
+    fp8 = dtype == "float8"
+    q, cache, idx = make(2, 20, 40, 8, 64, 50, dtype=jnp.bfloat16, seed=8,
+                         cache_dtype=F8 if fp8 else None)  # fmt: skip
+    extra = {"cache_scale": jnp.asarray([0.5, 2.0], jnp.float32)} if fp8 else {}
+    pool, table = paged(cache, 16)
+    run = lambda impl, **kw: jsparse.indexed_mla_attention(  # noqa: E731
+        q, kw.pop("cache", cache), idx, scale=0.2, latent_dim=40, implementation=impl,
+        **extra, **kw,
+    )  # fmt: skip
+    dense = run("reference")
+    for impl in ("reference", kernel_impl):
+        got = run(impl, cache=pool, page_table=table)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(dense, np.float32),
+                                   rtol=1e-2, atol=1e-2)  # fmt: skip
+
+
+def test_unallocated_pages_are_refused_or_never_read(kernel_impl):
+    q, cache, idx = make(2, 16, 32, 8, 64, 40, seed=9)
+    pool, table = paged(cache, 16)
+    table = table.at[1, 3].set(-1)  # positions 48-63 of sequence 1 have no page
+    on_missing = (idx >= 48) & (jnp.arange(2)[:, None] == 1)
+    bad = jnp.where(on_missing, -1, idx).at[1, 5].set(50)
+    with pytest.raises(ValueError, match=r"indices\[1, 5\] = 50 lies on page 3 of sequence 1"):
+        jsparse.indexed_mla_attention(q, pool, bad, scale=0.2, latent_dim=32, page_table=table)
+    with pytest.raises(ValueError, match=r"page_table\[0, 2\] = 11; expected -1 or a page"):
+        jsparse.indexed_mla_attention(q, pool, idx, scale=0.2, latent_dim=32,
+                                      page_table=table.at[0, 2].set(11))  # fmt: skip
+    run = jax.jit(
+        lambda i: jsparse.indexed_mla_attention(
+            q, pool, i, scale=0.2, latent_dim=32, page_table=table, implementation=kernel_impl
+        )
+    )
+    assert on_missing.any()
+    np.testing.assert_array_equal(
+        np.asarray(run(idx)), np.asarray(run(jnp.where(on_missing, -1, idx)))
+    )
+
+
+def test_paged_lowers_to_cuda():
+    sds = jax.ShapeDtypeStruct
+    args = [sds((8, 128, 576), jnp.bfloat16), sds((4096, 64, 576), F8), sds((8, 2048), jnp.int32),
+            sds((8,), jnp.float32), sds((8, 512), jnp.int32)]  # fmt: skip
+
+    def fn(q, pool, idx, cs, table):
+        return mla_triton.indexed_mla_attention_triton(
+            q, pool, idx, cs, latent_dim=512, scale=0.1, page_table=table
+        )
+
+    assert "jsparse_indexed_mla_attention" in lower_for_h200(fn, *args).as_text()
+
+
+@pytest.mark.gpu
+def test_gpu_paged_deepseek_shapes():
+    """8 sequences × 32K in pages of 64 rows (FlashMLA's block), 128 heads, 2048 rows."""
+    b, s, n, dc = 8, 32768, 2048, 512
+    kq, kc, ki = jax.random.split(jax.random.PRNGKey(5), 3)
+    q = jax.random.normal(kq, (b, 128, dc + 64), jnp.bfloat16)
+    cache = jax.random.normal(kc, (b, s, dc + 64), jnp.bfloat16)
+    idx = jax.random.randint(ki, (b, n), -1, s, jnp.int32)
+    pool, table = paged(cache, 64)
+    run = lambda impl: jsparse.indexed_mla_attention(  # noqa: E731
+        q, pool, idx, scale=192**-0.5, latent_dim=dc, page_table=table, implementation=impl
+    )
+    np.testing.assert_allclose(
+        np.asarray(run("triton"), np.float32), np.asarray(run("reference"), np.float32),
+        rtol=3e-2, atol=3e-2,
+    )  # fmt: skip

@@ -26,6 +26,7 @@ def indexed_mla_attention(
     scale: float,
     latent_dim: int = 512,
     cache_scale: Float[Array, " B"] | None = None,
+    page_table: Int[Array, "B M"] | None = None,
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
 ):
@@ -40,7 +41,8 @@ def indexed_mla_attention(
       q: [B, H, D] float32, bfloat16 or float16: the absorbed decode queries
         ``[W_UKᵀ q_nope ; q_rope]``, D = latent_dim + the RoPE dim.
       cache: [B, S, D], each token's latent ``c`` (first ``latent_dim`` values) and
-        RoPE key ``k_r``; ``q``'s dtype, or float8_e4m3fn (widened on load).
+        RoPE key ``k_r``; ``q``'s dtype, or float8_e4m3fn (widened on load). With
+        ``page_table``, a page pool [n_pages, P, D].
       indices: [B, N] int32, entries in [0, S) or -1 (an empty slot), e.g. the
         ``[B, 1, budget]`` output of ``make_selector("jssa_mla").select`` reshaped.
       scale: logit scale. No default: with absorbed queries the usual one is
@@ -48,6 +50,9 @@ def indexed_mla_attention(
         op cannot infer from D.
       latent_dim: Dc, the latent width (DeepSeek-V2/V3: 512); 1 ≤ Dc ≤ D.
       cache_scale: optional [B] float32 > 0 dequantisation scale of an FP8 cache.
+      page_table: optional [B, M] int32: sequence b's token i is row ``i % P`` of page
+        ``page_table[b, i // P]`` (-1: no page; S = M·P). A listed token on a missing
+        page is an error when concrete, and never read when traced.
       return_lse: also return the log-sum-exp of the scaled logits, [B, H] float32.
       implementation: see :mod:`jsparse.backend` (``"triton"`` or ``"reference"``).
 
@@ -65,15 +70,29 @@ def indexed_mla_attention(
     _checks.check_dtype("cache", cache, CACHE_FLOATS)
     _checks.check_dtype("indices", indices, (jnp.int32,))
     b, h, d = q.shape
-    s = cache.shape[1]
+    paged = page_table is not None
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     if jnp.dtype(cache.dtype) not in (jnp.dtype(q.dtype), fp8):
         raise ValueError(
             f"cache: dtype {_checks.dtype_name(cache.dtype)} with q "
             f"{_checks.dtype_name(q.dtype)}; expected q's dtype, or float8_e4m3fn"
         )
-    _checks.check_dim("cache", cache, 0, b, f"B of q {tuple(q.shape)}")
+    if not paged:
+        _checks.check_dim("cache", cache, 0, b, f"B of q {tuple(q.shape)}")
     _checks.check_dim("cache", cache, 2, d, f"D of q {tuple(q.shape)}")
+    s, table = cache.shape[1], None
+    if paged:
+        _checks.check_rank("page_table", page_table, 2, "[B, max_pages]")
+        _checks.check_dtype("page_table", page_table, (jnp.int32,))
+        _checks.check_dim("page_table", page_table, 0, b, f"B of q {tuple(q.shape)}")
+        s = page_table.shape[1] * cache.shape[1]  # virtual positions per sequence
+        table = _checks.concrete(page_table)
+        if table is not None and ((table < -1) | (table >= cache.shape[0])).any():
+            at = tuple(int(i) for i in np.argwhere((table < -1) | (table >= cache.shape[0]))[0])
+            raise ValueError(
+                f"page_table: page_table{list(at)} = {table[at]}; expected -1 or a page of "
+                f"the pool [0, n_pages = {cache.shape[0]})"
+            )
     _checks.check_dim("indices", indices, 0, b, f"B of q {tuple(q.shape)}")
     if not isinstance(latent_dim, (int, np.integer)) or not 1 <= latent_dim <= d:
         raise ValueError(f"latent_dim: got {latent_dim!r}; expected an int in [1, D = {d}]")
@@ -97,13 +116,23 @@ def indexed_mla_attention(
                 f"indices: indices{list(at)} = {ids[at]} is outside [0, S) = [0, {s}) "
                 "and not -1 (an empty slot)"
             )
+        if table is not None:
+            pages = np.take_along_axis(table, np.maximum(ids, 0) // cache.shape[1], axis=1)
+            missing = (ids >= 0) & (pages < 0)
+            if missing.any():
+                at = tuple(int(i) for i in np.argwhere(missing)[0])
+                raise ValueError(
+                    f"indices: indices{list(at)} = {ids[at]} lies on page "
+                    f"{ids[at] // cache.shape[1]} of sequence {at[0]}, which page_table "
+                    "leaves unallocated (-1)"
+                )
     if 0 in (b, h, s, indices.shape[1]):  # nothing to attend: every query is empty
         out = jnp.zeros((b, h, int(latent_dim)), q.dtype)
         lse = jnp.full((b, h), -jnp.inf, jnp.float32)
     else:
         out, lse = backend.dispatch(
             "indexed_mla_attention", _implementations(), implementation,
-            q, cache, indices, cache_scale, int(latent_dim), float(scale),
+            q, cache, indices, cache_scale, page_table, int(latent_dim), float(scale),
         )  # fmt: skip
         out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
@@ -113,15 +142,16 @@ def indexed_mla_attention(
 def _implementations():
     from jsparse.ops.mla import triton  # Pallas imports only when used
 
-    def run_triton(q, cache, indices, cache_scale, latent_dim, scale):
+    def run_triton(q, cache, indices, cache_scale, page_table, latent_dim, scale):
         return triton.indexed_mla_attention_triton(
-            q, cache, indices, cache_scale, latent_dim=latent_dim, scale=scale
-        )
+            q, cache, indices, cache_scale, latent_dim=latent_dim, scale=scale,
+            page_table=page_table,
+        )  # fmt: skip
 
     reference = jax.jit(indexed_mla_attention_reference, static_argnames=("latent_dim", "scale"))
 
-    def run_reference(q, cache, indices, cache_scale, latent_dim, scale):
+    def run_reference(q, cache, indices, cache_scale, page_table, latent_dim, scale):
         return reference(q, cache, indices, latent_dim=latent_dim, scale=scale,
-                         cache_scale=cache_scale)  # fmt: skip
+                         cache_scale=cache_scale, page_table=page_table)  # fmt: skip
 
     return {"triton": run_triton, "reference": run_reference}

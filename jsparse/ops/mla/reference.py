@@ -27,13 +27,23 @@ def indexed_mla_attention_reference(
     latent_dim: int,
     scale: float,
     cache_scale: Float[Array, " B"] | None = None,
+    page_table: Int[Array, "B M"] | None = None,
 ) -> tuple[Float[Array, "B H Dc"], Float[Array, "B H"]]:
     """(out [B, H, latent_dim] float32, lse [B, H] float32); arguments as
     :func:`jsparse.indexed_mla_attention` (already validated)."""
-    s = cache.shape[1]
-    valid = (indices >= 0) & (indices < s)  # [B, N]
-    at = jnp.where(valid, indices, 0)
-    rows = jnp.take_along_axis(cache, at[:, :, None], axis=1).astype(jnp.float32)  # [B, N, D]
+    if page_table is None:
+        s = cache.shape[1]
+        valid = (indices >= 0) & (indices < s)  # [B, N]
+        at = jnp.where(valid, indices, 0)
+        rows = jnp.take_along_axis(cache, at[:, :, None], axis=1)
+    else:  # id i of sequence b: row i % P of page table[b, i // P]
+        p = cache.shape[1]
+        valid = (indices >= 0) & (indices < page_table.shape[1] * p)
+        at = jnp.where(valid, indices, 0)
+        page = jnp.take_along_axis(page_table, at // p, axis=1)
+        valid = valid & (page >= 0)
+        rows = cache[jnp.where(valid, page, 0), at % p]
+    rows = rows.astype(jnp.float32)  # [B, N, D]
     if cache_scale is not None:
         rows = rows * cache_scale[:, None, None]
     hi = jax.lax.Precision.HIGHEST

@@ -81,7 +81,8 @@ def default_config(heads: int) -> MLAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    seq: int  # S
+    seq: int  # S (virtual: max_pages · P when paged)
+    page_size: int  # P of a paged cache, 0 for a dense [B, S, D] one
     heads: int  # H
     head_blocks: int
     group: int  # heads per block (the merge's "group")
@@ -118,7 +119,9 @@ def _unpack(words, p: _Plan):
 
 def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
     """q arrives plane by plane: [latent planes | RoPE planes], each plane p.latent
-    (p.rope) wide; the cache row is [latent words | RoPE words]."""
+    (p.rope) wide; the cache row is [latent words | RoPE words]. A paged cache's page
+    table comes first in ``refs``."""
+    table_ref, refs = (refs[0], refs[1:]) if p.page_size else (None, refs)
     scale_ref, outs = (refs[0], refs[1:]) if p.has_scale else (None, refs)
     bn = p.cfg.block_n
     pair = pl.program_id(0)  # b·head_blocks + block
@@ -147,7 +150,13 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[b, at], mask=at < p.list_len, other=-1)
         ok = (ids >= 0) & (ids < p.seq)
-        rows = b * p.seq + jnp.where(ok, ids, 0)
+        if p.page_size:  # id i lives at row table[b, i // P]·P + i % P of the page pool
+            ids = jnp.where(ok, ids, 0)
+            page = plt.load(table_ref.at[b, ids // p.page_size], mask=ok, other=-1)
+            ok = ok & (page >= 0)
+            rows = jnp.where(ok, page, 0) * p.page_size + ids % p.page_size
+        else:
+            rows = b * p.seq + jnp.where(ok, ids, 0)
 
         def load_rows(start, dims, width):
             mask = ok[:, None] & (dims[None, :] < width)
@@ -217,7 +226,7 @@ def _store_planes(ref, prefix, planes, p: _Plan):
 
 
 def indexed_mla_attention_triton(
-    q, cache, indices, cache_scale, *, latent_dim, scale, cfg=None, splits=None
+    q, cache, indices, cache_scale, *, latent_dim, scale, page_table=None, cfg=None, splits=None
 ):
     """(out [B, H, Dc] in q's dtype, lse [B, H] float32); see
     :func:`jsparse.indexed_mla_attention`. The module's tiles and FP8 switch are read
@@ -233,17 +242,20 @@ def indexed_mla_attention_triton(
         and (d - dc) % 2 == 0 and cache.size > FP8_WORDS_FROM
     )  # fmt: skip
     return _indexed_mla_attention(
-        q, cache, indices, cache_scale, latent_dim=latent_dim, scale=scale,
+        q, cache, indices, cache_scale, page_table, latent_dim=latent_dim, scale=scale,
         cfg=cfg or default_config(q.shape[1]), splits=splits, packed=packed,
     )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("latent_dim", "scale", "cfg", "splits", "packed"))
 def _indexed_mla_attention(
-    q, cache, indices, cache_scale, *, latent_dim, scale, cfg, splits, packed
+    q, cache, indices, cache_scale, page_table, *, latent_dim, scale, cfg, splits, packed
 ):
     b, h, d = q.shape
-    s, n = cache.shape[1], indices.shape[1]
+    n = indices.shape[1]
+    pool = cache.shape[0] * cache.shape[1]  # rows of the cache, dense or a page pool
+    page_size = 0 if page_table is None else cache.shape[1]
+    s = cache.shape[1] if page_table is None else page_table.shape[1] * page_size
     blocks = -(-h // cfg.block_h)
     steps = max(1, -(-n // cfg.block_n))
     pairs = b * blocks
@@ -257,14 +269,15 @@ def _indexed_mla_attention(
     if packed:
         q = jnp.concatenate([q[..., 0:dc:2], q[..., 1:dc:2], q[..., dc::2], q[..., dc + 1 :: 2]],
                             axis=-1)  # fmt: skip
-        rows = jax.lax.bitcast_convert_type(cache.reshape(b * s, d // 2, 2), jnp.uint16)
+        rows = jax.lax.bitcast_convert_type(cache.reshape(pool, d // 2, 2), jnp.uint16)
     else:
-        rows = cache.reshape(b * s, d)
+        rows = cache.reshape(pool, d)
         backend.check_triton_offsets("indexed_mla_attention", cache=rows)
     has_scale = cache_scale is not None
     lat, rope = dc // planes, dr // planes
     p = _Plan(
-        seq=s, heads=h, head_blocks=blocks, group=cfg.block_h, group_rows=cfg.block_h,
+        seq=s, page_size=page_size, heads=h, head_blocks=blocks, group=cfg.block_h,
+        group_rows=cfg.block_h,
         planes=planes, latent=lat, latent_pad=next_pow2(lat, 16), rope=rope,
         rope_pad=next_pow2(max(rope, 1), 16), vdim=dc, vdim_pad=next_pow2(dc, 16),
         list_len=n, steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
@@ -281,7 +294,7 @@ def _indexed_mla_attention(
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=p.interpret,
         name="jsparse_indexed_mla_attention",
-    )(q, indices, rows, *scales)
+    )(q, indices, rows, *([] if page_table is None else [page_table]), *scales)
     if splits > 1:
         outs = merge_splits(outs, scales, p, final, "jsparse_indexed_mla_attention")
     out, lse = outs
