@@ -33,11 +33,7 @@ DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 SCALE = 192**-0.5  # DeepSeek-V3: 1/sqrt(128 nope + 64 RoPE dims of a head)
 
 
-def add_arguments(parser):
-    parser.add_argument(
-        "--device-time", action="store_true",
-        help="also the GPU busy time per call from a profiler trace (kernels only), by kernel",
-    )  # fmt: skip
+add_arguments = attention.add_arguments  # --device-time
 
 
 def make_cache(case: dict, seed: int):
