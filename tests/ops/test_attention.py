@@ -323,3 +323,87 @@ def test_offset_check_is_about_one_byte_operands_of_2_to_4_gib():
     check("op", x=sds((2**31,), F8), y=sds((2**31 + 1,), jnp.bfloat16), z=sds((2**32 + 1,), F8))
     with pytest.raises(NotImplementedError, match=r"op: w \(2147483649,\) float8_e4m3fn"):
         check("op", w=sds((2**31 + 1,), F8))
+
+
+def paged(cache, page_size, seed=0, extra_pages=3):
+    """The same slots in a shuffled page pool: (pool [n_pages, P, Hkv, X], table [B, M])."""
+    b, s = cache.shape[:2]
+    m = s // page_size
+    perm = np.random.default_rng(seed).permutation(b * m + extra_pages)
+    table = perm[: b * m].reshape(b, m).astype(np.int32)
+    pool = np.zeros((b * m + extra_pages, page_size, *cache.shape[2:]), np.float32)
+    pool[table.reshape(-1)] = np.asarray(cache.astype(jnp.float32)).reshape(
+        b * m, page_size, *cache.shape[2:]
+    )
+    return jnp.asarray(pool, cache.dtype), jnp.asarray(table)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8"])
+def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype):
+    fp8 = dtype == "float8"
+    q, k, v, idx = make(2, 6, 2, 40, 24, 64, 50, dtype=jnp.bfloat16, seed=10,
+                        cache_dtype=F8 if fp8 else None)  # fmt: skip
+    extra = {}
+    if fp8:
+        extra = dict(k_scale=jnp.full((2, 2), 0.5, jnp.float32), v_scale=jnp.full((2, 2), 2.0))
+    (kp, table), (vp, _) = paged(k, 16), paged(v, 16)
+    dense = jsparse.indexed_attention(q, k, v, idx, implementation="reference", **extra)
+    for impl in ("reference", kernel_impl):
+        got = jsparse.indexed_attention(q, kp, vp, idx, page_table=table, implementation=impl,
+                                        **extra)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(dense, np.float32),
+                                   rtol=1e-2, atol=1e-2)  # fmt: skip
+
+
+def test_unallocated_pages_are_refused_or_never_read(kernel_impl):
+    q, k, v, idx = make(2, 4, 2, 16, 16, 64, 40, seed=11)
+    (kp, table), (vp, _) = paged(k, 16), paged(v, 16)
+    table = table.at[1, 3].set(-1)  # positions 48-63 of sequence 1 have no page
+    on_missing = (idx >= 48) & (jnp.arange(2)[:, None, None] == 1)
+    bad = jnp.where(on_missing, -1, idx).at[1, 0, 5].set(50)
+    with pytest.raises(ValueError, match=r"indices\[1, 0, 5\] = 50 lies on page 3 of sequence 1"):
+        jsparse.indexed_attention(q, kp, vp, bad, page_table=table)
+    with pytest.raises(ValueError, match=r"page_table\[0, 2\] = 11; expected -1 or a page"):
+        jsparse.indexed_attention(q, kp, vp, idx, page_table=table.at[0, 2].set(11))
+    run = jax.jit(
+        lambda i: jsparse.indexed_attention(
+            q, kp, vp, i, page_table=table, implementation=kernel_impl
+        )
+    )
+    assert on_missing.any()
+    np.testing.assert_array_equal(
+        np.asarray(run(idx)), np.asarray(run(jnp.where(on_missing, -1, idx)))
+    )
+
+
+def test_paged_lowers_to_cuda():
+    sds = jax.ShapeDtypeStruct
+    pool = sds((4096, 16, 8, 128), jnp.bfloat16)
+    args = [sds((8, 32, 128), jnp.bfloat16), pool, pool, sds((8, 8, 2048), jnp.int32),
+            sds((8, 2048), jnp.int32)]  # fmt: skip
+
+    def fn(q, k, v, idx, table):
+        return attention_triton.indexed_attention_triton(
+            q, k, v, idx, None, None, scale=0.1, page_table=table
+        )
+
+    assert "jsparse_indexed_attention" in lower_for_h200(fn, *args).as_text()
+
+
+@pytest.mark.gpu
+def test_gpu_paged_decode_shapes():
+    """8 sequences × 32K in pages of 16 tokens, 32 / 8 heads, D 128, 2048 rows each."""
+    b, s, h, hkv, d, n = 8, 32768, 32, 8, 128, 2048
+    kq, kk, kv, ki = jax.random.split(jax.random.PRNGKey(6), 4)
+    q = jax.random.normal(kq, (b, h, d), jnp.bfloat16)
+    k = jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
+    idx = jax.random.randint(ki, (b, hkv, n), -1, s, jnp.int32)
+    (kp, table), (vp, _) = paged(k, 16), paged(v, 16)
+    run = lambda impl: jsparse.indexed_attention(  # noqa: E731
+        q, kp, vp, idx, page_table=table, implementation=impl
+    )
+    np.testing.assert_allclose(
+        np.asarray(run("triton"), np.float32), np.asarray(run("reference"), np.float32),
+        rtol=3e-2, atol=3e-2,
+    )  # fmt: skip

@@ -27,6 +27,7 @@ def indexed_attention(
     scale: float | None = None,
     k_scale: Float[Array, "B Hkv"] | None = None,
     v_scale: Float[Array, "B Hkv"] | None = None,
+    page_table: Int[Array, "B M"] | None = None,
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
 ):
@@ -45,6 +46,10 @@ def indexed_attention(
       scale: logit scale (default ``1/sqrt(D)``).
       k_scale, v_scale: optional [B, Hkv] float32 > 0 dequantisation scales of an FP8
         cache (one per sequence and KV head).
+      page_table: optional [B, M] int32: ``k`` and ``v`` are page pools
+        [n_pages, P, Hkv, D] and sequence b's token i is slot ``i % P`` of page
+        ``page_table[b, i // P]`` (-1: no page; S = M·P). A listed token on a missing
+        page is an error when concrete, and never read when traced.
       return_lse: also return the log-sum-exp of the scaled logits, [B, H] float32.
       implementation: see :mod:`jsparse.backend` (``"triton"`` or ``"reference"``).
 
@@ -65,7 +70,8 @@ def indexed_attention(
     _checks.check_dtype("v", v, CACHE_FLOATS)
     _checks.check_dtype("indices", indices, (jnp.int32,))
     b, h, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
+    paged = page_table is not None
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
         raise ValueError(
@@ -77,10 +83,14 @@ def indexed_attention(
             f"k: dtype {_checks.dtype_name(k.dtype)} with q {_checks.dtype_name(q.dtype)}; "
             "expected q's dtype, or float8_e4m3fn"
         )
-    _checks.check_dim("k", k, 0, b, f"B of q {tuple(q.shape)}")
+    if not paged:
+        _checks.check_dim("k", k, 0, b, f"B of q {tuple(q.shape)}")
     _checks.check_dim("k", k, 3, d, f"D of q {tuple(q.shape)}")
-    _checks.check_dim("v", v, 0, b, f"B of q {tuple(q.shape)}")
-    _checks.check_dim("v", v, 1, s, f"S of k {tuple(k.shape)}")
+    _checks.check_dim("v", v, 0, k.shape[0], f"axis 0 of k {tuple(k.shape)}")
+    _checks.check_dim("v", v, 1, k.shape[1], f"axis 1 of k {tuple(k.shape)}")
+    s, table = k.shape[1], None
+    if paged:
+        s, table = check_page_table(page_table, b, k.shape[0], k.shape[1], q.shape)
     _checks.check_dim("v", v, 2, hkv, f"Hkv of k {tuple(k.shape)}")
     _checks.check_dim("indices", indices, 0, b, f"B of q {tuple(q.shape)}")
     _checks.check_dim("indices", indices, 1, hkv, f"Hkv of k {tuple(k.shape)}")
@@ -113,13 +123,15 @@ def indexed_attention(
                 f"indices: indices{list(at)} = {ids_np[at]} is outside [0, S) = [0, {s}) "
                 "and not -1 (an empty slot)"
             )
+        if table is not None:
+            check_listed_pages(ids_np.reshape(b, -1), table, k.shape[1], indices.shape)
     if 0 in (b, h, s, indices.shape[2]):  # nothing to attend: every query is empty
         out = jnp.zeros((b, h, v.shape[3]), q.dtype)
         lse = jnp.full((b, h), -jnp.inf, jnp.float32)
     else:
         out, lse = backend.dispatch(
             "indexed_attention", _implementations(), implementation,
-            q, k, v, indices, k_scale, v_scale, float(scale),
+            q, k, v, indices, k_scale, v_scale, page_table, float(scale),
         )  # fmt: skip
         out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
@@ -129,12 +141,46 @@ def indexed_attention(
 def _implementations():
     from jsparse.ops.attention import triton  # Pallas imports only when used
 
-    def run_triton(q, k, v, indices, k_scale, v_scale, scale):
-        return triton.indexed_attention_triton(q, k, v, indices, k_scale, v_scale, scale=scale)
+    def run_triton(q, k, v, indices, k_scale, v_scale, page_table, scale):
+        return triton.indexed_attention_triton(
+            q, k, v, indices, k_scale, v_scale, scale=scale, page_table=page_table
+        )
 
     reference = jax.jit(indexed_attention_reference, static_argnames="scale")
 
-    def run_reference(q, k, v, indices, k_scale, v_scale, scale):
-        return reference(q, k, v, indices, scale=scale, k_scale=k_scale, v_scale=v_scale)
+    def run_reference(q, k, v, indices, k_scale, v_scale, page_table, scale):
+        return reference(q, k, v, indices, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                         page_table=page_table)  # fmt: skip
 
     return {"triton": run_triton, "reference": run_reference}
+
+
+def check_page_table(page_table, batch: int, n_pages: int, page_size: int, q_shape):
+    """(virtual S = M·P, the table's values when concrete) after checking a
+    ``[B, M]`` int32 page table whose entries are -1 or pages of the pool."""
+    _checks.check_rank("page_table", page_table, 2, "[B, max_pages]")
+    _checks.check_dtype("page_table", page_table, (jnp.int32,))
+    _checks.check_dim("page_table", page_table, 0, batch, f"B of q {tuple(q_shape)}")
+    table = _checks.concrete(page_table)
+    if table is not None and ((table < -1) | (table >= n_pages)).any():
+        at = tuple(int(i) for i in np.argwhere((table < -1) | (table >= n_pages))[0])
+        raise ValueError(
+            f"page_table: page_table{list(at)} = {table[at]}; expected -1 or a page of "
+            f"the pool [0, n_pages = {n_pages})"
+        )
+    return page_table.shape[1] * page_size, table
+
+
+def check_listed_pages(ids, table, page_size: int, shape) -> None:
+    """A listed token (``ids`` [B, ·], -1 = empty) on a page the table leaves at -1 is
+    an error; ``shape`` is the indices' shape, for the message."""
+    pages = np.take_along_axis(table, np.maximum(ids, 0) // page_size, axis=1)
+    missing = (ids >= 0) & (pages < 0)
+    if missing.any():
+        flat = tuple(int(i) for i in np.argwhere(missing)[0])
+        at = np.unravel_index(flat[0] * ids.shape[1] + flat[1], shape)
+        at = tuple(int(i) for i in at)
+        raise ValueError(
+            f"indices: indices{list(at)} = {ids[flat]} lies on page {ids[flat] // page_size} "
+            f"of sequence {at[0]}, which page_table leaves unallocated (-1)"
+        )

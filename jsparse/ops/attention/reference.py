@@ -26,17 +26,25 @@ def indexed_attention_reference(
     scale: float,
     k_scale: Float[Array, "B Hkv"] | None = None,
     v_scale: Float[Array, "B Hkv"] | None = None,
+    page_table: Int[Array, "B M"] | None = None,
 ) -> tuple[Float[Array, "B H Dv"], Float[Array, "B H"]]:
     """(out [B, H, Dv] float32, lse [B, H] float32); arguments as
     :func:`jsparse.indexed_attention` (indices already validated)."""
     b, h, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
+    s = k.shape[1] if page_table is None else page_table.shape[1] * k.shape[1]
     g = h // hkv
     valid = (indices >= 0) & (indices < s)  # [B, Hkv, N]
     at = jnp.where(valid, indices, 0)
+    if page_table is not None:  # id i of sequence b: slot i % P of page table[b, i // P]
+        page = page_table[jnp.arange(b)[:, None, None], at // k.shape[1]]
+        valid = valid & (page >= 0)
 
-    def rows(cache):  # [B, S, Hkv, X] -> [B, Hkv, N, X], the listed rows of each KV head
-        return listed_rows(cache, at).astype(jnp.float32)
+    def rows(cache):  # -> [B, Hkv, N, X], the listed rows of each KV head
+        if page_table is None:
+            return listed_rows(cache, at).astype(jnp.float32)
+        heads = jnp.arange(hkv)[None, :, None]
+        return cache[jnp.where(valid, page, 0), at % cache.shape[1], heads].astype(jnp.float32)
 
     kr, vr = rows(k), rows(v)
     if k_scale is not None:

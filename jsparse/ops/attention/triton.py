@@ -56,7 +56,8 @@ class AttentionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    seq: int  # S, cache rows per (sequence, KV head)
+    seq: int  # S, cache rows per (sequence, KV head) (virtual: max_pages · P when paged)
+    page_size: int  # P of a paged cache, 0 for a dense [B, S, Hkv, D] one
     kv_heads: int
     group: int  # G, query heads per KV head
     group_rows: int  # G padded to a power of two ≥ MIN_GROUP_ROWS
@@ -83,6 +84,7 @@ def default_splits(pairs: int, steps: int) -> int:
 
 
 def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
+    table_ref, refs = (refs[0], refs[1:]) if p.page_size else (None, refs)
     n_scales = p.has_k_scale + p.has_v_scale
     scale_refs, outs = refs[:n_scales], refs[n_scales:]
     bn = p.cfg.block_n
@@ -108,7 +110,14 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[pair, at], mask=at < p.list_len, other=-1)
         ok = (ids >= 0) & (ids < p.seq)
-        rows = (b * p.seq + jnp.where(ok, ids, 0)) * p.kv_heads + h
+        if p.page_size:  # id i lives at slot table[b, i // P]·P + i % P of the page pool
+            ids = jnp.where(ok, ids, 0)
+            page = plt.load(table_ref.at[b, ids // p.page_size], mask=ok, other=-1)
+            ok = ok & (page >= 0)
+            slots = jnp.where(ok, page, 0) * p.page_size + ids % p.page_size
+        else:
+            slots = b * p.seq + jnp.where(ok, ids, 0)
+        rows = slots * p.kv_heads + h
         k_mask = ok[:, None] & (dims[None, :] < p.dim)
         kt = plt.load(k_ref.at[rows[:, None], dims[None, :]], mask=k_mask, other=k_zero)
         logits = jax.lax.dot_general(
@@ -198,13 +207,18 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "splits"))
-def indexed_attention_triton(q, k, v, indices, k_scale, v_scale, *, scale, cfg=None, splits=None):
+def indexed_attention_triton(
+    q, k, v, indices, k_scale, v_scale, *, scale, page_table=None, cfg=None, splits=None
+):
     """(out [B, H, Dv] in q's dtype, lse [B, H] float32); see
     :func:`jsparse.indexed_attention`."""
     cfg = cfg or AttentionConfig()
     backend.check_triton_offsets("indexed_attention", k=k, v=v)
     b, h, d = q.shape
-    s, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    hkv, dv = k.shape[2], v.shape[3]
+    slots = k.shape[0] * k.shape[1]  # cache slots, dense or a page pool
+    page_size = 0 if page_table is None else k.shape[1]
+    s = k.shape[1] if page_table is None else page_table.shape[1] * page_size
     g = h // hkv
     n = indices.shape[2]
     steps = max(1, -(-n // cfg.block_n))
@@ -215,7 +229,8 @@ def indexed_attention_triton(q, k, v, indices, k_scale, v_scale, *, scale, cfg=N
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     compute = jnp.dtype(q.dtype) if jnp.dtype(k.dtype) == fp8 else jnp.dtype(k.dtype)
     p = _Plan(
-        seq=s, kv_heads=hkv, group=g, group_rows=next_pow2(g, MIN_GROUP_ROWS), dim=d,
+        seq=s, page_size=page_size, kv_heads=hkv, group=g,
+        group_rows=next_pow2(g, MIN_GROUP_ROWS), dim=d,
         dim_pad=next_pow2(d, 16), vdim=dv, vdim_pad=next_pow2(dv, 16), list_len=n,
         steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
         compute=compute, has_k_scale=k_scale is not None, has_v_scale=v_scale is not None,
@@ -223,7 +238,8 @@ def indexed_attention_triton(q, k, v, indices, k_scale, v_scale, *, scale, cfg=N
     )  # fmt: skip
     # Reshapes only (free): the kernel masks the padded head rows, dims and list tail.
     inputs = [q.reshape(pairs, g, d), indices.reshape(pairs, n),
-              k.reshape(b * s * hkv, d), v.reshape(b * s * hkv, dv)]  # fmt: skip
+              k.reshape(slots * hkv, d), v.reshape(slots * hkv, dv)]  # fmt: skip
+    inputs += [] if page_table is None else [page_table]
     scales = [x.reshape(pairs).astype(jnp.float32) for x in (k_scale, v_scale) if x is not None]
     final, partial = split_shapes(pairs, splits, p, q.dtype)
     outs = pl.pallas_call(

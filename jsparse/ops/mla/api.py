@@ -12,6 +12,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, backend
+from jsparse.ops.attention.api import check_listed_pages, check_page_table
 from jsparse.ops.mla.reference import indexed_mla_attention_reference
 
 QUERY_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -82,17 +83,7 @@ def indexed_mla_attention(
     _checks.check_dim("cache", cache, 2, d, f"D of q {tuple(q.shape)}")
     s, table = cache.shape[1], None
     if paged:
-        _checks.check_rank("page_table", page_table, 2, "[B, max_pages]")
-        _checks.check_dtype("page_table", page_table, (jnp.int32,))
-        _checks.check_dim("page_table", page_table, 0, b, f"B of q {tuple(q.shape)}")
-        s = page_table.shape[1] * cache.shape[1]  # virtual positions per sequence
-        table = _checks.concrete(page_table)
-        if table is not None and ((table < -1) | (table >= cache.shape[0])).any():
-            at = tuple(int(i) for i in np.argwhere((table < -1) | (table >= cache.shape[0]))[0])
-            raise ValueError(
-                f"page_table: page_table{list(at)} = {table[at]}; expected -1 or a page of "
-                f"the pool [0, n_pages = {cache.shape[0]})"
-            )
+        s, table = check_page_table(page_table, b, cache.shape[0], cache.shape[1], q.shape)
     _checks.check_dim("indices", indices, 0, b, f"B of q {tuple(q.shape)}")
     if not isinstance(latent_dim, (int, np.integer)) or not 1 <= latent_dim <= d:
         raise ValueError(f"latent_dim: got {latent_dim!r}; expected an int in [1, D = {d}]")
@@ -117,15 +108,7 @@ def indexed_mla_attention(
                 "and not -1 (an empty slot)"
             )
         if table is not None:
-            pages = np.take_along_axis(table, np.maximum(ids, 0) // cache.shape[1], axis=1)
-            missing = (ids >= 0) & (pages < 0)
-            if missing.any():
-                at = tuple(int(i) for i in np.argwhere(missing)[0])
-                raise ValueError(
-                    f"indices: indices{list(at)} = {ids[at]} lies on page "
-                    f"{ids[at] // cache.shape[1]} of sequence {at[0]}, which page_table "
-                    "leaves unallocated (-1)"
-                )
+            check_listed_pages(ids, table, cache.shape[1], indices.shape)
     if 0 in (b, h, s, indices.shape[1]):  # nothing to attend: every query is empty
         out = jnp.zeros((b, h, int(latent_dim)), q.dtype)
         lse = jnp.full((b, h), -jnp.inf, jnp.float32)
