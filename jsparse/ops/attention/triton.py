@@ -109,14 +109,7 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
         m, l, acc = carry
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[pair, at], mask=at < p.list_len, other=-1)
-        ok = (ids >= 0) & (ids < p.seq)
-        if p.page_size:  # id i lives at slot table[b, i // P]·P + i % P of the page pool
-            ids = jnp.where(ok, ids, 0)
-            page = plt.load(table_ref.at[b, ids // p.page_size], mask=ok, other=-1)
-            ok = ok & (page >= 0)
-            slots = jnp.where(ok, page, 0) * p.page_size + ids % p.page_size
-        else:
-            slots = b * p.seq + jnp.where(ok, ids, 0)
+        ok, slots = listed_slots(ids, b, table_ref, p.seq, p.page_size)
         rows = slots * p.kv_heads + h
         k_mask = ok[:, None] & (dims[None, :] < p.dim)
         kt = plt.load(k_ref.at[rows[:, None], dims[None, :]], mask=k_mask, other=k_zero)
@@ -155,6 +148,19 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
     plt.store(acc_ref.at[pair, split], acc)
     plt.store(m_ref.at[pair, split], m)
     plt.store(l_ref.at[pair, split], l)
+
+
+def listed_slots(ids, b, table_ref, seq: int, page_size: int):
+    """(ok, slot) of each listed id of sequence ``b``: ok for ids in [0, seq) (on an
+    allocated page), slot ``b·seq + id`` of a dense cache, or ``table[b, id // P]·P +
+    id % P`` of a page pool (``page_size`` P > 0); the slot of an id not ok is 0."""
+    ok = (ids >= 0) & (ids < seq)
+    ids = jnp.where(ok, ids, 0)
+    if not page_size:
+        return ok, b * seq + ids
+    page = plt.load(table_ref.at[b, ids // page_size], mask=ok, other=-1)
+    ok = ok & (page >= 0)
+    return ok, jnp.where(ok, page, 0) * page_size + ids % page_size
 
 
 def store_normalized(outs, pair, m, l, acc, v_scale, p):

@@ -35,6 +35,7 @@ from jsparse import backend
 from jsparse.ops.attention.triton import (
     MIN_GROUP_ROWS,
     default_splits,
+    listed_slots,
     merge_splits,
     split_shapes,
 )
@@ -149,14 +150,7 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
         m, l, accs = carry
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[b, at], mask=at < p.list_len, other=-1)
-        ok = (ids >= 0) & (ids < p.seq)
-        if p.page_size:  # id i lives at row table[b, i // P]·P + i % P of the page pool
-            ids = jnp.where(ok, ids, 0)
-            page = plt.load(table_ref.at[b, ids // p.page_size], mask=ok, other=-1)
-            ok = ok & (page >= 0)
-            rows = jnp.where(ok, page, 0) * p.page_size + ids % p.page_size
-        else:
-            rows = b * p.seq + jnp.where(ok, ids, 0)
+        ok, rows = listed_slots(ids, b, table_ref, p.seq, p.page_size)
 
         def load_rows(start, dims, width):
             mask = ok[:, None] & (dims[None, :] < width)
