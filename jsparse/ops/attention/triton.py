@@ -83,6 +83,30 @@ def default_splits(pairs: int, steps: int) -> int:
     return max(1, min(want, steps))
 
 
+def split_list(pairs: int, list_len: int, block_n: int, splits: int | None = None):
+    """(steps, steps per split, splits) of lists of ``list_len`` entries walked
+    ``block_n`` a step by ``pairs`` programs a split (``splits`` None: the default)."""
+    steps = max(1, -(-list_len // block_n))
+    splits = splits or default_splits(pairs, steps)
+    per_split = -(-steps // splits)
+    return steps, per_split, -(-steps // per_split)  # no program without a step
+
+
+def cache_geometry(cache, page_table):
+    """(slots, P, S) of a cache whose first two axes are [B, S] (dense, P = 0) or
+    [n_pages, P] (a page pool; S = max_pages · P, the virtual length a list indexes)."""
+    slots = cache.shape[0] * cache.shape[1]
+    if page_table is None:
+        return slots, 0, cache.shape[1]
+    return slots, cache.shape[1], page_table.shape[1] * cache.shape[1]
+
+
+def widened_dtype(q, cache):
+    """The dots' operand dtype: the cache's, or q's where an FP8 cache is widened."""
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    return jnp.dtype(q.dtype) if jnp.dtype(cache.dtype) == fp8 else jnp.dtype(cache.dtype)
+
+
 def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
     table_ref, refs = (refs[0], refs[1:]) if p.page_size else (None, refs)
     n_scales = p.has_k_scale + p.has_v_scale
@@ -222,18 +246,12 @@ def indexed_attention_triton(
     backend.check_triton_offsets("indexed_attention", k=k, v=v)
     b, h, d = q.shape
     hkv, dv = k.shape[2], v.shape[3]
-    slots = k.shape[0] * k.shape[1]  # cache slots, dense or a page pool
-    page_size = 0 if page_table is None else k.shape[1]
-    s = k.shape[1] if page_table is None else page_table.shape[1] * page_size
+    slots, page_size, s = cache_geometry(k, page_table)
     g = h // hkv
     n = indices.shape[2]
-    steps = max(1, -(-n // cfg.block_n))
     pairs = b * hkv
-    splits = splits or default_splits(pairs, steps)
-    per_split = -(-steps // splits)
-    splits = -(-steps // per_split)  # no program without a step
-    fp8 = jnp.dtype(jnp.float8_e4m3fn)
-    compute = jnp.dtype(q.dtype) if jnp.dtype(k.dtype) == fp8 else jnp.dtype(k.dtype)
+    steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
+    compute = widened_dtype(q, k)
     p = _Plan(
         seq=s, page_size=page_size, kv_heads=hkv, group=g,
         group_rows=next_pow2(g, MIN_GROUP_ROWS), dim=d,
@@ -247,42 +265,40 @@ def indexed_attention_triton(
               k.reshape(slots * hkv, d), v.reshape(slots * hkv, dv)]  # fmt: skip
     inputs += [] if page_table is None else [page_table]
     scales = [x.reshape(pairs).astype(jnp.float32) for x in (k_scale, v_scale) if x is not None]
-    final, partial = split_shapes(pairs, splits, p, q.dtype)
-    outs = pl.pallas_call(
-        functools.partial(_kernel, p=p),
-        grid=(pairs, splits),
-        out_shape=final if splits == 1 else partial,
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=p.interpret,
-        name="jsparse_indexed_attention",
-    )(*inputs, *scales)
-    if splits > 1:
-        outs = merge_splits(outs, scales[p.has_k_scale :], p, final, "jsparse_indexed_attention")
-    out, lse = outs
+    out, lse = launch_split_k(
+        functools.partial(_kernel, p=p), p, [*inputs, *scales], scales[p.has_k_scale :],
+        pairs=pairs, dtype=q.dtype, name="jsparse_indexed_attention",
+    )  # fmt: skip
     return out.reshape(b, h, dv), lse.reshape(b, h)
 
 
-def split_shapes(pairs: int, splits: int, p, dtype):
-    """(final, partial) outputs of a split-K decode launch: ``(out [pairs, group, vdim],
-    lse [pairs, group])`` and the splits' ``(acc [pairs, splits, group_rows, vdim_pad],
-    m, l [pairs, splits, group_rows])``."""
+def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: str):
+    """(out [pairs, group, vdim] in ``dtype``, lse [pairs, group] float32) of a split-K
+    decode kernel on the grid (pairs, p.splits): one launch when each list has one
+    program (the kernel normalises in place), else the kernel's partial softmaxes
+    ``(acc [pairs, splits, group_rows, vdim_pad], m, l [pairs, splits, group_rows])``
+    and a merge launch that weights them (``v_scales``: ``[pairs]`` float32 when
+    ``p.has_v_scale``). ``p`` needs ``splits``, ``group``, ``group_rows``, ``vdim``,
+    ``vdim_pad``, ``has_v_scale``, ``interpret`` and ``cfg`` (warps, stages)."""
     sds = jax.ShapeDtypeStruct
     final = sds((pairs, p.group, p.vdim), dtype), sds((pairs, p.group), jnp.float32)
-    rows = (pairs, splits, p.group_rows)
+    rows = (pairs, p.splits, p.group_rows)
     partial = sds((*rows, p.vdim_pad), jnp.float32), sds(rows, jnp.float32), sds(rows, jnp.float32)
-    return final, partial
-
-
-def merge_splits(partials, v_scales, p, final, name):
-    """(out, lse) from the splits' partial softmaxes ``(acc, m, l)``, each
-    ``[pairs, splits, group_rows, ...]``: one program per (pair, head row). ``p`` needs
-    ``splits``, ``group``, ``vdim``, ``vdim_pad``, ``has_v_scale`` and ``interpret``;
-    ``v_scales`` is ``[pairs]`` float32 when ``p.has_v_scale``."""
+    outs = pl.pallas_call(
+        kernel,
+        grid=(pairs, p.splits),
+        out_shape=final if p.splits == 1 else partial,
+        compiler_params=plt.CompilerParams(num_warps=p.cfg.num_warps, num_stages=p.cfg.num_stages),
+        interpret=p.interpret,
+        name=name,
+    )(*operands)
+    if p.splits == 1:
+        return outs
     return pl.pallas_call(
         functools.partial(_merge_kernel, p=p),
-        grid=(partials[0].shape[0], p.group),
+        grid=(pairs, p.group),
         out_shape=final,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=p.interpret,
         name=f"{name}_merge",
-    )(*partials, *v_scales)
+    )(*outs, *v_scales)

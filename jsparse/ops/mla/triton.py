@@ -17,7 +17,7 @@ own halves of q and of the accumulator, and the output's halves are interleaved 
 outside.
 
 Splits write running max, normaliser and unnormalised output, merged by the indexed
-GQA kernel's merge launch (:func:`jsparse.ops.attention.triton.merge_splits`); a list
+GQA kernel's merge launch (:func:`jsparse.ops.attention.triton.launch_split_k`); a list
 one program walks alone is normalised in place.
 """
 
@@ -34,10 +34,11 @@ from jax.experimental.pallas import triton as plt
 from jsparse import backend
 from jsparse.ops.attention.triton import (
     MIN_GROUP_ROWS,
-    default_splits,
+    cache_geometry,
+    launch_split_k,
     listed_slots,
-    merge_splits,
-    split_shapes,
+    split_list,
+    widened_dtype,
 )
 from jsparse.ops.indexer.triton import next_pow2
 
@@ -86,8 +87,7 @@ class _Plan:
     page_size: int  # P of a paged cache, 0 for a dense [B, S, D] one
     heads: int  # H
     head_blocks: int
-    group: int  # heads per block (the merge's "group")
-    group_rows: int  # == group: a power of two ≥ 16
+    group: int  # heads per block (the merge's "group"): a power of two ≥ 16
     planes: int  # 1, or 2 for a packed FP8 cache (low and high bytes of each word)
     latent: int  # latent values per plane (Dc, or Dc/2 packed)
     latent_pad: int
@@ -102,9 +102,17 @@ class _Plan:
     scale: float
     compute: jnp.dtype
     has_scale: bool
-    has_v_scale: bool  # == has_scale: the merge applies the cache scale to the output
     cfg: MLAConfig
     interpret: bool
+
+    # The names the shared split-K launch reads (jsparse.ops.attention.triton).
+    @property
+    def group_rows(self) -> int:
+        return self.group  # already a power of two ≥ 16
+
+    @property
+    def has_v_scale(self) -> bool:
+        return self.has_scale  # the merge applies the cache scale to the output
 
 
 def _unpack(words, p: _Plan):
@@ -247,17 +255,11 @@ def _indexed_mla_attention(
 ):
     b, h, d = q.shape
     n = indices.shape[1]
-    pool = cache.shape[0] * cache.shape[1]  # rows of the cache, dense or a page pool
-    page_size = 0 if page_table is None else cache.shape[1]
-    s = cache.shape[1] if page_table is None else page_table.shape[1] * page_size
+    pool, page_size, s = cache_geometry(cache, page_table)
     blocks = -(-h // cfg.block_h)
-    steps = max(1, -(-n // cfg.block_n))
     pairs = b * blocks
-    splits = splits or default_splits(pairs, steps)
-    per_split = -(-steps // splits)
-    splits = -(-steps // per_split)  # no program without a step
-    fp8 = jnp.dtype(jnp.float8_e4m3fn)
-    compute = jnp.dtype(q.dtype) if jnp.dtype(cache.dtype) == fp8 else jnp.dtype(cache.dtype)
+    steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
+    compute = widened_dtype(q, cache)
     dc, dr = latent_dim, d - latent_dim
     planes = 2 if packed else 1
     if packed:
@@ -271,27 +273,18 @@ def _indexed_mla_attention(
     lat, rope = dc // planes, dr // planes
     p = _Plan(
         seq=s, page_size=page_size, heads=h, head_blocks=blocks, group=cfg.block_h,
-        group_rows=cfg.block_h,
         planes=planes, latent=lat, latent_pad=next_pow2(lat, 16), rope=rope,
         rope_pad=next_pow2(max(rope, 1), 16), vdim=dc, vdim_pad=next_pow2(dc, 16),
         list_len=n, steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
-        compute=compute, has_scale=has_scale, has_v_scale=has_scale, cfg=cfg,
-        interpret=backend.is_interpret(),
+        compute=compute, has_scale=has_scale, cfg=cfg, interpret=backend.is_interpret(),
     )  # fmt: skip
     scales = [jnp.repeat(cache_scale.astype(jnp.float32), blocks)] if has_scale else []
+    table = [] if page_table is None else [page_table]
+    out, lse = launch_split_k(
+        functools.partial(_kernel, p=p), p, [q, indices, rows, *table, *scales], scales,
+        pairs=pairs, dtype=q.dtype, name="jsparse_indexed_mla_attention",
+    )  # fmt: skip
     bh = cfg.block_h
-    final, partial = split_shapes(pairs, splits, p, q.dtype)
-    outs = pl.pallas_call(
-        functools.partial(_kernel, p=p),
-        grid=(pairs, splits),
-        out_shape=final if splits == 1 else partial,
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=p.interpret,
-        name="jsparse_indexed_mla_attention",
-    )(q, indices, rows, *([] if page_table is None else [page_table]), *scales)
-    if splits > 1:
-        outs = merge_splits(outs, scales, p, final, "jsparse_indexed_mla_attention")
-    out, lse = outs
     out = out.reshape(b, blocks * bh, dc)[:, :h]
     if packed:  # [low bytes' dims | high bytes' dims] back to the cache's order
         out = out.reshape(b, h, 2, dc // 2).swapaxes(2, 3).reshape(b, h, dc)
