@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import jax.numpy as jnp
@@ -83,3 +84,22 @@ def check_top_k(top_k) -> int:
     if top_k <= 0:
         raise ValueError(f"top_k: expected top_k ≥ 1, got {top_k}")
     return int(top_k)
+
+
+def check_positive_finite(name: str, x) -> None:
+    """Every value of ``x`` finite and > 0 (checked when concrete)."""
+    values = concrete(x)
+    if values is None:
+        return
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: {name}{list(at)} = {values[at]}; expected finite and > 0")
+
+
+def check_logit_scale(scale) -> float:
+    """A finite real (Python or numpy) number: the static logit scale of an attention op."""
+    real = isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool)
+    if not (real and math.isfinite(scale)):
+        raise ValueError(f"scale: got {scale!r}; expected a finite real number")
+    return float(scale)

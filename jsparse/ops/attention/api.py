@@ -105,33 +105,16 @@ def indexed_attention(
         _checks.check_dtype(name, x, (jnp.float32,))
         if x.shape != (b, hkv):
             raise ValueError(f"{name}: shape {tuple(x.shape)}; expected [B, Hkv] = {(b, hkv)}")
-        x_np = _checks.concrete(x)
-        if x_np is not None and not (np.isfinite(x_np) & (x_np > 0)).all():
-            bad = tuple(int(i) for i in np.argwhere(~(np.isfinite(x_np) & (x_np > 0)))[0])
-            raise ValueError(f"{name}: {name}{list(bad)} = {x_np[bad]}; expected finite and > 0")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    real = isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool)
-    if not (real and math.isfinite(scale)):
-        raise ValueError(f"scale: got {scale!r}; expected a finite real number")
-    ids_np = _checks.concrete(indices)
-    if ids_np is not None:
-        bad = (ids_np < -1) | (ids_np >= s)
-        if bad.any():
-            at = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(
-                f"indices: indices{list(at)} = {ids_np[at]} is outside [0, S) = [0, {s}) "
-                "and not -1 (an empty slot)"
-            )
-        if table is not None:
-            check_listed_pages(ids_np.reshape(b, -1), table, k.shape[1], indices.shape)
+        _checks.check_positive_finite(name, x)
+    scale = _checks.check_logit_scale(1.0 / math.sqrt(d) if scale is None else scale)
+    check_listed(indices, s, table, k.shape[1])
     if 0 in (b, h, s, indices.shape[2]):  # nothing to attend: every query is empty
         out = jnp.zeros((b, h, v.shape[3]), q.dtype)
         lse = jnp.full((b, h), -jnp.inf, jnp.float32)
     else:
         out, lse = backend.dispatch(
             "indexed_attention", _implementations(), implementation,
-            q, k, v, indices, k_scale, v_scale, page_table, float(scale),
+            q, k, v, indices, k_scale, v_scale, page_table, scale,
         )  # fmt: skip
         out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
@@ -171,16 +154,27 @@ def check_page_table(page_table, batch: int, n_pages: int, page_size: int, q_sha
     return page_table.shape[1] * page_size, table
 
 
-def check_listed_pages(ids, table, page_size: int, shape) -> None:
-    """A listed token (``ids`` [B, ·], -1 = empty) on a page the table leaves at -1 is
-    an error; ``shape`` is the indices' shape, for the message."""
-    pages = np.take_along_axis(table, np.maximum(ids, 0) // page_size, axis=1)
+def check_listed(indices, s: int, table, page_size: int) -> None:
+    """Index lists ``[B, ...]`` (checked when concrete): every entry -1 or in [0, S),
+    and, with a page ``table`` (concrete values), none on a page it leaves at -1."""
+    ids = _checks.concrete(indices)
+    if ids is None:
+        return
+    bad = (ids < -1) | (ids >= s)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"indices: indices{list(at)} = {ids[at]} is outside [0, S) = [0, {s}) "
+            "and not -1 (an empty slot)"
+        )
+    if table is None:
+        return
+    pages = table[np.arange(ids.shape[0]).reshape(-1, *[1] * (ids.ndim - 1)),
+                  np.maximum(ids, 0) // page_size]  # fmt: skip
     missing = (ids >= 0) & (pages < 0)
     if missing.any():
-        flat = tuple(int(i) for i in np.argwhere(missing)[0])
-        at = np.unravel_index(flat[0] * ids.shape[1] + flat[1], shape)
-        at = tuple(int(i) for i in at)
+        at = tuple(int(i) for i in np.argwhere(missing)[0])
         raise ValueError(
-            f"indices: indices{list(at)} = {ids[flat]} lies on page {ids[flat] // page_size} "
+            f"indices: indices{list(at)} = {ids[at]} lies on page {ids[at] // page_size} "
             f"of sequence {at[0]}, which page_table leaves unallocated (-1)"
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -12,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, backend
-from jsparse.ops.attention.api import check_listed_pages, check_page_table
+from jsparse.ops.attention.api import check_listed, check_page_table
 from jsparse.ops.mla.reference import indexed_mla_attention_reference
 
 QUERY_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -91,31 +90,16 @@ def indexed_mla_attention(
         _checks.check_rank("cache_scale", cache_scale, 1, "[B]")
         _checks.check_dtype("cache_scale", cache_scale, (jnp.float32,))
         _checks.check_dim("cache_scale", cache_scale, 0, b, f"B of q {tuple(q.shape)}")
-        x = _checks.concrete(cache_scale)
-        if x is not None and not (np.isfinite(x) & (x > 0)).all():
-            at = int(np.argwhere(~(np.isfinite(x) & (x > 0)))[0, 0])
-            raise ValueError(f"cache_scale: cache_scale[{at}] = {x[at]}; expected finite and > 0")
-    real = isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool)
-    if not (real and math.isfinite(scale)):
-        raise ValueError(f"scale: got {scale!r}; expected a finite real number")
-    ids = _checks.concrete(indices)
-    if ids is not None:
-        bad = (ids < -1) | (ids >= s)
-        if bad.any():
-            at = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(
-                f"indices: indices{list(at)} = {ids[at]} is outside [0, S) = [0, {s}) "
-                "and not -1 (an empty slot)"
-            )
-        if table is not None:
-            check_listed_pages(ids, table, cache.shape[1], indices.shape)
+        _checks.check_positive_finite("cache_scale", cache_scale)
+    scale = _checks.check_logit_scale(scale)
+    check_listed(indices, s, table, cache.shape[1])
     if 0 in (b, h, s, indices.shape[1]):  # nothing to attend: every query is empty
         out = jnp.zeros((b, h, int(latent_dim)), q.dtype)
         lse = jnp.full((b, h), -jnp.inf, jnp.float32)
     else:
         out, lse = backend.dispatch(
             "indexed_mla_attention", _implementations(), implementation,
-            q, cache, indices, cache_scale, page_table, int(latent_dim), float(scale),
+            q, cache, indices, cache_scale, page_table, int(latent_dim), scale,
         )  # fmt: skip
         out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
