@@ -11,6 +11,7 @@ import pytest
 import jsparse
 from jsparse.ops.attention import triton as attention_triton
 from tests.lowering import lower_for_h200
+from tests.paging import shuffled_pages
 
 F8 = jnp.float8_e4m3fn
 
@@ -325,17 +326,13 @@ def test_offset_check_is_about_one_byte_operands_of_2_to_4_gib():
         check("op", w=sds((2**31 + 1,), F8))
 
 
-def paged(cache, page_size, seed=0, extra_pages=3):
-    """The same slots in a shuffled page pool: (pool [n_pages, P, Hkv, X], table [B, M])."""
+def paged(cache, page_size):
+    """The same slots in a shuffled pool with 3 pages of noise: (pool [n_pages, P, Hkv,
+    X], table [B, M]); K and V pools of one cache share the table (the same seed)."""
     b, s = cache.shape[:2]
-    m = s // page_size
-    perm = np.random.default_rng(seed).permutation(b * m + extra_pages)
-    table = perm[: b * m].reshape(b, m).astype(np.int32)
-    pool = np.zeros((b * m + extra_pages, page_size, *cache.shape[2:]), np.float32)
-    pool[table.reshape(-1)] = np.asarray(cache.astype(jnp.float32)).reshape(
-        b * m, page_size, *cache.shape[2:]
-    )
-    return jnp.asarray(pool, cache.dtype), jnp.asarray(table)
+    flat = cache.reshape(b, s, -1)
+    pool, _, table = shuffled_pages(flat, np.ones((b, s)), [s] * b, page_size, spare_pages=3)
+    return pool.reshape(-1, page_size, *cache.shape[2:]), table
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8"])

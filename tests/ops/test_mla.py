@@ -12,6 +12,7 @@ import pytest
 import jsparse
 from jsparse.ops.mla import triton as mla_triton
 from tests.lowering import lower_for_h200
+from tests.paging import shuffled_pages
 
 F8 = jnp.float8_e4m3fn
 
@@ -262,15 +263,12 @@ def test_gpu_deepseek_shapes(b, h, cache):
     )  # fmt: skip
 
 
-def paged(cache, page_size, seed=0, extra_pages=3):
-    """The same rows in a shuffled page pool: (pool [n_pages, P, D], table [B, M])."""
-    b, s, d = cache.shape
-    m = s // page_size
-    perm = np.random.default_rng(seed).permutation(b * m + extra_pages)
-    table = perm[: b * m].reshape(b, m).astype(np.int32)
-    pool = np.zeros((b * m + extra_pages, page_size, d), np.float32)
-    pool[table.reshape(-1)] = np.asarray(cache.astype(jnp.float32)).reshape(b * m, page_size, d)
-    return jnp.asarray(pool, cache.dtype), jnp.asarray(table)
+def paged(cache, page_size):
+    """The same rows in a shuffled pool with 3 pages of noise: (pool [n_pages, P, D],
+    table [B, M])."""
+    b, s = cache.shape[:2]
+    pool, _, table = shuffled_pages(cache, np.ones((b, s)), [s] * b, page_size, spare_pages=3)
+    return pool, table
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8"])
