@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import jsparse
+from jsparse.nn.attention import prefill_projection
 from jsparse.ops.projected import projected_scores
 
 from . import common
@@ -60,8 +61,9 @@ def make_layer(case: dict, seed: int = 0):
         jax.random.normal(kq, (4096, h, d), jnp.float32),
         jax.random.normal(kk2, (4096, hkv, d), jnp.float32),
     )
-    earlier = jnp.where(jnp.arange(s)[None, :, None, None] < s - 1, k, k[:, :1])
-    state = sel.project_keys(params, earlier, headroom=2.0)
+    slots = jnp.arange(s, dtype=jnp.int32)
+    earlier = jnp.broadcast_to(jnp.where(slots < s - 1, slots, -1), (b, s))  # slot S-1 empty
+    state = prefill_projection(sel, params, k, earlier, headroom=2.0)
     return k, v, sel, params, state
 
 

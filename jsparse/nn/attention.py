@@ -119,24 +119,37 @@ class SparseAttention(nnx.Module):
             out = self.dense(q, k, v, q_positions=q_positions, k_positions=k_positions)
             if core_state is None:
                 return out
-            # Empty slots borrow slot 0's key: projected, they are real keys' values, so
-            # they leave the scales alone (lengths keep them out of every selection).
-            filled = (k_positions >= 0)[:, :, None, None]
-            keys = jnp.where(filled, k, k[:, :1])
-            return out, self.selector.project_keys(params, keys, headroom=self.fp8_headroom)
-        visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
-        check_prefix(visible)
-        lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
-        if core_state is None:
-            idx = self.selector.select(params, q[:, 0], k, lengths, self.budget)
-        else:
-            # This step's key is the last visible slot (the cache is in position order).
-            slot = lengths - 1
-            k_new = k[jnp.arange(k.shape[0]), jnp.maximum(slot, 0)]  # [B, Hkv, D]
-            core_state = self.selector.append_keys(params, core_state, k_new, slot)
-            idx = self.selector.select_projected(params, q[:, 0], core_state, lengths, self.budget)
+            return out, prefill_projection(self.selector, params, k, k_positions,
+                                           self.fp8_headroom)  # fmt: skip
+        idx, core_state = select_step(
+            self.selector, params, q[:, 0], k, q_positions, k_positions, self.budget, core_state
+        )
         out = indexed_attention(q[:, 0], k, v, idx, implementation=self.implementation)[:, None]
         return out if core_state is None else (out, core_state)
+
+
+def prefill_projection(selector, params, k, k_positions, headroom: float):
+    """The projected cache of a prefill's keys ``[B, S, Hkv, D]``. Empty slots borrow
+    slot 0's key: projected, they are real keys' values, so they leave the scales alone
+    (lengths keep them out of every selection)."""
+    filled = (k_positions >= 0)[:, :, None, None]
+    return selector.project_keys(params, jnp.where(filled, k, k[:, :1]), headroom=headroom)
+
+
+def select_step(selector, params, q, k, q_positions, k_positions, budget: int, core_state):
+    """(lists ``[B, Hkv, budget]``, core_state) of one decode step: ``q`` [B, H, D] over
+    the visible prefix of ``k`` [B, S, Hkv, D]. With a kept projected cache, the step's
+    own key (the last visible slot) is appended first and selection scores the cache;
+    without one, the selector projects the visible keys itself."""
+    visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
+    check_prefix(visible)
+    lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
+    if core_state is None:
+        return selector.select(params, q, k, lengths, budget), None
+    slot = lengths - 1  # the cache is in position order
+    k_new = k[jnp.arange(k.shape[0]), jnp.maximum(slot, 0)]  # [B, Hkv, D]
+    core_state = selector.append_keys(params, core_state, k_new, slot)
+    return selector.select_projected(params, q, core_state, lengths, budget), core_state
 
 
 def core_selector(selector, selector_options, budget, fp8_headroom, per: str) -> Selector:

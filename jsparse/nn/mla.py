@@ -31,7 +31,12 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jsparse.models.llama import RMSNorm, apply_rope, rope_angles
-from jsparse.nn.attention import SelectorParams, check_prefix, core_selector
+from jsparse.nn.attention import (
+    SelectorParams,
+    core_selector,
+    prefill_projection,
+    select_step,
+)
 from jsparse.ops.mla import indexed_mla_attention
 from jsparse.selectors import ProjectedSelector, Selector
 
@@ -122,20 +127,13 @@ class SparseMLA(nnx.Module):
                              scale=scale, latent_dim=latent_dim)  # fmt: skip
             if core_state is None:
                 return out
-            filled = (k_positions >= 0)[:, :, None]  # empty slots borrow slot 0's row
-            keys = jnp.where(filled, rows, rows[:, :1])[:, :, None]
-            return out, self.selector.project_keys(params, keys, headroom=self.fp8_headroom)
-        visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
-        check_prefix(visible)
-        lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
-        if core_state is None:
-            idx = self.selector.select(params, q[:, 0], rows[:, :, None], lengths, self.budget)
-        else:
-            slot = lengths - 1  # this step's row: the last visible slot
-            new = rows[jnp.arange(rows.shape[0]), jnp.maximum(slot, 0)][:, None]  # [B, 1, D]
-            core_state = self.selector.append_keys(params, core_state, new, slot)
-            idx = self.selector.select_projected(params, q[:, 0], core_state, lengths,
-                                                 self.budget)  # fmt: skip
+            return out, prefill_projection(self.selector, params, rows[:, :, None],
+                                           k_positions, self.fp8_headroom)  # fmt: skip
+        # The rows are one KV head of the selector's layout: [B, S, 1, D].
+        idx, core_state = select_step(
+            self.selector, params, q[:, 0], rows[:, :, None], q_positions, k_positions,
+            self.budget, core_state,
+        )  # fmt: skip
         out = indexed_mla_attention(
             q[:, 0], rows, idx[:, 0], scale=scale, latent_dim=latent_dim,
             implementation=self.implementation,
