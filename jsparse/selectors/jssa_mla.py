@@ -20,29 +20,26 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from jsparse.calibration.eigenbasis import jssa_basis
-from jsparse.calibration.moments import Moments, normalize_trace
-from jsparse.calibration.stiefel import refine_basis
-from jsparse.selectors.base import CACHE_DTYPES, ProjectedSelector, register
+from jsparse.calibration.moments import Moments
+from jsparse.selectors.base import CACHE_DTYPES, register
+from jsparse.selectors.jssa import JSSASelector
 
 __all__ = ["JSSAMLASelector", "embed_latent_basis"]
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class JSSAMLASelector(ProjectedSelector):
+class JSSAMLASelector(JSSASelector):
     """Scores ``(M q̄_c)·(M c) + q̄_r·k_r``, ``M = TopEig_r(G̃_Q + G̃_K)`` of the latent part.
 
-    Options: ``rank`` (r, latent dims kept; the paper: 64), ``latent_dim`` (Dc),
-    ``cache_dtype``, ``normalize``, ``refine_steps`` / ``refine_lr`` (as ``jssa``).
-    Params: ``{"basis": [1, r + Dr, D]}``, the block-diagonal map ``diag(M, I_Dr)``.
+    Options: ``rank`` (r, latent dims kept; the paper: 64), ``latent_dim`` (Dc), and
+    ``jssa``'s ``cache_dtype``, ``normalize``, ``refine_steps`` / ``refine_lr``, which
+    apply to ``M``. Params: ``{"basis": [1, r + Dr, D]}``, the block-diagonal map
+    ``diag(M, I_Dr)``.
     """
 
     rank: int = 64
     latent_dim: int = 512
-    normalize: bool = True
-    refine_steps: int = 0
-    refine_lr: float = 0.05
 
     name: ClassVar[str] = "jssa_mla"
 
@@ -67,19 +64,9 @@ class JSSAMLASelector(ProjectedSelector):
             moments.gram_q[..., :dc, :dc], moments.gram_k[..., :dc, :dc],
             moments.mean_q[..., :dc], moments.mean_k[..., :dc], moments.n_tokens,
         )  # fmt: skip
-        basis = jssa_basis(latent, self.rank, normalize=self.normalize)
-        if self.refine_steps:
-            basis = refine_basis(
-                basis,
-                normalize_trace(latent.gram_q),
-                normalize_trace(latent.gram_k),
-                steps=self.refine_steps,
-                lr=self.refine_lr,
-            ).basis
+        # JSSA's basis (and optional refinement) of the latent block, then diag(M, I).
+        basis = super().calibrate_from_moments(latent)["basis"]
         return {"basis": embed_latent_basis(basis, d)}
-
-    def maps(self, params):
-        return params["basis"], params["basis"]
 
     def bytes_per_token(self, head_dim: int) -> float:
         """``[M c ; k_r]``: r + (D - Dc) values per token (128 bytes in FP8 for V3)."""
