@@ -56,23 +56,20 @@ def make_query(case: dict, seed: int):
     return q, idx
 
 
-def xla_gather_attention(q, cache, idx, cache_scale, dc):
-    """The sparse job in plain XLA: gather the listed rows, then attend (bf16 math)."""
-    rows = jnp.take_along_axis(cache, idx[:, :, None], axis=1).astype(jnp.bfloat16)
-    if cache_scale is not None:
-        rows = rows * cache_scale[:, None, None].astype(jnp.bfloat16)
+def attend(q, rows, dc):
+    """Absorbed MLA of q [B, H, D] over bf16 rows [B, N, D] in plain XLA (bf16 math)."""
     logits = jnp.einsum("bhd,bnd->bhn", q, rows, preferred_element_type=jnp.float32) * SCALE
     p = jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
     out = jnp.einsum("bhn,bnc->bhc", p, rows[..., :dc], preferred_element_type=jnp.float32)
     return out.astype(q.dtype)
 
 
-def dense_attention(q, cache, dc):
-    """Absorbed MLA over every row of the BF16 cache."""
-    logits = jnp.einsum("bhd,bsd->bhs", q, cache, preferred_element_type=jnp.float32) * SCALE
-    p = jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
-    out = jnp.einsum("bhs,bsc->bhc", p, cache[..., :dc], preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
+def xla_gather_attention(q, cache, idx, cache_scale, dc):
+    """The sparse job in plain XLA: gather the listed rows, then attend."""
+    rows = jnp.take_along_axis(cache, idx[:, :, None], axis=1).astype(jnp.bfloat16)
+    if cache_scale is not None:
+        rows = rows * cache_scale[:, None, None].astype(jnp.bfloat16)
+    return attend(q, rows, dc)
 
 
 def method_fn(method, impl, dc):
@@ -84,7 +81,7 @@ def method_fn(method, impl, dc):
     if method == "xla":
         return lambda q, idx, c, cs: xla_gather_attention(q, c, idx, cs, dc)
     if method == "dense":
-        return lambda q, idx, c, cs: dense_attention(q, c, dc)
+        return lambda q, idx, c, cs: attend(q, c, dc)  # every row of the BF16 cache
     raise SystemExit(f"--op mla has methods base, xla and dense, not {method!r}")
 
 
