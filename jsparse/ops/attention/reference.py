@@ -32,19 +32,12 @@ def indexed_attention_reference(
     :func:`jsparse.indexed_attention` (indices already validated)."""
     b, h, d = q.shape
     hkv = k.shape[2]
-    s = k.shape[1] if page_table is None else page_table.shape[1] * k.shape[1]
     g = h // hkv
-    valid = (indices >= 0) & (indices < s)  # [B, Hkv, N]
-    at = jnp.where(valid, indices, 0)
-    if page_table is not None:  # id i of sequence b: slot i % P of page table[b, i // P]
-        page = page_table[jnp.arange(b)[:, None, None], at // k.shape[1]]
-        valid = valid & (page >= 0)
+    valid, first, second = listed_locations(indices, k, page_table)  # [B, Hkv, N]
+    heads = jnp.arange(hkv)[None, :, None]
 
     def rows(cache):  # -> [B, Hkv, N, X], the listed rows of each KV head
-        if page_table is None:
-            return listed_rows(cache, at).astype(jnp.float32)
-        heads = jnp.arange(hkv)[None, :, None]
-        return cache[jnp.where(valid, page, 0), at % cache.shape[1], heads].astype(jnp.float32)
+        return cache[first, second, heads].astype(jnp.float32)
 
     kr, vr = rows(k), rows(v)
     if k_scale is not None:
@@ -70,3 +63,21 @@ def listed_rows(cache: Float[Array, "B S Hkv X"], at: Int[Array, "B Hkv N"]):
     cache into a per-head layout first."""
     b, hkv = at.shape[:2]
     return cache[jnp.arange(b)[:, None, None], at, jnp.arange(hkv)[None, :, None]]
+
+
+def listed_locations(indices: Int[Array, "B ..."], cache, page_table=None):
+    """(valid, i0, i1): list entry ``indices[b, ...]`` is ``cache[i0, i1]``, the first
+    two axes of a dense ``[B, S, ...]`` cache or of a ``[n_pages, P, ...]`` pool with
+    ``page_table`` (token i of sequence b: slot i % P of page ``table[b, i // P]``).
+    ``valid``: the entry lies in [0, S) (S = max_pages · P when paged), on an allocated
+    page; invalid entries point at (b or page 0, slot 0)."""
+    lead = jnp.arange(indices.shape[0]).reshape(-1, *[1] * (indices.ndim - 1))
+    p = cache.shape[1]
+    s = p if page_table is None else page_table.shape[1] * p
+    valid = (indices >= 0) & (indices < s)
+    at = jnp.where(valid, indices, 0)
+    if page_table is None:
+        return valid, lead, at
+    page = page_table[lead, at // p]
+    valid = valid & (page >= 0)
+    return valid, jnp.where(valid, page, 0), at % p

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jsparse.ops.attention.reference import listed_locations
+
 
 def indexed_mla_attention_reference(
     q: Float[Array, "B H D"],
@@ -31,19 +33,8 @@ def indexed_mla_attention_reference(
 ) -> tuple[Float[Array, "B H Dc"], Float[Array, "B H"]]:
     """(out [B, H, latent_dim] float32, lse [B, H] float32); arguments as
     :func:`jsparse.indexed_mla_attention` (already validated)."""
-    if page_table is None:
-        s = cache.shape[1]
-        valid = (indices >= 0) & (indices < s)  # [B, N]
-        at = jnp.where(valid, indices, 0)
-        rows = jnp.take_along_axis(cache, at[:, :, None], axis=1)
-    else:  # id i of sequence b: row i % P of page table[b, i // P]
-        p = cache.shape[1]
-        valid = (indices >= 0) & (indices < page_table.shape[1] * p)
-        at = jnp.where(valid, indices, 0)
-        page = jnp.take_along_axis(page_table, at // p, axis=1)
-        valid = valid & (page >= 0)
-        rows = cache[jnp.where(valid, page, 0), at % p]
-    rows = rows.astype(jnp.float32)  # [B, N, D]
+    valid, first, second = listed_locations(indices, cache, page_table)  # [B, N]
+    rows = cache[first, second].astype(jnp.float32)  # [B, N, D]
     if cache_scale is not None:
         rows = rows * cache_scale[:, None, None]
     hi = jax.lax.Precision.HIGHEST
