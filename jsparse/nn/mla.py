@@ -190,6 +190,12 @@ class MLAAttention(nnx.Module):
             state,
         )  # fmt: skip
 
+    def up_projections(self):
+        """(W_UK [Dc, H, nope], W_UV [Dc, H, v]): ``W_KVb`` split into each head's key and
+        value up-projections of the latent."""
+        w = self.kv_b.kernel[...].reshape(self.latent_dim, self.n_heads, -1)
+        return w[..., : self.nope_dim], w[..., self.nope_dim :]
+
     def absorbed(self, x: Float[Array, "B T C"], positions: Int[Array, "B T"]):
         """(absorbed queries [B, T, H, Dc + Dr], cache rows [B, T, Dc + Dr]) of ``x`` at
         ``positions``: what the core sees, and what ``jssa_mla`` calibrates on."""
@@ -201,7 +207,7 @@ class MLAAttention(nnx.Module):
         cos, sin = rope_angles(positions, dr, self.rope_theta)
         q_rope = apply_rope(q[..., self.nope_dim :], cos, sin)
         k_rope = apply_rope(kv[..., None, dc:], cos, sin)[:, :, 0]
-        w_uk = self.kv_b.kernel[...].reshape(dc, h, -1)[..., : self.nope_dim]  # [Dc, H, nope]
+        w_uk, _ = self.up_projections()
         q_c = jnp.einsum("bthn,chn->bthc", q[..., : self.nope_dim], w_uk, precision=HIGHEST)
         return jnp.concatenate([q_c, q_rope], axis=-1), jnp.concatenate([c, k_rope], axis=-1)
 
@@ -221,9 +227,7 @@ class MLAAttention(nnx.Module):
         else:
             out, state = self.core(q.astype(rows.dtype), rows, core_state=cache.core_state,
                                    **kwargs)  # fmt: skip
-        w_uv = self.kv_b.kernel[...].reshape(self.latent_dim, self.n_heads, -1)[
-            ..., self.nope_dim :
-        ]  # [Dc, H, v]
+        _, w_uv = self.up_projections()
         heads = jnp.einsum("bthc,chv->bthv", out.astype(jnp.float32), w_uv, precision=HIGHEST)
         y = self.o_proj(heads.reshape(b, t, -1).astype(x.dtype))
         return y, MLACache(rows, lengths, state)

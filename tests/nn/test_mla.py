@@ -113,7 +113,7 @@ def test_a_small_budget_attends_the_selected_rows(kernel_impl):
     rows = after.rows[:, keep]
     out = DenseMLA()(q, rows, q_positions=jnp.array([[6]]), k_positions=jnp.arange(6)[None],
                      scale=mla.scale, latent_dim=DIMS["latent_dim"])  # fmt: skip
-    w_uv = mla.kv_b.kernel[...].reshape(DIMS["latent_dim"], HEADS, -1)[..., DIMS["nope_dim"] :]
+    _, w_uv = mla.up_projections()
     want = mla.o_proj(jnp.einsum("bthc,chv->bthv", out, w_uv).reshape(1, 1, -1))
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-4, atol=1e-5)
 
