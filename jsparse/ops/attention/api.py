@@ -72,17 +72,12 @@ def indexed_attention(
     b, h, d = q.shape
     hkv = k.shape[2]
     paged = page_table is not None
-    fp8 = jnp.dtype(jnp.float8_e4m3fn)
     if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
         raise ValueError(
             f"k, v: dtypes {_checks.dtype_name(k.dtype)} and {_checks.dtype_name(v.dtype)}; "
             "expected one cache dtype"
         )
-    if jnp.dtype(k.dtype) not in (jnp.dtype(q.dtype), fp8):
-        raise ValueError(
-            f"k: dtype {_checks.dtype_name(k.dtype)} with q {_checks.dtype_name(q.dtype)}; "
-            "expected q's dtype, or float8_e4m3fn"
-        )
+    check_cache_dtype("k", k, q)
     if not paged:
         _checks.check_dim("k", k, 0, b, f"B of q {tuple(q.shape)}")
     _checks.check_dim("k", k, 3, d, f"D of q {tuple(q.shape)}")
@@ -136,6 +131,15 @@ def _implementations():
                          page_table=page_table)  # fmt: skip
 
     return {"triton": run_triton, "reference": run_reference}
+
+
+def check_cache_dtype(name: str, cache, q) -> None:
+    """A decode cache holds ``q``'s dtype, or FP8 (widened to it on load)."""
+    if jnp.dtype(cache.dtype) not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float8_e4m3fn)):
+        raise ValueError(
+            f"{name}: dtype {_checks.dtype_name(cache.dtype)} with q "
+            f"{_checks.dtype_name(q.dtype)}; expected q's dtype, or float8_e4m3fn"
+        )
 
 
 def check_page_table(page_table, batch: int, n_pages: int, page_size: int, q_shape):

@@ -11,11 +11,14 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, backend
-from jsparse.ops.attention.api import check_listed, check_page_table
+from jsparse.ops.attention.api import (
+    CACHE_FLOATS,
+    QUERY_FLOATS,
+    check_cache_dtype,
+    check_listed,
+    check_page_table,
+)
 from jsparse.ops.mla.reference import indexed_mla_attention_reference
-
-QUERY_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
-CACHE_FLOATS = (*QUERY_FLOATS, jnp.float8_e4m3fn)
 
 
 def indexed_mla_attention(
@@ -71,12 +74,7 @@ def indexed_mla_attention(
     _checks.check_dtype("indices", indices, (jnp.int32,))
     b, h, d = q.shape
     paged = page_table is not None
-    fp8 = jnp.dtype(jnp.float8_e4m3fn)
-    if jnp.dtype(cache.dtype) not in (jnp.dtype(q.dtype), fp8):
-        raise ValueError(
-            f"cache: dtype {_checks.dtype_name(cache.dtype)} with q "
-            f"{_checks.dtype_name(q.dtype)}; expected q's dtype, or float8_e4m3fn"
-        )
+    check_cache_dtype("cache", cache, q)
     if not paged:
         _checks.check_dim("cache", cache, 0, b, f"B of q {tuple(q.shape)}")
     _checks.check_dim("cache", cache, 2, d, f"D of q {tuple(q.shape)}")
