@@ -108,6 +108,27 @@ def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("fp8_dot", ["float16", "bfloat16"])
+@pytest.mark.parametrize("magnitude", [1e6, 1e-7])
+def test_fp8_cache_with_q_beyond_f16s_range(kernel_impl, fp8_dot, magnitude, monkeypatch):
+    """Over an FP8 cache a bf16 q is rescaled per head into f16 (the default dots'
+    dtype): a q of magnitude 1e6 (past f16's 65504) or 1e-7 (among its subnormals)
+    gives the reference's answer, as with bf16 dots."""
+    monkeypatch.setattr(mla_triton, "FP8_DOT_DTYPE", fp8_dot)
+    b, h, dc, dr, s, n = 2, 20, 40, 8, 60, 33
+    q, cache, idx = make(b, h, dc, dr, s, n, seed=5, cache_dtype=F8)
+    q = (q * magnitude).astype(jnp.bfloat16)
+    run = lambda impl: jsparse.indexed_mla_attention(  # noqa: E731
+        q, cache, idx, scale=0.3 / magnitude, latent_dim=dc, return_lse=True,
+        cache_scale=jnp.asarray([0.5, 2.0], jnp.float32), implementation=impl,
+    )  # fmt: skip
+    (out, lse), (ref, ref_lse) = run(kernel_impl), run("reference")
+    tol = TOLERANCES["float8"]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               rtol=tol, atol=tol)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
+
+
 def test_splits_and_tiles_give_the_same_answer(interpret):
     q, cache, idx = make(1, 20, 64, 16, 300, 130, seed=3)
     run = lambda splits, cfg=None: mla_triton.indexed_mla_attention_triton(  # noqa: E731

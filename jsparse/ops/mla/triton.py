@@ -49,6 +49,9 @@ NUM_WARPS = 4
 NUM_STAGES = 3  # run 164: 310 µs against 341 at 2 (128 × 32K, 128 heads, bf16)
 # FP8 caches with more values than this are read as 16-bit words (see the wrapper).
 FP8_WORDS_FROM = 2**31
+# The dots' dtype over an FP8 cache: "float16" (q rescaled per head by a power of two
+# into f16's range) or "bfloat16" (q as it is).
+FP8_DOT_DTYPE = "float16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,7 @@ class _Plan:
     splits: int
     scale: float
     compute: jnp.dtype
+    q_rescaled: bool  # q arrives in f16, times 2**shift per head; [pairs, group] undoes it
     has_scale: bool
     cfg: MLAConfig
     interpret: bool
@@ -131,6 +135,7 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
     (p.rope) wide; the cache row is [latent words | RoPE words]. A paged cache's page
     table comes first in ``refs``."""
     table_ref, refs = (refs[0], refs[1:]) if p.page_size else (None, refs)
+    unshift_ref, refs = (refs[0], refs[1:]) if p.q_rescaled else (None, refs)
     scale_ref, outs = (refs[0], refs[1:]) if p.has_scale else (None, refs)
     bn = p.cfg.block_n
     pair = pl.program_id(0)  # b·head_blocks + block
@@ -153,6 +158,8 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
     scale = p.scale
     if p.has_scale:
         scale = scale * plt.load(scale_ref.at[pair])
+    if p.q_rescaled:
+        scale = scale * plt.load(unshift_ref.at[pair, jnp.arange(p.group)])[:, None]
 
     def step(j, carry):
         m, l, accs = carry
@@ -243,16 +250,35 @@ def indexed_mla_attention_triton(
         jnp.dtype(cache.dtype) == jnp.dtype(jnp.float8_e4m3fn) and dc % 2 == 0
         and (d - dc) % 2 == 0 and cache.size > FP8_WORDS_FROM
     )  # fmt: skip
+    fp8_dot = jnp.dtype(FP8_DOT_DTYPE)
+    if fp8_dot not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"FP8_DOT_DTYPE must be 'float16' or 'bfloat16', got {FP8_DOT_DTYPE!r}")
     return _indexed_mla_attention(
         q, cache, indices, cache_scale, page_table, latent_dim=latent_dim, scale=scale,
         cfg=cfg or default_config(q.shape[1]), splits=splits, packed=packed,
+        fp8_dot=fp8_dot.name,
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("latent_dim", "scale", "cfg", "splits", "packed"))
+def _rescaled_f16(q, pad_heads):
+    """(q · 2**shift in float16, 2**-shift [B, pad_heads] float32): per (sequence,
+    head), the power of two that puts max |q| in [2**13, 2**14), so that f16 neither
+    overflows nor flushes what bf16 or f32 held; exact, undone on the logits."""
+    mag = jnp.max(jnp.abs(q.astype(jnp.float32)), axis=-1)
+    _, exponent = jnp.frexp(mag)  # mag = m · 2**exponent, m in [0.5, 1)
+    shift = jnp.clip(14 - exponent, -120, 120)  # f32's exponent range bounds the undo
+    q16 = jnp.ldexp(q.astype(jnp.float32), shift[..., None]).astype(jnp.float16)
+    unshift = jnp.ldexp(jnp.ones_like(mag), -shift)
+    return q16, jnp.pad(unshift, ((0, 0), (0, pad_heads - q.shape[1])), constant_values=1.0)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("latent_dim", "scale", "cfg", "splits", "packed", "fp8_dot")
+)
 def _indexed_mla_attention(
-    q, cache, indices, cache_scale, page_table, *, latent_dim, scale, cfg, splits, packed
-):
+    q, cache, indices, cache_scale, page_table, *, latent_dim, scale, cfg, splits, packed,
+    fp8_dot,
+):  # fmt: skip
     b, h, d = q.shape
     n = indices.shape[1]
     pool, page_size, s = cache_geometry(cache, page_table)
@@ -260,6 +286,18 @@ def _indexed_mla_attention(
     pairs = b * blocks
     steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
     compute = widened_dtype(q, cache)
+    out_dtype = q.dtype
+    # A bf16 q over an FP8 cache: FP8 widens to f16 in one conversion, to bf16 in a
+    # longer sequence (an f32 q keeps f32 dots).
+    q_rescaled = (
+        compute == jnp.dtype(jnp.bfloat16)
+        and fp8_dot == "float16"
+        and (jnp.dtype(cache.dtype) == jnp.dtype(jnp.float8_e4m3fn))
+    )
+    unshift = []
+    if q_rescaled:
+        q, shifts = _rescaled_f16(q, blocks * cfg.block_h)
+        unshift, compute = [shifts.reshape(pairs, cfg.block_h)], jnp.dtype(jnp.float16)
     dc, dr = latent_dim, d - latent_dim
     planes = 2 if packed else 1
     if packed:
@@ -276,13 +314,13 @@ def _indexed_mla_attention(
         planes=planes, latent=lat, latent_pad=next_pow2(lat, 16), rope=rope,
         rope_pad=next_pow2(max(rope, 1), 16), vdim=dc, vdim_pad=next_pow2(dc, 16),
         list_len=n, steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
-        compute=compute, has_scale=has_scale, cfg=cfg, interpret=backend.is_interpret(),
+        compute=compute, q_rescaled=q_rescaled, has_scale=has_scale, cfg=cfg, interpret=backend.is_interpret(),
     )  # fmt: skip
     scales = [jnp.repeat(cache_scale.astype(jnp.float32), blocks)] if has_scale else []
     table = [] if page_table is None else [page_table]
     out, lse = launch_split_k(
-        functools.partial(_kernel, p=p), p, [q, indices, rows, *table, *scales], scales,
-        pairs=pairs, dtype=q.dtype, name="jsparse_indexed_mla_attention",
+        functools.partial(_kernel, p=p), p, [q, indices, rows, *table, *unshift, *scales],
+        scales, pairs=pairs, dtype=out_dtype, name="jsparse_indexed_mla_attention",
     )  # fmt: skip
     bh = cfg.block_h
     out = out.reshape(b, blocks * bh, dc)[:, :h]
