@@ -74,20 +74,18 @@ def test_reference_matches_numpy_oracle(shape):
 TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3, "float8": 3e-2}
 
 
-@pytest.fixture(params=["bytes", "words"])
+@pytest.fixture(params=["words", "bytes"])
 def fp8_reading(request, monkeypatch):
-    """FP8 caches read byte by byte (small caches), or as 16-bit words (caches of more
-    than 2**31 values, forced here for every size)."""
-    if request.param == "words":
-        monkeypatch.setattr(mla_triton, "FP8_WORDS_FROM", 0)
+    """FP8 caches read as 16-bit words (the default), or byte by byte (the switch off)."""
+    monkeypatch.setattr(mla_triton, "FP8_AS_WORDS", request.param == "words")
     return request.param
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8"])
 def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
-    if fp8_reading == "words" and dtype != "float8":
-        pytest.skip("only FP8 caches are read as words")
+    if fp8_reading == "bytes" and dtype != "float8":
+        pytest.skip("only FP8 caches are read as words or bytes")
     b, h, dc = SHAPES[shape][:3]
     qdt = jnp.bfloat16 if dtype == "float8" else getattr(jnp, dtype)
     q, cache, idx = make(*SHAPES[shape], dtype=qdt, seed=1,
@@ -242,9 +240,11 @@ def test_lowers_to_cuda(qdt, cdt, shape):
         assert "jsparse_indexed_mla_attention" in lowered.as_text()
 
 
-def test_fp8_caches_of_2_to_4_gib():
+def test_fp8_caches_of_2_to_4_gib(monkeypatch):
     """A DeepSeek FP8 cache of 128 × 32K rows (2.4 GB) is read as 16-bit words and
-    lowers; an odd row width (read byte by byte) of that size is refused, not misread."""
+    lowers even with bytes asked for; an odd row width (read byte by byte) of that size
+    is refused, not misread."""
+    monkeypatch.setattr(mla_triton, "FP8_AS_WORDS", False)
     sds = jax.ShapeDtypeStruct
     q, idx = sds((128, 16, 576), jnp.bfloat16), sds((128, 2048), jnp.int32)
     big = sds((128, 32768, 576), F8)
@@ -294,8 +294,8 @@ def paged(cache, page_size):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8"])
 def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype, fp8_reading):
-    if fp8_reading == "words" and dtype != "float8":
-        pytest.skip("only FP8 caches are read as words")
+    if fp8_reading == "bytes" and dtype != "float8":
+        pytest.skip("only FP8 caches are read as words or bytes")
     fp8 = dtype == "float8"
     q, cache, idx = make(2, 20, 40, 8, 64, 50, dtype=jnp.bfloat16, seed=8,
                          cache_dtype=F8 if fp8 else None)  # fmt: skip

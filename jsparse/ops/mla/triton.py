@@ -10,11 +10,13 @@ the sequence's index list (split-K at small batch). Per step of ``block_n`` entr
     acc      [BH, Dc]       += softmax weights · latent (the latent is the value too)
 
 so a listed row is read once per head block and serves as key and value; nothing is
-copied out of the cache. An FP8 cache of more than 2**31 values (even Dc and Dr) is read
-as 16-bit words, each two values (Pallas Triton would address a 1-byte cache of 2-4 GiB
-with wrapping 32-bit offsets, run 163): the low and high bytes are two planes with their
-own halves of q and of the accumulator, and the output's halves are interleaved back
-outside.
+copied out of the cache. An FP8 cache (even Dc and Dr) is read as 16-bit words, each
+two values: the low and high bytes are two planes with their own halves of q and of the
+accumulator, and the output's halves are interleaved back outside. Words are faster
+than bytes (run 167), and Pallas Triton would address a 1-byte cache of 2-4 GiB with
+wrapping 32-bit offsets (run 163). The FP8 tiles widen to f16 and the dots run in f16
+against a q rescaled per head (one conversion per pair; FP8 → bf16 takes a longer
+sequence on sm90, run 166).
 
 Splits write running max, normaliser and unnormalised output, merged by the indexed
 GQA kernel's merge launch (:func:`jsparse.ops.attention.triton.launch_split_k`); a list
@@ -47,8 +49,9 @@ BLOCK_N = 64  # list entries per step (run 163, 128 × 32K, 128 heads: 424 µs; 
 MAX_BLOCK_H = 32  # heads per program
 NUM_WARPS = 4
 NUM_STAGES = 3  # run 164: 310 µs against 341 at 2 (128 × 32K, 128 heads, bf16)
-# FP8 caches with more values than this are read as 16-bit words (see the wrapper).
-FP8_WORDS_FROM = 2**31
+# FP8 caches with even Dc and Dr are read as 16-bit words (False: byte by byte where
+# the cache is small enough to be addressed in bytes; see the wrapper).
+FP8_AS_WORDS = True
 # The dots' dtype over an FP8 cache: "float16" (q rescaled per head by a power of two
 # into f16's range) or "bfloat16" (q as it is).
 FP8_DOT_DTYPE = "float16"
@@ -241,14 +244,13 @@ def indexed_mla_attention_triton(
     :func:`jsparse.indexed_mla_attention`. The module's tiles and FP8 switch are read
     here, at call time, so that a changed setting is never hidden by a cached trace."""
     d, dc = q.shape[-1], latent_dim
-    # An FP8 cache of more than FP8_WORDS_FROM values is read as 16-bit words holding
-    # two: Pallas Triton addresses a 1-byte operand of 2-4 GiB with 32-bit offsets that
-    # wrap (a 128 × 32K DeepSeek cache is 2.4 GB: run 163 read garbage for its last
-    # sequences), 2-byte words never. Smaller caches are read byte by byte: unpacking
-    # the words cost 1.5-2× (run 164).
+    # An FP8 cache is read as 16-bit words holding two values: with f16 dots, 1.3-1.6×
+    # faster than bytes (run 167). Past 2**31 values words are needed: Pallas Triton
+    # addresses a 1-byte operand of 2-4 GiB with 32-bit offsets that wrap (a 128 × 32K
+    # DeepSeek cache is 2.4 GB: run 163 read garbage for its last sequences).
     packed = (
         jnp.dtype(cache.dtype) == jnp.dtype(jnp.float8_e4m3fn) and dc % 2 == 0
-        and (d - dc) % 2 == 0 and cache.size > FP8_WORDS_FROM
+        and (d - dc) % 2 == 0 and (FP8_AS_WORDS or cache.size > 2**31)
     )  # fmt: skip
     fp8_dot = jnp.dtype(FP8_DOT_DTYPE)
     if fp8_dot not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
