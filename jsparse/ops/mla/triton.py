@@ -316,7 +316,8 @@ def _indexed_mla_attention(
         planes=planes, latent=lat, latent_pad=next_pow2(lat, 16), rope=rope,
         rope_pad=next_pow2(max(rope, 1), 16), vdim=dc, vdim_pad=next_pow2(dc, 16),
         list_len=n, steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
-        compute=compute, q_rescaled=q_rescaled, has_scale=has_scale, cfg=cfg, interpret=backend.is_interpret(),
+        compute=compute, q_rescaled=q_rescaled, has_scale=has_scale, cfg=cfg,
+        interpret=backend.is_interpret(),
     )  # fmt: skip
     scales = [jnp.repeat(cache_scale.astype(jnp.float32), blocks)] if has_scale else []
     table = [] if page_table is None else [page_table]
