@@ -43,7 +43,9 @@ from .attention import (
     xla_gather_attention,
 )
 
-__all__ = ["COLUMNS", "DEFAULT_METHODS", "add_arguments", "check", "run", "step_fn"]
+__all__ = [
+    "COLUMNS", "DEFAULT_METHODS", "add_arguments", "check", "run", "step_fn", "time_step",
+]  # fmt: skip
 
 DEFAULT_METHODS = ["xla", "dense", "jssa"]
 
@@ -127,6 +129,21 @@ def check(method, got, *, q, k, v, want_lists, scale) -> list[str]:
     return problems
 
 
+def time_step(row, step, operands, held, sets, args, check_fn, **rates):
+    """Check, then time ``step(q, *operands, state) -> (out, state)`` over the query
+    ``sets``, the state donated: ``held[0]`` is swapped for the step's new state at each
+    call, as a decode loop does. ``rates``: ``nbytes``, ``floor_s`` (and ``flops``)."""
+    fn = jax.jit(step, donate_argnums=len(operands) + 1)
+
+    def call(q):
+        out, held[0] = fn(q, *operands, held[0])
+        return out
+
+    common.check_then_time(
+        row, call, sets, check_fn, budget_s=args.budget, device_time=args.device_time, **rates
+    )
+
+
 def run(args, floors: common.Floors, impl: str) -> list[dict]:
     from jsparse import backend
 
@@ -161,18 +178,11 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             row = dict(case=label, method=method, b=b, s=s, budget=n, rank=r)
             row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
             step = step_fn(method, impl, case, sel, params, on_gpu=on_gpu, k=k, v=v)
-            fn = jax.jit(step, donate_argnums=3)
-
-            def call(q, fn=fn, k=k, v=v, held=held):
-                out, held[0] = fn(q, k, v, held[0])
-                return out
-
-            common.check_then_time(
-                row, call, sets,
+            time_step(
+                row, step, (k, v), held, sets, args,
                 functools.partial(check, method, q=sets[0], k=k, v=v, want_lists=want_lists,
                                   scale=scale),
-                budget_s=args.budget, device_time=args.device_time, nbytes=nbytes,
-                floor_s=floor_s,
+                nbytes=nbytes, floor_s=floor_s,
             )  # fmt: skip
             case_rows.append(row)
             progress.update()

@@ -7,6 +7,7 @@
     python bench/run.py --op attention --preset decode --device-time  # indexed decode attention
     python bench/run.py --op decode-step --preset decode --device-time  # a sparse decode step
     python bench/run.py --op mla --preset decode --device-time  # indexed MLA decode attention
+    python bench/run.py --op mla-step --preset decode --device-time  # a sparse MLA decode step
     python bench/run.py --op dosa --prefill --keys 131072       # DoSA (bench/dosa.py)
     python bench/run.py --op model throughput --context 2048    # the real model (bench/model.py)
     python bench/run.py --set jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS=8 --op indexer \
@@ -33,6 +34,7 @@ OPS = {
     "decode-step": "bench.decode_step",
     "indexer": "bench.indexer",
     "mla": "bench.mla",
+    "mla-step": "bench.mla_step",
     "topk": "bench.topk",
 }
 # Ops with a command line of their own: `--op NAME` forwards every other argument.
