@@ -27,7 +27,13 @@ def _oracle(q, x):
 
 @pytest.mark.parametrize(
     "b, s, hkv, r, dtype",
-    [(2, 300, 8, 32, "fp8"), (1, 37, 3, 16, "bf16"), (3, 129, 1, 4, "f32"), (2, 64, 5, 8, "fp8")],
+    [
+        (2, 300, 8, 32, "fp8"),
+        (1, 37, 3, 16, "bf16"),
+        (3, 129, 1, 4, "f32"),
+        (2, 64, 5, 8, "fp8"),
+        (2, 300, 1, 128, "fp8"),
+    ],  # the last: MLA's one KV head of r + Dr
 )
 def test_kernel_matches_the_oracle(b, s, hkv, r, dtype):
     q, x = _inputs(b, s, hkv, r, dtype)
@@ -84,11 +90,14 @@ def test_lowers_to_cuda(dtype):
     lower_for_h200(projected_scores_triton, q, x)
     lower_for_h200(projected_scores_triton, jax.ShapeDtypeStruct((2, 3, 16), jnp.float32),
                    jax.ShapeDtypeStruct((2, 77, 3, 16), DTYPES[dtype]))  # fmt: skip
+    lower_for_h200(projected_scores_triton, jax.ShapeDtypeStruct((2, 1, 128), jnp.float32),
+                   jax.ShapeDtypeStruct((2, 4099, 1, 128), DTYPES[dtype]))  # fmt: skip
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_matches_the_reference():
-    q, x = _inputs(4, 70001, 8, 32, "fp8", seed=2)
+@pytest.mark.parametrize("hkv, r", [(8, 32), (1, 128)], ids=["gqa", "mla"])
+def test_gpu_kernel_matches_the_reference(hkv, r):
+    q, x = _inputs(4, 70001, hkv, r, "fp8", seed=2)
     got = np.asarray(projected_scores(q, x, implementation="triton"))
     want = np.asarray(projected_scores(q, x, implementation="reference"))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)

@@ -57,7 +57,12 @@ def _kernel(q_ref, x_ref, out_ref, *, p: _Plan):
     zero = jnp.zeros((), x_ref.dtype)  # (a Python 0 cannot be cast to FP8 here)
     x = plt.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask, other=zero)
     prod = x.astype(jnp.float32) * q[None, :]
-    scores = jnp.sum(prod.reshape(p.block_s, p.heads_pad, p.rank), axis=2)  # [BS, Hp]
+    if p.heads_pad == 1:
+        # One KV head (MLA): reduce the rows as they are. The [BS, 1, R] view costs 5.9×
+        # (run 169: 790 against 135 µs at 32 × 128K, R = 128), a layout conversion.
+        scores = jnp.sum(prod, axis=1)[:, None]
+    else:
+        scores = jnp.sum(prod.reshape(p.block_s, p.heads_pad, p.rank), axis=2)  # [BS, Hp]
     out_at = out_ref.at[b * p.kv_heads + heads[None, :], tokens[:, None]]
     plt.store(out_at, scores, mask=in_seq[:, None] & (heads[None, :] < p.kv_heads))
 
