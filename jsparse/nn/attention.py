@@ -87,7 +87,7 @@ class SparseAttention(nnx.Module):
     def keeps_projected_cache(self) -> bool:
         """Whether decoding scores from a projected-key cache kept in the core's state."""
         sel = self.selector
-        return isinstance(sel, ProjectedSelector) and sel.bytes_per_token(1) > 0
+        return isinstance(sel, ProjectedSelector) and sel.keeps_projection
 
     def init_core_state(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int):
         """The empty projected-key cache (None for selectors that keep none)."""

@@ -105,7 +105,8 @@ class SparseMLA(nnx.Module):
     @property
     def keeps_projected_cache(self) -> bool:
         """Whether decoding scores from a projected cache kept in the core's state."""
-        return isinstance(self.selector, ProjectedSelector)
+        sel = self.selector
+        return isinstance(sel, ProjectedSelector) and sel.keeps_projection
 
     def init_core_state(self, batch: int, max_len: int, width: int):
         """The empty projected cache of ``max_len`` rows (None for selectors without one)."""

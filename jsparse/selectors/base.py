@@ -283,6 +283,12 @@ class ProjectedSelector(Selector):
     def bytes_per_token(self, head_dim: int) -> float:
         return float(self.rank * CACHE_DTYPES[self.cache_dtype][1])
 
+    @property
+    def keeps_projection(self) -> bool:
+        """Whether decoding scores from a kept cache of projected keys (``project_keys``,
+        ``append_keys``, ``select_projected``), rather than from the keys themselves."""
+        return True
+
     def project_queries(self, params: Params, q: Float[Array, "B H D"]) -> Float[Array, "B Hkv R"]:
         """``A q̄`` in f32, ``q̄`` the mean of each KV head's query heads."""
         a, _ = self.maps(params)

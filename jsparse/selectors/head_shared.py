@@ -56,6 +56,10 @@ class HeadSharedSelector(ProjectedSelector):
     def bytes_per_token(self, head_dim: int) -> float:
         return 0.0 if self.basis == "full" else super().bytes_per_token(head_dim)
 
+    @property
+    def keeps_projection(self) -> bool:
+        return self.basis != "full"  # "full" votes with the keys themselves
+
     def scores(self, params, q, k, lengths):
         b, _, hkv, d = k.shape
         qh = q.astype(jnp.float32).reshape(b, hkv, -1, d)  # [B, Hkv, G, D]

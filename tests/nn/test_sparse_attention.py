@@ -188,3 +188,13 @@ def test_the_kept_cache_holds_each_key_once_at_its_slot():
     )
     got = state.values[:, :23]
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_which_selectors_keep_a_projected_cache():
+    """Projected selectors keep one (jssa_mla too, whose bytes per token depend on the
+    row width); head_shared's "full" vote and the oracle read the keys themselves."""
+    keeps = lambda sel: jsparse.SparseAttention(sel, {}, 8).keeps_projected_cache  # noqa: E731
+    make = jsparse.make_selector
+    assert keeps(make("jssa", rank=4)) and keeps(make("jssa_mla", rank=4, latent_dim=8))
+    assert keeps(make("head_shared", rank=4))
+    assert not keeps(make("head_shared", basis="full")) and not keeps(make("oracle"))
