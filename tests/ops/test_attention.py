@@ -60,6 +60,7 @@ SHAPES = {
     "odd": (2, 6, 2, 40, 24, 53, 37),
     "smollm2": (1, 9, 3, 64, 64, 300, 130),
     "mha": (3, 4, 4, 16, 16, 20, 70),
+    "odd-dims": (2, 4, 2, 41, 23, 30, 21),  # odd D and Dv: FP8 read byte by byte, not in words
 }
 
 
@@ -81,9 +82,18 @@ def test_reference_matches_numpy_oracle(shape):
 TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3, "float8": 3e-2}
 
 
+@pytest.fixture(params=["bytes", "words"])
+def fp8_reading(request, monkeypatch):
+    """FP8 caches read byte by byte (the default), or as 16-bit words with f16 dots."""
+    monkeypatch.setattr(attention_triton, "FP8_AS_WORDS", request.param == "words")
+    return request.param
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8"])
-def test_kernel_matches_reference(kernel_impl, shape, dtype):
+def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
+    if fp8_reading == "words" and dtype != "float8":
+        pytest.skip("only FP8 caches are read as words")
     cache = F8 if dtype == "float8" else None
     qdt = jnp.bfloat16 if dtype == "float8" else getattr(jnp, dtype)
     q, k, v, idx = make(*SHAPES[shape], dtype=qdt, cache_dtype=cache, seed=1)
@@ -105,6 +115,25 @@ def test_kernel_matches_reference(kernel_impl, shape, dtype):
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol
     )
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("magnitude", [1e6, 1e-7])
+def test_fp8_words_with_q_beyond_f16s_range(kernel_impl, magnitude, monkeypatch):
+    """FP8 caches read as words run f16 dots against a q rescaled per head: a q of
+    magnitude 1e6 (past f16's 65504) or 1e-7 (among its subnormals) gives the
+    reference's answer."""
+    monkeypatch.setattr(attention_triton, "FP8_AS_WORDS", True)
+    q, k, v, idx = make(2, 6, 2, 40, 24, 53, 37, dtype=jnp.float32, cache_dtype=F8, seed=5)
+    q = (q * magnitude).astype(jnp.bfloat16)
+    scales = dict(k_scale=jnp.full((2, 2), 0.5), v_scale=jnp.full((2, 2), 2.0))
+    run = lambda impl: jsparse.indexed_attention(  # noqa: E731
+        q, k, v, idx, scale=0.3 / magnitude, return_lse=True, implementation=impl, **scales
+    )
+    (out, lse), (ref, ref_lse) = run(kernel_impl), run("reference")
+    tol = TOLERANCES["float8"]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               rtol=tol, atol=tol)  # fmt: skip
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
 
 
@@ -231,12 +260,16 @@ def test_unknown_implementation():
 
 
 PAIRS = [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32), (jnp.float16, jnp.float16),
-         (jnp.bfloat16, F8)]  # fmt: skip
+         (jnp.bfloat16, F8), (jnp.bfloat16, F8)]  # fmt: skip
 
 
-@pytest.mark.parametrize("qdt, cdt", PAIRS, ids=["bf16", "f32", "f16", "fp8"])
+@pytest.mark.parametrize(
+    "qdt, cdt, words", [(*pair, i == 4) for i, pair in enumerate(PAIRS)],
+    ids=["bf16", "f32", "f16", "fp8", "fp8-words"],
+)  # fmt: skip
 @pytest.mark.parametrize("shape", [(4, 32, 8, 128, 128, 4096, 2048), (2, 6, 2, 80, 48, 300, 100)])
-def test_lowers_to_cuda(qdt, cdt, shape):
+def test_lowers_to_cuda(qdt, cdt, words, shape, monkeypatch):
+    monkeypatch.setattr(attention_triton, "FP8_AS_WORDS", words)
     b, h, hkv, d, dv, s, n = shape
     sds = jax.ShapeDtypeStruct
     args = [sds((b, h, d), qdt), sds((b, s, hkv, d), cdt), sds((b, s, hkv, dv), cdt),
@@ -252,13 +285,16 @@ def test_lowers_to_cuda(qdt, cdt, shape):
 
         lowered = lower_for_h200(fn, *args, *(scales if cdt == F8 else []))
         assert "jsparse_indexed_attention" in lowered.as_text()
+        assert ("ui16" in lowered.as_text()) == words  # the cache as 16-bit words, or not
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("b, s", [(1, 131072), (32, 32768)])
-def test_gpu_decode_shapes(b, s, cache):
+def test_gpu_decode_shapes(b, s, cache, fp8_reading):
     """32 query / 8 KV heads, D = 128, budget 2048, lists from a real top-k."""
+    if fp8_reading == "words" and cache != "fp8":
+        pytest.skip("only FP8 caches are read as words")
     h, hkv, d, n = 32, 8, 128, 2048
     key = jax.random.PRNGKey(b)
     kq, kk, kv = jax.random.split(key, 3)
@@ -318,6 +354,17 @@ def test_fp8_caches_of_2_to_4_gib_are_refused_not_misread():
     assert out.shape == (b, 32, d)
 
 
+def test_fp8_caches_of_2_to_4_gib_lower_as_words(monkeypatch):
+    """Read as 16-bit words, the same caches are addressed correctly and lower."""
+    monkeypatch.setattr(attention_triton, "FP8_AS_WORDS", True)
+    sds = jax.ShapeDtypeStruct
+    b, s, hkv, d = 24, 131072, 8, 128
+    q, idx = sds((b, 32, d), jnp.bfloat16), sds((b, hkv, 2048), jnp.int32)
+    k, scales = sds((b, s, hkv, d), F8), sds((b, hkv), jnp.float32)
+    fn = lambda *a: attention_triton.indexed_attention_triton(*a, scale=0.1)  # noqa: E731
+    assert "jsparse_indexed_attention" in lower_for_h200(fn, q, k, k, idx, scales, scales).as_text()
+
+
 def test_offset_check_is_about_one_byte_operands_of_2_to_4_gib():
     check = jsparse.backend.check_triton_offsets
     sds = jax.ShapeDtypeStruct
@@ -336,7 +383,9 @@ def paged(cache, page_size):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8"])
-def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype):
+def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype, fp8_reading):
+    if fp8_reading == "words" and dtype != "float8":
+        pytest.skip("only FP8 caches are read as words")
     fp8 = dtype == "float8"
     q, k, v, idx = make(2, 6, 2, 40, 24, 64, 50, dtype=jnp.bfloat16, seed=10,
                         cache_dtype=F8 if fp8 else None)  # fmt: skip

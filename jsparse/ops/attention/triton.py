@@ -34,6 +34,10 @@ from jsparse.ops.indexer.triton import next_pow2
 MIN_GROUP_ROWS = 16
 # Programs a launch aims at, in units of the SM count, when the lists alone give fewer.
 PROGRAMS_PER_SM = 2
+# FP8 K/V caches (even D and Dv) read as 16-bit words, two values each, with f16 dots
+# against a q rescaled per head; False: byte by byte, dots in q's dtype. The MLA kernel
+# gained 1.3-1.6× from words (runs 166-167); not yet measured here, so off by default.
+FP8_AS_WORDS = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +66,20 @@ class _Plan:
     group: int  # G, query heads per KV head
     group_rows: int  # G padded to a power of two ≥ MIN_GROUP_ROWS
     dim: int  # D
-    dim_pad: int  # D padded to a power of two (masked loads: the cache is not copied)
-    vdim: int
-    vdim_pad: int
+    vdim: int  # Dv: the output's width
+    vdim_pad: int  # Dv padded to a power of two (masked loads: the cache is not copied)
+    planes: int  # 1, or 2 for FP8 caches read as words (low and high bytes)
+    plane_dim: int  # q and key values per plane (D / planes)
+    plane_dim_pad: int
+    plane_vdim: int  # value dims per plane (Dv / planes)
+    plane_vdim_pad: int
     list_len: int  # N
     steps_per_split: int  # list steps of block_n entries a program walks
     steps: int  # list steps in all
     splits: int
     scale: float
     compute: np.dtype
+    q_rescaled: bool  # q arrives in f16, times 2**shift per head; [pairs, Gp] undoes it
     has_k_scale: bool
     has_v_scale: bool
     cfg: AttentionConfig
@@ -108,38 +117,49 @@ def widened_dtype(q, cache):
 
 
 def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
+    """q arrives plane by plane ([B·Hkv, G, planes·plane_dim]); a K/V row is plane_dim
+    (plane_vdim) cache elements: values, or 16-bit words of two FP8 values."""
     table_ref, refs = (refs[0], refs[1:]) if p.page_size else (None, refs)
+    unshift_ref, refs = (refs[0], refs[1:]) if p.q_rescaled else (None, refs)
     n_scales = p.has_k_scale + p.has_v_scale
     scale_refs, outs = refs[:n_scales], refs[n_scales:]
     bn = p.cfg.block_n
     pair = pl.program_id(0)  # b·Hkv + h
     split = pl.program_id(1)
     b, h = pair // p.kv_heads, pair % p.kv_heads
-    dims = jnp.arange(p.dim_pad)
-    vdims = jnp.arange(p.vdim_pad)
+    dims = jnp.arange(p.plane_dim_pad)
+    vdims = jnp.arange(p.plane_vdim_pad)
     heads = jnp.arange(p.group_rows)
     # typed `other`s: Triton cannot cast an i32 0 to fp8
     k_zero, v_zero = jnp.zeros((), k_ref.dtype), jnp.zeros((), v_ref.dtype)
     # q is [B·Hkv, G, D] as given: the padded head rows and dims load as zeros.
-    q_mask = (heads[:, None] < p.group) & (dims[None, :] < p.dim)
-    q = plt.load(q_ref.at[pair, heads[:, None], dims[None, :]], mask=q_mask, other=0.0)
-    q = q.astype(p.compute)
+    q_mask = (heads[:, None] < p.group) & (dims[None, :] < p.plane_dim)
+    q = [
+        plt.load(q_ref.at[pair, heads[:, None], i * p.plane_dim + dims[None, :]], mask=q_mask,
+                 other=0.0).astype(p.compute)
+        for i in range(p.planes)
+    ]  # fmt: skip
     precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
     scale = p.scale
     if p.has_k_scale:
         scale = scale * plt.load(scale_refs[0].at[pair])
+    if p.q_rescaled:
+        scale = scale * plt.load(unshift_ref.at[pair, heads])[:, None]
 
     def step(j, carry):
-        m, l, acc = carry
+        m, l, accs = carry
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[pair, at], mask=at < p.list_len, other=-1)
         ok, slots = listed_slots(ids, b, table_ref, p.seq, p.page_size)
         rows = slots * p.kv_heads + h
-        k_mask = ok[:, None] & (dims[None, :] < p.dim)
+        k_mask = ok[:, None] & (dims[None, :] < p.plane_dim)
         kt = plt.load(k_ref.at[rows[:, None], dims[None, :]], mask=k_mask, other=k_zero)
-        logits = jax.lax.dot_general(
-            q, kt.astype(p.compute), (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32, precision=precision,
+        logits = sum(
+            jax.lax.dot_general(
+                qi, ki, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                precision=precision,
+            )
+            for qi, ki in zip(q, fp8_planes(kt, p.planes, p.compute), strict=True)
         )  # fmt: skip
         logits = jnp.where(ok[None, :], logits * scale, -jnp.inf)  # [Gp, BN]
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
@@ -147,29 +167,34 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
         base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         weights = jnp.exp(logits - base[:, None])
         alpha = jnp.exp(m - base)
-        v_mask = ok[:, None] & (vdims[None, :] < p.vdim)
+        v_mask = ok[:, None] & (vdims[None, :] < p.plane_vdim)
         vt = plt.load(v_ref.at[rows[:, None], vdims[None, :]], mask=v_mask, other=v_zero)
-        pv = jax.lax.dot_general(
-            weights.astype(p.compute), vt.astype(p.compute), (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32, precision=precision,
+        w = weights.astype(p.compute)
+        accs = tuple(
+            acc * alpha[:, None] + jax.lax.dot_general(
+                w, vi, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                precision=precision,
+            )
+            for acc, vi in zip(accs, fp8_planes(vt, p.planes, p.compute), strict=True)
         )  # fmt: skip
-        return m_new, l * alpha + jnp.sum(weights, axis=1), acc * alpha[:, None] + pv
+        return m_new, l * alpha + jnp.sum(weights, axis=1), accs
 
     gp = p.group_rows
     init = (
         jnp.full((gp,), -jnp.inf, jnp.float32),
         jnp.zeros((gp,), jnp.float32),
-        jnp.zeros((gp, p.vdim_pad), jnp.float32),
+        tuple(jnp.zeros((gp, p.plane_vdim_pad), jnp.float32) for _ in range(p.planes)),
     )
     first = split * p.steps_per_split
     last = jnp.minimum(first + p.steps_per_split, p.steps)
-    m, l, acc = jax.lax.fori_loop(first, last, step, init)
+    m, l, accs = jax.lax.fori_loop(first, last, step, init)
+    real = heads < p.group
     if p.splits == 1:  # the whole list in one program: normalise here, no merge launch
         v_scale = plt.load(scale_refs[-1].at[pair]) if p.has_v_scale else None
-        store_normalized(outs, pair, m, l, acc, v_scale, p)
+        store_normalized(outs, pair, m, l, accs, v_scale, real, p.plane_vdim)
         return
     acc_ref, m_ref, l_ref = outs
-    plt.store(acc_ref.at[pair, split], acc)
+    store_planes(acc_ref, (pair, split), accs, real, p.plane_vdim)
     plt.store(m_ref.at[pair, split], m)
     plt.store(l_ref.at[pair, split], l)
 
@@ -187,24 +212,70 @@ def listed_slots(ids, b, table_ref, seq: int, page_size: int):
     return ok, jnp.where(ok, page, 0) * page_size + ids % page_size
 
 
-def store_normalized(outs, pair, m, l, acc, v_scale, p):
+def store_normalized(outs, pair, m, l, planes, v_scale, real, width: int):
     """out = acc / l (0 where nothing was attended) in the output dtype and lse = m +
-    log l, for the G real head rows and Dv real dims only. ``p`` is any plan with the
-    fields ``group``, ``group_rows``, ``vdim`` and ``vdim_pad`` (the MLA kernel's too)."""
+    log l, for the ``real`` head rows: the output's ``planes`` (plane i at columns
+    [i·width, (i+1)·width), only ``width`` real dims of each; the MLA kernel's too)."""
     out_ref, lse_ref = outs
-    heads = jnp.arange(p.group_rows)
-    vdims = jnp.arange(p.vdim_pad)
     some = l > 0
     safe = jnp.where(some, l, 1.0)
-    out = jnp.where(some[:, None], acc / safe[:, None], 0.0)
+    factor = jnp.where(some, 1.0 / safe, 0.0)
     if v_scale is not None:
-        out = out * v_scale
-    lse = jnp.where(some, m + jnp.log(safe), -jnp.inf)
-    real = heads < p.group
-    mask = real[:, None] & (vdims[None, :] < p.vdim)
-    out_at = out_ref.at[pair, heads[:, None], vdims[None, :]]
-    plt.store(out_at, out.astype(out_ref.dtype), mask=mask)
-    plt.store(lse_ref.at[pair, heads], lse, mask=real)
+        factor = factor * v_scale
+    store_planes(out_ref, (pair,), [acc * factor[:, None] for acc in planes], real, width)
+    heads = jnp.arange(real.shape[0])
+    plt.store(lse_ref.at[pair, heads], jnp.where(some, m + jnp.log(safe), -jnp.inf), mask=real)
+
+
+def store_planes(ref, prefix, planes, real, width: int):
+    """Plane i's ``width`` real dims at columns [i·width, (i+1)·width) of each ``real``
+    head row of ``ref[*prefix]``."""
+    heads, dims = jnp.arange(real.shape[0]), jnp.arange(planes[0].shape[1])
+    mask = real[:, None] & (dims[None, :] < width)
+    for i, plane in enumerate(planes):
+        at = ref.at[(*prefix, heads[:, None], i * width + dims[None, :])]
+        plt.store(at, plane.astype(ref.dtype), mask=mask)
+
+
+def fp8_planes(tile, planes: int, compute):
+    """The planes of a loaded cache tile in the dots' dtype: the tile itself, or the low
+    and high FP8 bytes of each 16-bit word (an FP8 cache read as words)."""
+    if planes == 1:
+        return [tile.astype(compute)]
+    fp8 = jnp.float8_e4m3fn
+    lo = jax.lax.bitcast_convert_type((tile & 0xFF).astype(jnp.uint8), fp8)
+    hi = jax.lax.bitcast_convert_type((tile >> 8).astype(jnp.uint8), fp8)
+    return [lo.astype(compute), hi.astype(compute)]
+
+
+def fp8_words(cache, width: int):
+    """An FP8 cache ``[..., width]`` (even) as 16-bit words ``[..., width / 2]``: a free
+    bitcast. Words also address 1-byte caches of 2-4 GiB, which Pallas Triton would
+    address with wrapping 32-bit offsets (run 163)."""
+    pairs = cache.reshape(*cache.shape[:-1], width // 2, 2)
+    return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
+
+
+def even_odd(x, width: int):
+    """The last axis's ``width`` values as [even-indexed | odd-indexed]: the two planes
+    of words, in the order a packed kernel reads q and writes its output."""
+    return jnp.concatenate([x[..., 0:width:2], x[..., 1:width:2]], axis=-1)
+
+
+def interleaved(x, width: int):
+    """The inverse of :func:`even_odd` on the last axis (``width`` values)."""
+    return x.reshape(*x.shape[:-1], 2, width // 2).swapaxes(-1, -2).reshape(x.shape)
+
+
+def rescaled_f16(q):
+    """(q · 2**shift in float16, 2**-shift [..] float32) per vector of q's last axis: the
+    power of two that puts max |q| in [2**13, 2**14), so that f16 neither overflows nor
+    flushes what bf16 or f32 held; exact, undone on the logits."""
+    mag = jnp.max(jnp.abs(q.astype(jnp.float32)), axis=-1)
+    _, exponent = jnp.frexp(mag)  # mag = m · 2**exponent, m in [0.5, 1)
+    shift = jnp.clip(14 - exponent, -120, 120)  # f32's exponent range bounds the undo
+    q16 = jnp.ldexp(q.astype(jnp.float32), shift[..., None]).astype(jnp.float16)
+    return q16, jnp.ldexp(jnp.ones_like(mag), -shift)
 
 
 def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p):
@@ -236,15 +307,28 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p):
     plt.store(lse_ref.at[pair, g], jnp.where(some, base + jnp.log(safe), -jnp.inf))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "cfg", "splits"))
 def indexed_attention_triton(
     q, k, v, indices, k_scale, v_scale, *, scale, page_table=None, cfg=None, splits=None
 ):
     """(out [B, H, Dv] in q's dtype, lse [B, H] float32); see
-    :func:`jsparse.indexed_attention`."""
-    cfg = cfg or AttentionConfig()
-    backend.check_triton_offsets("indexed_attention", k=k, v=v)
+    :func:`jsparse.indexed_attention`. ``FP8_AS_WORDS`` is read here, at call time, so
+    that a changed setting is never hidden by a cached trace."""
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    words = (
+        FP8_AS_WORDS and jnp.dtype(k.dtype) == fp8 and jnp.dtype(v.dtype) == fp8
+        and k.shape[-1] % 2 == 0 and v.shape[-1] % 2 == 0
+    )  # fmt: skip
+    return _indexed_attention(
+        q, k, v, indices, k_scale, v_scale, page_table, scale=scale,
+        cfg=cfg or AttentionConfig(), splits=splits, words=bool(words),
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "splits", "words"))
+def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale, cfg, splits,
+                       words):  # fmt: skip
     b, h, d = q.shape
+    out_dtype = q.dtype
     hkv, dv = k.shape[2], v.shape[3]
     slots, page_size, s = cache_geometry(k, page_table)
     g = h // hkv
@@ -252,24 +336,38 @@ def indexed_attention_triton(
     pairs = b * hkv
     steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
     compute = widened_dtype(q, k)
+    gp = next_pow2(g, MIN_GROUP_ROWS)
+    planes = 2 if words else 1
+    unshift = []
+    if words:  # FP8 widens to f16 in one conversion; an f32 q keeps f32 dots
+        q = even_odd(q, d)
+        if compute == jnp.dtype(jnp.bfloat16):
+            q, shifts = rescaled_f16(q)
+            shifts = jnp.pad(shifts.reshape(pairs, g), ((0, 0), (0, gp - g)), constant_values=1.0)
+            unshift, compute = [shifts], jnp.dtype(jnp.float16)
+        k, v = fp8_words(k, d), fp8_words(v, dv)
+    else:
+        backend.check_triton_offsets("indexed_attention", k=k, v=v)
+    kw, vw = d // planes, dv // planes
     p = _Plan(
-        seq=s, page_size=page_size, kv_heads=hkv, group=g,
-        group_rows=next_pow2(g, MIN_GROUP_ROWS), dim=d,
-        dim_pad=next_pow2(d, 16), vdim=dv, vdim_pad=next_pow2(dv, 16), list_len=n,
-        steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
-        compute=compute, has_k_scale=k_scale is not None, has_v_scale=v_scale is not None,
-        cfg=cfg, interpret=backend.is_interpret(),
+        seq=s, page_size=page_size, kv_heads=hkv, group=g, group_rows=gp, dim=d, vdim=dv,
+        vdim_pad=next_pow2(dv, 16), planes=planes, plane_dim=kw, plane_dim_pad=next_pow2(kw, 16),
+        plane_vdim=vw, plane_vdim_pad=next_pow2(vw, 16), list_len=n, steps_per_split=per_split,
+        steps=steps, splits=splits, scale=float(scale), compute=compute,
+        q_rescaled=bool(unshift), has_k_scale=k_scale is not None,
+        has_v_scale=v_scale is not None, cfg=cfg, interpret=backend.is_interpret(),
     )  # fmt: skip
     # Reshapes only (free): the kernel masks the padded head rows, dims and list tail.
     inputs = [q.reshape(pairs, g, d), indices.reshape(pairs, n),
-              k.reshape(slots * hkv, d), v.reshape(slots * hkv, dv)]  # fmt: skip
+              k.reshape(slots * hkv, kw), v.reshape(slots * hkv, vw)]  # fmt: skip
     inputs += [] if page_table is None else [page_table]
     scales = [x.reshape(pairs).astype(jnp.float32) for x in (k_scale, v_scale) if x is not None]
     out, lse = launch_split_k(
-        functools.partial(_kernel, p=p), p, [*inputs, *scales], scales[p.has_k_scale :],
-        pairs=pairs, dtype=q.dtype, name="jsparse_indexed_attention",
+        functools.partial(_kernel, p=p), p, [*inputs, *unshift, *scales],
+        scales[p.has_k_scale :], pairs=pairs, dtype=out_dtype, name="jsparse_indexed_attention",
     )  # fmt: skip
-    return out.reshape(b, h, dv), lse.reshape(b, h)
+    out = out.reshape(b, h, dv)
+    return (interleaved(out, dv) if words else out), lse.reshape(b, h)
 
 
 def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: str):

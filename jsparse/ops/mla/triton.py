@@ -37,9 +37,16 @@ from jsparse import backend
 from jsparse.ops.attention.triton import (
     MIN_GROUP_ROWS,
     cache_geometry,
+    even_odd,
+    fp8_planes,
+    fp8_words,
+    interleaved,
     launch_split_k,
     listed_slots,
+    rescaled_f16,
     split_list,
+    store_normalized,
+    store_planes,
     widened_dtype,
 )
 from jsparse.ops.indexer.triton import next_pow2
@@ -122,17 +129,6 @@ class _Plan:
         return self.has_scale  # the merge applies the cache scale to the output
 
 
-def _unpack(words, p: _Plan):
-    """The planes of a loaded tile in the compute dtype: the tile itself, or the low and
-    high FP8 bytes of each 16-bit word (a packed cache)."""
-    if p.planes == 1:
-        return [words.astype(p.compute)]
-    fp8 = jnp.float8_e4m3fn
-    lo = jax.lax.bitcast_convert_type((words & 0xFF).astype(jnp.uint8), fp8)
-    hi = jax.lax.bitcast_convert_type((words >> 8).astype(jnp.uint8), fp8)
-    return [lo.astype(p.compute), hi.astype(p.compute)]
-
-
 def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
     """q arrives plane by plane: [latent planes | RoPE planes], each plane p.latent
     (p.rope) wide; the cache row is [latent words | RoPE words]. A paged cache's page
@@ -172,8 +168,9 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
 
         def load_rows(start, dims, width):
             mask = ok[:, None] & (dims[None, :] < width)
-            return _unpack(plt.load(cache_ref.at[rows[:, None], start + dims[None, :]],
-                                    mask=mask, other=zero), p)  # fmt: skip
+            tile = plt.load(cache_ref.at[rows[:, None], start + dims[None, :]], mask=mask,
+                            other=zero)  # fmt: skip
+            return fp8_planes(tile, p.planes, p.compute)
 
         lat = load_rows(0, cdims, p.latent)
         logits = sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_c, lat, strict=True))
@@ -204,37 +201,21 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
     first = split * p.steps_per_split
     last = jnp.minimum(first + p.steps_per_split, p.steps)
     m, l, accs = jax.lax.fori_loop(first, last, step, init)
-    rows = jnp.arange(p.group)
+    every = jnp.arange(p.group) >= 0  # padded heads too: the wrapper slices them off
     if p.splits == 1:  # the whole list in one program: normalise here, no merge launch
-        out_ref, lse_ref = outs
-        some = l > 0
-        safe = jnp.where(some, l, 1.0)
-        factor = jnp.where(some, 1.0 / safe, 0.0)
-        if p.has_scale:
-            factor = factor * plt.load(scale_ref.at[pair])
-        planes = [acc * factor[:, None] for acc in accs]
-        _store_planes(out_ref, (pair,), planes, p)
-        plt.store(lse_ref.at[pair, rows], jnp.where(some, m + jnp.log(safe), -jnp.inf))
+        cache_scale = plt.load(scale_ref.at[pair]) if p.has_scale else None
+        store_normalized(outs, pair, m, l, accs, cache_scale, every, p.latent)
         return
     acc_ref, m_ref, l_ref = outs
-    _store_planes(acc_ref, (pair, split), list(accs), p)
-    plt.store(m_ref.at[pair, split, rows], m)
-    plt.store(l_ref.at[pair, split, rows], l)
+    store_planes(acc_ref, (pair, split), accs, every, p.latent)
+    plt.store(m_ref.at[pair, split], m)
+    plt.store(l_ref.at[pair, split], l)
 
 
 def _dot_t(a, x, precision):  # a [BH, X] · x [BN, X]ᵀ
     return jax.lax.dot_general(
         a, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
     )
-
-
-def _store_planes(ref, prefix, planes, p: _Plan):
-    """Plane i's p.latent real values at [i·p.latent, (i+1)·p.latent) of each head row
-    of ``ref[*prefix]``."""
-    rows, dims = jnp.arange(p.group), jnp.arange(p.latent_pad)
-    for i, plane in enumerate(planes):
-        at = ref.at[(*prefix, rows[:, None], i * p.latent + dims[None, :])]
-        plt.store(at, plane.astype(ref.dtype), mask=dims[None, :] < p.latent)
 
 
 def indexed_mla_attention_triton(
@@ -262,18 +243,6 @@ def indexed_mla_attention_triton(
     )  # fmt: skip
 
 
-def _rescaled_f16(q, pad_heads):
-    """(q · 2**shift in float16, 2**-shift [B, pad_heads] float32): per (sequence,
-    head), the power of two that puts max |q| in [2**13, 2**14), so that f16 neither
-    overflows nor flushes what bf16 or f32 held; exact, undone on the logits."""
-    mag = jnp.max(jnp.abs(q.astype(jnp.float32)), axis=-1)
-    _, exponent = jnp.frexp(mag)  # mag = m · 2**exponent, m in [0.5, 1)
-    shift = jnp.clip(14 - exponent, -120, 120)  # f32's exponent range bounds the undo
-    q16 = jnp.ldexp(q.astype(jnp.float32), shift[..., None]).astype(jnp.float16)
-    unshift = jnp.ldexp(jnp.ones_like(mag), -shift)
-    return q16, jnp.pad(unshift, ((0, 0), (0, pad_heads - q.shape[1])), constant_values=1.0)
-
-
 @functools.partial(
     jax.jit, static_argnames=("latent_dim", "scale", "cfg", "splits", "packed", "fp8_dot")
 )
@@ -298,14 +267,14 @@ def _indexed_mla_attention(
     )
     unshift = []
     if q_rescaled:
-        q, shifts = _rescaled_f16(q, blocks * cfg.block_h)
+        q, shifts = rescaled_f16(q)
+        shifts = jnp.pad(shifts, ((0, 0), (0, blocks * cfg.block_h - h)), constant_values=1.0)
         unshift, compute = [shifts.reshape(pairs, cfg.block_h)], jnp.dtype(jnp.float16)
     dc, dr = latent_dim, d - latent_dim
     planes = 2 if packed else 1
     if packed:
-        q = jnp.concatenate([q[..., 0:dc:2], q[..., 1:dc:2], q[..., dc::2], q[..., dc + 1 :: 2]],
-                            axis=-1)  # fmt: skip
-        rows = jax.lax.bitcast_convert_type(cache.reshape(pool, d // 2, 2), jnp.uint16)
+        q = jnp.concatenate([even_odd(q[..., :dc], dc), even_odd(q[..., dc:], dr)], axis=-1)
+        rows = fp8_words(cache.reshape(pool, d), d)
     else:
         rows = cache.reshape(pool, d)
         backend.check_triton_offsets("indexed_mla_attention", cache=rows)
@@ -328,5 +297,5 @@ def _indexed_mla_attention(
     bh = cfg.block_h
     out = out.reshape(b, blocks * bh, dc)[:, :h]
     if packed:  # [low bytes' dims | high bytes' dims] back to the cache's order
-        out = out.reshape(b, h, 2, dc // 2).swapaxes(2, 3).reshape(b, h, dc)
+        out = interleaved(out, dc)
     return out, lse.reshape(b, blocks * bh)[:, :h]
