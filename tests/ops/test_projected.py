@@ -8,6 +8,7 @@ import pytest
 
 from jsparse import backend
 from jsparse.ops.projected import projected_scores
+from jsparse.ops.projected import triton as projected_triton
 from jsparse.ops.projected.triton import projected_scores_triton
 from tests.lowering import lower_for_h200
 
@@ -35,7 +36,9 @@ def _oracle(q, x):
         (2, 300, 1, 128, "fp8"),
     ],  # the last: MLA's one KV head of r + Dr
 )
-def test_kernel_matches_the_oracle(b, s, hkv, r, dtype):
+@pytest.mark.parametrize("head_loads", [False, True], ids=["one-load", "head-loads"])
+def test_kernel_matches_the_oracle(b, s, hkv, r, dtype, head_loads, monkeypatch):
+    monkeypatch.setattr(projected_triton, "HEAD_LOADS", head_loads)
     q, x = _inputs(b, s, hkv, r, dtype)
     want = _oracle(q, x)
     # f32 sums of R products in any order: within R ulps of the sum of magnitudes
@@ -84,19 +87,26 @@ def test_bad_inputs_are_named():
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
-def test_lowers_to_cuda(dtype):
-    q = jax.ShapeDtypeStruct((8, 8, 32), jnp.float32)
-    x = jax.ShapeDtypeStruct((8, 4099, 8, 32), DTYPES[dtype])
-    lower_for_h200(projected_scores_triton, q, x)
-    lower_for_h200(projected_scores_triton, jax.ShapeDtypeStruct((2, 3, 16), jnp.float32),
-                   jax.ShapeDtypeStruct((2, 77, 3, 16), DTYPES[dtype]))  # fmt: skip
-    lower_for_h200(projected_scores_triton, jax.ShapeDtypeStruct((2, 1, 128), jnp.float32),
-                   jax.ShapeDtypeStruct((2, 4099, 1, 128), DTYPES[dtype]))  # fmt: skip
+@pytest.mark.parametrize("head_loads", [False, True], ids=["one-load", "head-loads"])
+def test_lowers_to_cuda(dtype, head_loads, monkeypatch):
+    monkeypatch.setattr(projected_triton, "HEAD_LOADS", head_loads)
+    sds = jax.ShapeDtypeStruct
+    texts = []
+    for hkv, r, s in [(8, 32, 4099), (3, 16, 77), (1, 128, 4099)]:
+        q, x = sds((2, hkv, r), jnp.float32), sds((2, s, hkv, r), DTYPES[dtype])
+        # a new function each time: jit's trace cache would hide the switch
+        texts.append(lower_for_h200(lambda *a: projected_scores_triton(*a), q, x).as_text())
+    monkeypatch.setattr(projected_triton, "HEAD_LOADS", not head_loads)
+    q, x = sds((2, 8, 32), jnp.float32), sds((2, 4099, 8, 32), DTYPES[dtype])
+    other = lower_for_h200(lambda *a: projected_scores_triton(*a), q, x).as_text()
+    assert other != texts[0]  # the switch changes the kernel
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hkv, r", [(8, 32), (1, 128)], ids=["gqa", "mla"])
-def test_gpu_kernel_matches_the_reference(hkv, r):
+@pytest.mark.parametrize("head_loads", [False, True], ids=["one-load", "head-loads"])
+def test_gpu_kernel_matches_the_reference(hkv, r, head_loads, monkeypatch):
+    monkeypatch.setattr(projected_triton, "HEAD_LOADS", head_loads)
     q, x = _inputs(4, 70001, hkv, r, "fp8", seed=2)
     got = np.asarray(projected_scores(q, x, implementation="triton"))
     want = np.asarray(projected_scores(q, x, implementation="reference"))
@@ -106,7 +116,6 @@ def test_gpu_kernel_matches_the_reference(hkv, r):
 def test_fp8_caches_of_2_to_4_gib_are_refused_not_misread():
     """(WORKSPACE.md run 163.) The kernel refuses the cache; the op falls back."""
     import jsparse
-    from jsparse.ops.projected import triton as projected_triton
 
     sds = jax.ShapeDtypeStruct
     q, values = sds((160, 8, 32), jnp.float32), sds((160, 65536, 8, 32), jnp.float8_e4m3fn)
