@@ -16,11 +16,18 @@ cache as the core's state (``init_core_state``; the model carries it in its KV c
 prefill projects the prompt's keys once, each decode step projects only the new key
 and scores from the cache. Without a state (a model that does not carry one) each step
 projects the visible keys again, which reads the whole K cache.
+
+Serving caches: ``k_scale`` / ``v_scale`` ([B, Hkv]) mark an FP8 K/V cache and
+``page_table`` ([B, M]) a paged one (``k``, ``v`` then page pools [n_pages, P, Hkv, D]),
+as :func:`jsparse.indexed_attention` takes them; the decode step reads them in place and
+widens only the new key for the projected cache. Prefill, and selectors without a
+projected cache, see the cache as dense f32 (:class:`CacheView`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +42,46 @@ from jsparse.selectors import ProjectedSelector, Selector, make_selector
 class SelectorParams(nnx.Variable):
     """A layer's calibrated selector parameters (bases, maps), as model state: they
     travel with ``nnx.split`` / ``nnx.merge`` and into jitted calls as arguments."""
+
+
+class CacheView(NamedTuple):
+    """A K (or V) cache as a decode core reads it: ``values`` dense [B, S, Hkv, D], or a
+    page pool [n_pages, P, Hkv, D] with ``page_table`` [B, M] (token i of sequence b at
+    slot ``i % P`` of page ``page_table[b, i // P]``, -1: none); FP8 with ``scale``
+    [B, Hkv] (value = stored · scale), or as stored."""
+
+    values: Array
+    page_table: Array | None = None
+    scale: Array | None = None
+
+    def _widened(self, x, token_axes: int):
+        """``x`` dequantised: f32 times the scale, or unchanged without one."""
+        if self.scale is None:
+            return x
+        scale = self.scale.astype(jnp.float32)
+        return x.astype(jnp.float32) * scale.reshape(
+            scale.shape[:1] + (1,) * token_axes + scale.shape[1:] + (1,)
+        )
+
+    def dense(self) -> Array:
+        """[B, S, Hkv, D] (S = M·P when paged; a missing page reads page 0, which the
+        positions must mark invisible)."""
+        x = self.values
+        if self.page_table is not None:
+            pages = x[jnp.maximum(self.page_table, 0)]  # [B, M, P, Hkv, D]
+            x = pages.reshape(pages.shape[0], -1, *pages.shape[3:])
+        return self._widened(x, 1)
+
+    def rows(self, slot: Int[Array, " B"]) -> Array:
+        """[B, Hkv, D]: each sequence's token at position ``slot[b]``."""
+        b = jnp.arange(slot.shape[0])
+        if self.page_table is None:
+            x = self.values[b, slot]
+        else:
+            p = self.values.shape[1]
+            page = jnp.maximum(self.page_table[b, slot // p], 0)
+            x = self.values[page, slot % p]
+        return self._widened(x, 0)
 
 
 class SparseAttention(nnx.Module):
@@ -111,20 +158,32 @@ class SparseAttention(nnx.Module):
         q_positions: Int[Array, "B T"],
         k_positions: Int[Array, "B S"],
         core_state=None,
+        k_scale: Float[Array, "B Hkv"] | None = None,
+        v_scale: Float[Array, "B Hkv"] | None = None,
+        page_table: Int[Array, "B M"] | None = None,
     ):
         """The attention output ``[B, T, H, Dv]``; with ``core_state``, also the updated
-        state: ``(out, core_state)``."""
+        state: ``(out, core_state)``. ``k_scale``, ``v_scale``, ``page_table``: an FP8
+        and/or paged cache (module docstring)."""
         params = self.params.get_value()
+        keys = CacheView(k, page_table, k_scale)
         if q.shape[1] != 1:
-            out = self.dense(q, k, v, q_positions=q_positions, k_positions=k_positions)
+            values = CacheView(v, page_table, v_scale).dense()
+            dense_keys = keys.dense()
+            out = self.dense(q, dense_keys, values, q_positions=q_positions,
+                             k_positions=k_positions)  # fmt: skip
             if core_state is None:
                 return out
-            return out, prefill_projection(self.selector, params, k, k_positions,
+            return out, prefill_projection(self.selector, params, dense_keys, k_positions,
                                            self.fp8_headroom)  # fmt: skip
         idx, core_state = select_step(
-            self.selector, params, q[:, 0], k, q_positions, k_positions, self.budget, core_state
-        )
-        out = indexed_attention(q[:, 0], k, v, idx, implementation=self.implementation)[:, None]
+            self.selector, params, q[:, 0], keys, q_positions, k_positions, self.budget,
+            core_state,
+        )  # fmt: skip
+        out = indexed_attention(
+            q[:, 0], k, v, idx, k_scale=k_scale, v_scale=v_scale, page_table=page_table,
+            implementation=self.implementation,
+        )[:, None]  # fmt: skip
         return out if core_state is None else (out, core_state)
 
 
@@ -136,18 +195,19 @@ def prefill_projection(selector, params, k, k_positions, headroom: float):
     return selector.project_keys(params, jnp.where(filled, k, k[:, :1]), headroom=headroom)
 
 
-def select_step(selector, params, q, k, q_positions, k_positions, budget: int, core_state):
+def select_step(selector, params, q, keys: CacheView, q_positions, k_positions, budget: int,
+                core_state):  # fmt: skip
     """(lists ``[B, Hkv, budget]``, core_state) of one decode step: ``q`` [B, H, D] over
-    the visible prefix of ``k`` [B, S, Hkv, D]. With a kept projected cache, the step's
+    the visible prefix of the ``keys`` cache. With a kept projected cache, the step's
     own key (the last visible slot) is appended first and selection scores the cache;
-    without one, the selector projects the visible keys itself."""
+    without one, the selector projects the visible keys itself (reading them all)."""
     visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
     check_prefix(visible)
     lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
     if core_state is None:
-        return selector.select(params, q, k, lengths, budget), None
+        return selector.select(params, q, keys.dense(), lengths, budget), None
     slot = lengths - 1  # the cache is in position order
-    k_new = k[jnp.arange(k.shape[0]), jnp.maximum(slot, 0)]  # [B, Hkv, D]
+    k_new = keys.rows(jnp.maximum(slot, 0))  # [B, Hkv, D]
     core_state = selector.append_keys(params, core_state, k_new, slot)
     return selector.select_projected(params, q, core_state, lengths, budget), core_state
 

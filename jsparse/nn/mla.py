@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from jsparse.models.llama import RMSNorm, apply_rope, rope_angles
 from jsparse.nn.attention import (
+    CacheView,
     SelectorParams,
     core_selector,
     prefill_projection,
@@ -121,23 +122,35 @@ class SparseMLA(nnx.Module):
             )
         return self.selector.empty_cache(params, batch, max_len)
 
-    def __call__(self, q, rows, *, q_positions, k_positions, scale, latent_dim, core_state=None):
+    def __call__(
+        self, q, rows, *, q_positions, k_positions, scale, latent_dim, core_state=None,
+        cache_scale: Float[Array, " B"] | None = None, page_table: Int[Array, "B M"] | None = None,
+    ):  # fmt: skip
+        """``cache_scale`` [B] marks an FP8 cache of rows, ``page_table`` [B, M] a paged
+        one (``rows`` then a pool [n_pages, P, D]), as
+        :func:`jsparse.indexed_mla_attention` takes them; prefill sees them as dense f32."""
         params = self.params.get_value()
+        # The rows as the selector's one KV head: [B, S, 1, D] (or a pool [N, P, 1, D]).
+        view = CacheView(
+            rows[..., None, :], page_table, None if cache_scale is None else cache_scale[:, None]
+        )
         if q.shape[1] != 1:
-            out = self.dense(q, rows, q_positions=q_positions, k_positions=k_positions,
-                             scale=scale, latent_dim=latent_dim)  # fmt: skip
+            dense_rows = view.dense()
+            out = self.dense(
+                q, dense_rows[:, :, 0], q_positions=q_positions, k_positions=k_positions,
+                scale=scale, latent_dim=latent_dim,
+            )  # fmt: skip
             if core_state is None:
                 return out
-            return out, prefill_projection(self.selector, params, rows[:, :, None],
-                                           k_positions, self.fp8_headroom)  # fmt: skip
-        # The rows are one KV head of the selector's layout: [B, S, 1, D].
+            return out, prefill_projection(self.selector, params, dense_rows, k_positions,
+                                           self.fp8_headroom)  # fmt: skip
         idx, core_state = select_step(
-            self.selector, params, q[:, 0], rows[:, :, None], q_positions, k_positions,
-            self.budget, core_state,
+            self.selector, params, q[:, 0], view, q_positions, k_positions, self.budget,
+            core_state,
         )  # fmt: skip
         out = indexed_mla_attention(
             q[:, 0], rows, idx[:, 0], scale=scale, latent_dim=latent_dim,
-            implementation=self.implementation,
+            cache_scale=cache_scale, page_table=page_table, implementation=self.implementation,
         )[:, None]  # fmt: skip
         return out if core_state is None else (out, core_state)
 

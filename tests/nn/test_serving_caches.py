@@ -1,0 +1,113 @@
+"""The decode cores over serving caches: an FP8 cache with its scales, a paged cache
+(a shuffled page pool and a page table), and both, decode like the dense f32 cache they
+hold, through prefill and several decode steps with the kept projected cache."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.nn import SparseAttention, SparseMLA
+
+F8 = jnp.float8_e4m3fn
+B, S, H, PAGE = 2, 48, 6, 8
+PREFILL, STEPS = 20, 4  # tokens 24..47 are never visible: their pages stay unallocated
+
+
+def _normal(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def _fp8(x, per):
+    """(x in FP8, scale) with one scale per ``per`` index (x ≈ stored · scale)."""
+    axes = tuple(i for i in range(x.ndim) if i not in per)
+    scale = np.abs(x).max(axis=axes) / 448.0
+    shape = [x.shape[i] if i in per else 1 for i in range(x.ndim)]
+    stored = jnp.asarray(x / scale.reshape(shape), F8)
+    return stored, jnp.asarray(scale, jnp.float32)
+
+
+def _paged(x, seed=0):
+    """(pool [B·M + 3, P, ...], table [B, M]): x's pages shuffled among 3 spare pages of
+    noise; pages holding no token below PREFILL + STEPS left unallocated (-1)."""
+    rng = np.random.default_rng(seed)
+    m = S // PAGE
+    n_pages = B * m + 3
+    noise = rng.standard_normal((n_pages, PAGE, *x.shape[2:])) * 100  # (FP8: saturates)
+    pool = np.array(jnp.asarray(noise, x.dtype))  # a writable copy
+    where = rng.permutation(n_pages)[: B * m].reshape(B, m)
+    table = np.full((B, m), -1, np.int32)
+    dense = np.asarray(x).reshape(B, m, PAGE, *x.shape[2:])
+    for b in range(B):
+        for i in range(m):
+            pool[where[b, i]] = dense[b, i]
+            if i * PAGE < PREFILL + STEPS:
+                table[b, i] = where[b, i]
+    return jnp.asarray(pool), jnp.asarray(table)
+
+
+def _decode(core, q_all, caches, init_state, **extra):
+    """Prefill PREFILL tokens, then STEPS decode steps; every output concatenated."""
+    slots = np.arange(S)
+    outs, state = [], init_state
+
+    def call(q, upto, **kw):
+        pos = jnp.asarray(np.broadcast_to(np.where(slots < upto, slots, -1), (B, S)), jnp.int32)
+        qpos = jnp.asarray(np.broadcast_to(np.arange(upto - q.shape[1], upto), (B, q.shape[1])),
+                           jnp.int32)  # fmt: skip
+        return core(q, *caches, q_positions=qpos, k_positions=pos, core_state=state, **kw, **extra)
+
+    out, state = call(q_all[:, :PREFILL], PREFILL)
+    outs.append(np.asarray(out, np.float32))
+    for t in range(PREFILL, PREFILL + STEPS):
+        out, state = call(q_all[:, t : t + 1], t + 1)
+        outs.append(np.asarray(out, np.float32))
+    return np.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("cache", ["fp8", "paged", "paged-fp8"])
+def test_sparse_attention_over_a_serving_cache_decodes_like_the_dense_one(kernel_impl, cache):
+    hkv, d = 2, 16
+    rng = np.random.default_rng(1)
+    k, v = (rng.standard_normal((B, S, hkv, d)).astype(np.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((B, PREFILL + STEPS, H, d)), jnp.float32)
+    sel = jsparse.make_selector("jssa", rank=4)
+    params = sel.calibrate(_normal(rng, 256, H, d), _normal(rng, 256, hkv, d))
+    core = SparseAttention(sel, params, 8, implementation=kernel_impl)
+    extra = {}
+    if "fp8" in cache:
+        (k, extra["k_scale"]), (v, extra["v_scale"]) = _fp8(k, (0, 2)), _fp8(v, (0, 2))
+        want_k = np.asarray(k, np.float32) * np.asarray(extra["k_scale"])[:, None, :, None]
+        want_v = np.asarray(v, np.float32) * np.asarray(extra["v_scale"])[:, None, :, None]
+    else:
+        k, v, want_k, want_v = jnp.asarray(k), jnp.asarray(v), k, v
+    if "paged" in cache:
+        (k, extra["page_table"]), (v, _) = _paged(k), _paged(v)
+    state = core.init_core_state(B, S, hkv, d)
+    want = _decode(core, q, (jnp.asarray(want_k), jnp.asarray(want_v)), state)
+    got = _decode(core, q, (k, v), state, **extra)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["fp8", "paged", "paged-fp8"])
+def test_sparse_mla_over_a_serving_cache_decodes_like_the_dense_one(kernel_impl, cache):
+    dc, dr = 24, 8
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((B, S, dc + dr)).astype(np.float32)
+    q = jnp.asarray(rng.standard_normal((B, PREFILL + STEPS, H, dc + dr)), jnp.float32)
+    sel = jsparse.make_selector("jssa_mla", rank=8, latent_dim=dc)
+    params = sel.calibrate(_normal(rng, 256, H, dc + dr), _normal(rng, 256, 1, dc + dr))
+    core = SparseMLA(sel, params, 8, implementation=kernel_impl)
+    extra = {}
+    if "fp8" in cache:
+        rows, extra["cache_scale"] = _fp8(rows, (0,))
+        want = np.asarray(rows, np.float32) * np.asarray(extra["cache_scale"])[:, None, None]
+    else:
+        rows, want = jnp.asarray(rows), rows
+    if "paged" in cache:
+        rows, extra["page_table"] = _paged(rows)
+    state = core.init_core_state(B, S, dc + dr)
+    mla = dict(scale=0.2, latent_dim=dc)
+    expect = _decode(core, q, (jnp.asarray(want),), state, **mla)
+    got = _decode(core, q, (rows,), state, **mla, **extra)
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5)
