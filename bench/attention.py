@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jsparse
-from jsparse.ops.attention.reference import listed_rows
+from jsparse.ops.attention.reference import listed_locations
 
 from . import common
 
@@ -51,6 +51,11 @@ def make_cache(case: dict, seed: int):
             scale = amax / 448.0
             cache[name] = (x / scale[:, None, :, None].astype(x.dtype)).astype(jnp.float8_e4m3fn)
             cache[f"{name}_scale"] = scale
+    cache["page_table"] = None
+    if case.get("page"):  # the same rows in a shuffled page pool
+        (cache["k"], cache["v"]), cache["page_table"] = common.shuffled_pages(
+            [cache["k"], cache["v"]], case["page"], seed
+        )
     return cache
 
 
@@ -63,13 +68,14 @@ def make_query(case: dict, seed: int):
     return q, idx
 
 
-def xla_gather_attention(q, k, v, idx, k_scale, v_scale, scale):
+def xla_gather_attention(q, k, v, idx, k_scale, v_scale, scale, page_table=None):
     """The sparse job in plain XLA: gather the listed rows, then attend (bf16 math)."""
     b, h, d = q.shape
     hkv = k.shape[2]
+    _, i0, i1 = listed_locations(idx, k, page_table)  # the bench's lists are all valid
 
     def rows(cache, s):
-        r = listed_rows(cache, idx).astype(jnp.bfloat16)
+        r = cache[i0, i1, jnp.arange(hkv)[None, :, None]].astype(jnp.bfloat16)
         return r if s is None else r * s[:, :, None, None].astype(jnp.bfloat16)
 
     kr, vr = rows(k, k_scale), rows(v, v_scale)
@@ -101,24 +107,26 @@ def cudnn_runs(cache, heads: int) -> bool:
 
 
 def method_fn(method, impl, scale, *, heads: int, on_gpu: bool, dense_cache=None):
-    """(q, idx, k, v, k_scale, v_scale) -> out [B, H, Dv]; the cache goes in as arguments
-    (closed over, jit would embed it in the program as constants). ``dense`` reads its
-    BF16 cache from k, v and ignores the scales."""
+    """(q, idx, k, v, k_scale, v_scale, page_table) -> out [B, H, Dv]; the cache goes in
+    as arguments (closed over, jit would embed it in the program as constants).
+    ``dense`` reads its dense BF16 cache from k, v and ignores the rest."""
     if method == "base":
 
-        def base(q, idx, k, v, k_scale, v_scale):
+        def base(q, idx, k, v, k_scale, v_scale, table):
             return jsparse.indexed_attention(
-                q, k, v, idx, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                q, k, v, idx, scale=scale, k_scale=k_scale, v_scale=v_scale, page_table=table,
                 implementation=impl,
             )  # fmt: skip
 
         return base
     if method == "xla":
-        return lambda q, idx, k, v, ks, vs: xla_gather_attention(q, k, v, idx, ks, vs, scale)
+        return lambda q, idx, k, v, ks, vs, table: xla_gather_attention(
+            q, k, v, idx, ks, vs, scale, table
+        )
     if method == "dense":
         cudnn = on_gpu and cudnn_runs(dense_cache, heads)
         fn = functools.partial(dense_attention, scale=scale, cudnn=cudnn)
-        return lambda q, idx, k, v, ks, vs: fn(q, k, v)
+        return lambda q, idx, k, v, ks, vs, table: fn(q, k, v)
     raise SystemExit(f"--op attention has methods base, xla and dense, not {method!r}")
 
 
@@ -128,15 +136,18 @@ def check(method, got, *, q, idx, cache, dense_cache, scale) -> list[str]:
     problems = []
     for i in sorted({0, b - 1}):
         src = dense_cache if method == "dense" else cache
-        one = {n: None if src[n] is None else src[n][i : i + 1] for n in ("k_scale", "v_scale")}
+        one = {n: None if src[n] is None else src[n][i : i + 1]
+               for n in ("k_scale", "v_scale", "page_table")}  # fmt: skip
         lists = idx[i : i + 1]
+        k, v = src["k"], src["v"]  # a page pool is shared: the table picks the sequence
+        if src["page_table"] is None:
+            k, v = k[i : i + 1], v[i : i + 1]
         if method == "dense":
             s, hkv = src["k"].shape[1], src["k"].shape[2]
             lists = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, hkv, s))
         want = jsparse.indexed_attention(
-            q[i : i + 1], src["k"][i : i + 1], src["v"][i : i + 1], lists, scale=scale,
-            **one, implementation="reference",
-        )  # fmt: skip
+            q[i : i + 1], k, v, lists, scale=scale, **one, implementation="reference"
+        )
         problems += bf16_mismatch(i, got[i], want[0])
     return problems
 
@@ -160,9 +171,11 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     progress = tqdm(total=len(cases) * len(args.method), desc="attention", disable=args.quiet)
     for case in cases:
         b, s, h, hkv, d, n = (case[x] for x in ("b", "s", "h", "hkv", "d", "budget"))
-        label = f"B{b} S{s} H{h}/{hkv} D{d} N{n} {case['dtype']}"
+        paged = f" paged {case['page']}" if case.get("page") else ""
+        label = f"B{b} S{s} H{h}/{hkv} D{d} N{n} {case['dtype']}{paged}"
         cache = make_cache(case, seed=0)
-        dense_cache = cache if case["dtype"] == "bf16" else make_cache({**case, "dtype": "bf16"}, 0)
+        plain = case["dtype"] == "bf16" and not case.get("page")
+        dense_cache = cache if plain else make_cache({**case, "dtype": "bf16", "page": 0}, 0)
         scale = 1.0 / math.sqrt(d)
         itemsize = jnp.dtype(DTYPES[case["dtype"]]).itemsize
         sparse_bytes = b * hkv * n * (2 * d * itemsize + 4) + b * h * 2 * d * 2
@@ -180,7 +193,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             fn = jax.jit(
                 method_fn(method, impl, scale, heads=h, on_gpu=on_gpu, dense_cache=dense_cache)
             )
-            kv = (src["k"], src["v"], src["k_scale"], src["v_scale"])
+            kv = (src["k"], src["v"], src["k_scale"], src["v_scale"], src["page_table"])
             call = lambda a, fn=fn, kv=kv: fn(*a, *kv)  # noqa: E731
             q0, idx0 = sets[0]
             common.check_then_time(

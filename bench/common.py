@@ -60,6 +60,25 @@ def expand_cases(preset: dict) -> list[dict]:
     return out
 
 
+def shuffled_pages(caches: Sequence, page: int, seed: int = 0):
+    """(pools, page_table [B, S / page]): dense caches [B, S, ...] cut into pages of
+    ``page`` tokens, stored in one random order in pools [B·S / page, page, ...] (the
+    same order for every cache: one table serves them all), as a paged serving cache
+    holds them."""
+    b, s = caches[0].shape[:2]
+    if s % page:
+        raise SystemExit(f"page {page} does not divide the context {s}")
+    m = s // page
+    order = jax.random.permutation(jax.random.PRNGKey(seed), b * m).astype(jnp.int32)
+    pools = [
+        jnp.zeros((b * m, page, *x.shape[2:]), x.dtype).at[order].set(
+            x.reshape(b * m, page, *x.shape[2:])
+        )
+        for x in caches
+    ]  # fmt: skip
+    return pools, order.reshape(b, m)
+
+
 def widen_threshold(text: str) -> int | str:
     """``--widen-fp8-from``'s value: a query count, or ``never`` (FP8 stays in registers)."""
     if text == "never":

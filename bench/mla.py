@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import jsparse
+from jsparse.ops.attention.reference import listed_locations
 
 from . import attention, common
 from .attention import bf16_mismatch
@@ -37,14 +38,21 @@ add_arguments = attention.add_arguments  # --device-time
 
 
 def make_cache(case: dict, seed: int):
-    """The BF16 cache [B, S, Dc + Dr], and its FP8 version (one scale per sequence)."""
+    """The cache as the sparse methods read it (``cache``, ``cache_scale`` for FP8 (one
+    per sequence), ``page_table`` when paged: the rows in a shuffled pool of
+    ``case["page"]``-token pages), and the dense BF16 cache [B, S, Dc + Dr]."""
     b, s, d = case["b"], case["s"], case["dc"] + case["dr"]
     cache = jax.random.normal(jax.random.PRNGKey(seed), (b, s, d), jnp.bfloat16)
-    if case["dtype"] != "fp8":
-        return dict(cache=cache, cache_scale=None), cache
-    scale = jnp.max(jnp.abs(cache.astype(jnp.float32)), axis=(1, 2)) / 448.0
-    fp8 = (cache.astype(jnp.float32) / scale[:, None, None]).astype(jnp.float8_e4m3fn)
-    return dict(cache=fp8, cache_scale=scale), cache
+    src = dict(cache=cache, cache_scale=None, page_table=None)
+    if case["dtype"] == "fp8":
+        scale = jnp.max(jnp.abs(cache.astype(jnp.float32)), axis=(1, 2)) / 448.0
+        fp8 = (cache.astype(jnp.float32) / scale[:, None, None]).astype(jnp.float8_e4m3fn)
+        src.update(cache=fp8, cache_scale=scale)
+    if case.get("page"):
+        (src["cache"],), src["page_table"] = common.shuffled_pages(
+            [src["cache"]], case["page"], seed
+        )
+    return src, cache
 
 
 def make_query(case: dict, seed: int):
@@ -64,24 +72,27 @@ def attend(q, rows, dc):
     return out.astype(q.dtype)
 
 
-def xla_gather_attention(q, cache, idx, cache_scale, dc):
+def xla_gather_attention(q, cache, idx, cache_scale, dc, page_table=None):
     """The sparse job in plain XLA: gather the listed rows, then attend."""
-    rows = jnp.take_along_axis(cache, idx[:, :, None], axis=1).astype(jnp.bfloat16)
+    _, i0, i1 = listed_locations(idx, cache, page_table)  # the bench's lists are all valid
+    rows = cache[i0, i1].astype(jnp.bfloat16)
     if cache_scale is not None:
         rows = rows * cache_scale[:, None, None].astype(jnp.bfloat16)
     return attend(q, rows, dc)
 
 
 def method_fn(method, impl, dc):
-    """(q, idx, cache, cache_scale) -> out [B, H, Dc]; ``dense`` gets the BF16 cache."""
+    """(q, idx, cache, cache_scale, page_table) -> out [B, H, Dc]; ``dense`` gets the
+    dense BF16 cache."""
     if method == "base":
-        return lambda q, idx, c, cs: jsparse.indexed_mla_attention(
-            q, c, idx, scale=SCALE, latent_dim=dc, cache_scale=cs, implementation=impl
-        )
+        return lambda q, idx, c, cs, table: jsparse.indexed_mla_attention(
+            q, c, idx, scale=SCALE, latent_dim=dc, cache_scale=cs, page_table=table,
+            implementation=impl,
+        )  # fmt: skip
     if method == "xla":
-        return lambda q, idx, c, cs: xla_gather_attention(q, c, idx, cs, dc)
+        return lambda q, idx, c, cs, table: xla_gather_attention(q, c, idx, cs, dc, table)
     if method == "dense":
-        return lambda q, idx, c, cs: attend(q, c, dc)  # every row of the BF16 cache
+        return lambda q, idx, c, cs, table: attend(q, c, dc)  # every row of the BF16 cache
     raise SystemExit(f"--op mla has methods base, xla and dense, not {method!r}")
 
 
@@ -93,10 +104,14 @@ def check(method, got, *, q, idx, src, dc) -> list[str]:
         lists = idx[i : i + 1]
         if method == "dense":
             lists = jnp.arange(s, dtype=jnp.int32)[None]
-        scale = None if src["cache_scale"] is None else src["cache_scale"][i : i + 1]
+        one = {n: None if src[n] is None else src[n][i : i + 1]
+               for n in ("cache_scale", "page_table")}  # fmt: skip
+        cache = src["cache"]  # a page pool is shared: the table picks the sequence
+        if src["page_table"] is None:
+            cache = cache[i : i + 1]
         want = jsparse.indexed_mla_attention(
-            q[i : i + 1], src["cache"][i : i + 1], lists, scale=SCALE, latent_dim=dc,
-            cache_scale=scale, implementation="reference",
+            q[i : i + 1], cache, lists, scale=SCALE, latent_dim=dc, **one,
+            implementation="reference",
         )  # fmt: skip
         problems += bf16_mismatch(i, got[i], want[0])
     return problems
@@ -109,9 +124,10 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     for case in cases:
         b, s, h, dc, dr, n = (case[x] for x in ("b", "s", "h", "dc", "dr", "budget"))
         d = dc + dr
-        label = f"B{b} S{s} H{h} D{dc}+{dr} N{n} {case['dtype']}"
+        paged = f" paged {case['page']}" if case.get("page") else ""
+        label = f"B{b} S{s} H{h} D{dc}+{dr} N{n} {case['dtype']}{paged}"
         cache, bf16_cache = make_cache(case, seed=0)
-        dense_src = dict(cache=bf16_cache, cache_scale=None)
+        dense_src = dict(cache=bf16_cache, cache_scale=None, page_table=None)
         itemsize = jnp.dtype(DTYPES[case["dtype"]]).itemsize
         sparse_bytes = b * n * (d * itemsize + 4) + b * h * (d + dc) * 2
         dense_bytes = b * s * d * 2 + b * h * (d + dc) * 2
@@ -130,7 +146,9 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
             src = dense_src if dense else cache
             fn = jax.jit(method_fn(method, impl, dc))
-            call = lambda a, fn=fn, src=src: fn(*a, src["cache"], src["cache_scale"])  # noqa: E731
+            call = lambda a, fn=fn, src=src: fn(  # noqa: E731
+                *a, src["cache"], src["cache_scale"], src["page_table"]
+            )
             q0, idx0 = sets[0]
             common.check_then_time(
                 row, call, sets,

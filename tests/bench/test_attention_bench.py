@@ -3,6 +3,7 @@
 import math
 
 import jax.numpy as jnp
+import pytest
 
 from bench import attention
 from bench.run import main
@@ -10,8 +11,9 @@ from bench.run import main
 CASE = dict(b=2, s=64, h=4, hkv=2, d=16, budget=12, dtype="fp8")
 
 
-def test_check_accepts_every_method_and_flags_a_wrong_answer():
-    cache = attention.make_cache(CASE, seed=0)
+@pytest.mark.parametrize("page", [0, 16], ids=["dense", "paged"])
+def test_check_accepts_every_method_and_flags_a_wrong_answer(page):
+    cache = attention.make_cache({**CASE, "page": page}, seed=0)
     dense = attention.make_cache({**CASE, "dtype": "bf16"}, seed=0)
     q, idx = attention.make_query(CASE, seed=0)
     scale = 1 / math.sqrt(CASE["d"])
@@ -20,7 +22,8 @@ def test_check_accepts_every_method_and_flags_a_wrong_answer():
     for method in ("xla", "dense", "base"):
         fn = attention.method_fn(method, "reference", scale, heads=4, on_gpu=False)
         src = dense if method == "dense" else cache
-        out[method] = fn(q, idx, src["k"], src["v"], src["k_scale"], src["v_scale"])
+        out[method] = fn(q, idx, src["k"], src["v"], src["k_scale"], src["v_scale"],
+                         src["page_table"])  # fmt: skip
         assert attention.check(method, out[method], **inputs) == [], method
     assert attention.check("dense", out["xla"], **inputs) != []  # sparse is not dense
     wrong = out["xla"].at[1, 3, 0].add(jnp.bfloat16(1.0))
