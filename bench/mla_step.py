@@ -35,7 +35,6 @@ from jsparse.nn.attention import prefill_projection
 from jsparse.ops.projected import projected_scores
 
 from . import common, mla
-from .attention import bf16_mismatch
 from .decode_step import time_step
 
 __all__ = ["COLUMNS", "DEFAULT_METHODS", "add_arguments", "check", "run", "step_fn"]
@@ -104,19 +103,9 @@ def reference_lists(sel, params, q, rows, state, budget):
 
 def check(method, got, *, q, rows, want_lists, dc) -> list[str]:
     """The first and last sequence against the f32 reference over the rows ``lax.top_k``
-    picks (every row for ``dense``)."""
-    b, s = rows.shape[:2]
-    problems = []
-    for i in sorted({0, b - 1}):
-        lists = want_lists[i : i + 1]
-        if method == "dense":
-            lists = jnp.arange(s, dtype=jnp.int32)[None]
-        want = jsparse.indexed_mla_attention(
-            q[i : i + 1], rows[i : i + 1], lists, scale=mla.SCALE, latent_dim=dc,
-            implementation="reference",
-        )  # fmt: skip
-        problems += bf16_mismatch(i, got[i], want[0])
-    return problems
+    picks (every row for ``dense``): the attention bench's check of those lists."""
+    src = dict(cache=rows, cache_scale=None, page_table=None)
+    return mla.check(method, got, q=q, idx=want_lists, src=src, dc=dc)
 
 
 def run(args, floors: common.Floors, impl: str) -> list[dict]:
