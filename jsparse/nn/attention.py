@@ -84,6 +84,32 @@ class CacheView(NamedTuple):
         return self._widened(x, 0)
 
 
+def serving_view(name: str, cache, scale, page_table, k_positions, q_shape) -> CacheView:
+    """``cache`` as a :class:`CacheView` after checking its serving arguments: ``scale``
+    [B, Hkv] float32 > 0, ``page_table`` [B, M] int32 (pages of the pool or -1), and
+    ``k_positions`` [B, S] covering the cache (S = M·P when paged)."""
+    from jsparse.ops.attention.api import check_page_table
+
+    b = q_shape[0]
+    s = cache.shape[1]
+    if page_table is not None:
+        s, _ = check_page_table(page_table, b, cache.shape[0], cache.shape[1], q_shape)
+    if scale is not None:
+        _checks.check_rank(f"{name}_scale", scale, 2, "[B, Hkv]")
+        _checks.check_dtype(f"{name}_scale", scale, (jnp.float32,))
+        want = (b, cache.shape[2])
+        if scale.shape != want:
+            raise ValueError(
+                f"{name}_scale: shape {tuple(scale.shape)}; expected [B, Hkv] = {want} "
+                f"({name} {tuple(cache.shape)})"
+            )
+        _checks.check_positive_finite(f"{name}_scale", scale)
+    _checks.check_rank("k_positions", k_positions, 2, "[B, S]")
+    paged = " (max_pages · P of the page table)" if page_table is not None else ""
+    _checks.check_dim("k_positions", k_positions, 1, s, f"the cache's S{paged}")
+    return CacheView(cache, page_table, scale)
+
+
 class SparseAttention(nnx.Module):
     """Decode attention over the ``budget`` tokens per KV head that ``selector`` picks.
 
@@ -166,9 +192,9 @@ class SparseAttention(nnx.Module):
         state: ``(out, core_state)``. ``k_scale``, ``v_scale``, ``page_table``: an FP8
         and/or paged cache (module docstring)."""
         params = self.params.get_value()
-        keys = CacheView(k, page_table, k_scale)
+        keys = serving_view("k", k, k_scale, page_table, k_positions, q.shape)
         if q.shape[1] != 1:
-            values = CacheView(v, page_table, v_scale).dense()
+            values = serving_view("v", v, v_scale, page_table, k_positions, q.shape).dense()
             dense_keys = keys.dense()
             out = self.dense(q, dense_keys, values, q_positions=q_positions,
                              k_positions=k_positions)  # fmt: skip

@@ -30,13 +30,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jsparse import _checks
 from jsparse.models.llama import RMSNorm, apply_rope, rope_angles
 from jsparse.nn.attention import (
-    CacheView,
     SelectorParams,
     core_selector,
     prefill_projection,
     select_step,
+    serving_view,
 )
 from jsparse.ops.mla import indexed_mla_attention
 from jsparse.selectors import ProjectedSelector, Selector
@@ -130,10 +131,14 @@ class SparseMLA(nnx.Module):
         one (``rows`` then a pool [n_pages, P, D]), as
         :func:`jsparse.indexed_mla_attention` takes them; prefill sees them as dense f32."""
         params = self.params.get_value()
+        scale_2d = None
+        if cache_scale is not None:
+            _checks.check_rank("cache_scale", cache_scale, 1, "[B]")
+            _checks.check_dim("cache_scale", cache_scale, 0, q.shape[0], f"B of q {q.shape}")
+            scale_2d = cache_scale[:, None]
         # The rows as the selector's one KV head: [B, S, 1, D] (or a pool [N, P, 1, D]).
-        view = CacheView(
-            rows[..., None, :], page_table, None if cache_scale is None else cache_scale[:, None]
-        )
+        view = serving_view("cache", rows[..., None, :], scale_2d, page_table, k_positions,
+                            q.shape)  # fmt: skip
         if q.shape[1] != 1:
             dense_rows = view.dense()
             out = self.dense(

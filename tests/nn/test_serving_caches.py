@@ -111,3 +111,30 @@ def test_sparse_mla_over_a_serving_cache_decodes_like_the_dense_one(kernel_impl,
     expect = _decode(core, q, (jnp.asarray(want),), state, **mla)
     got = _decode(core, q, (rows,), state, **mla, **extra)
     np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_serving_arguments_are_named():
+    hkv, d = 2, 16
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((B, S, hkv, d)), jnp.float32)
+    q = _normal(rng, B, 1, H, d)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    core = SparseAttention("oracle", {}, 8)
+    run = lambda **kw: core(  # noqa: E731
+        q, kw.pop("k", k), kw.pop("v", k), q_positions=jnp.full((B, 1), S - 1, jnp.int32),
+        k_positions=kw.pop("k_positions", pos), **kw,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"k_scale: shape \(2, 3\); expected \[B, Hkv\]"):
+        run(k_scale=jnp.ones((B, 3), jnp.float32))
+    with pytest.raises(ValueError, match="v_scale"):
+        run(v_scale=-jnp.ones((B, hkv), jnp.float32))
+    with pytest.raises(ValueError, match="page_table"):
+        run(page_table=jnp.zeros((B,), jnp.int32))
+    pool, table = _paged(k)
+    with pytest.raises(ValueError, match="k_positions"):  # 48 slots against M·P = 48 + 8
+        run(k=pool, v=pool, page_table=jnp.pad(table, ((0, 0), (0, 1)), constant_values=-1))
+    rows = _normal(rng, B, S, 24)
+    mla = SparseMLA("oracle", {}, 8)
+    with pytest.raises(ValueError, match="cache_scale"):
+        mla(_normal(rng, B, 1, H, 24), rows, q_positions=jnp.full((B, 1), S - 1, jnp.int32),
+            k_positions=pos, scale=0.2, latent_dim=16, cache_scale=jnp.ones((B, 1)))  # fmt: skip
