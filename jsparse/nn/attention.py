@@ -55,9 +55,11 @@ class CacheView(NamedTuple):
     scale: Array | None = None
 
     def _widened(self, x, token_axes: int):
-        """``x`` dequantised: f32 times the scale, or unchanged without one."""
+        """``x`` dequantised: f32 times the scale; without one, FP8 widened to f32 and
+        other dtypes unchanged."""
         if self.scale is None:
-            return x
+            fp8 = jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+            return x.astype(jnp.float32) if fp8 else x
         scale = self.scale.astype(jnp.float32)
         return x.astype(jnp.float32) * scale.reshape(
             scale.shape[:1] + (1,) * token_axes + scale.shape[1:] + (1,)
