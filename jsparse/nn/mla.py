@@ -43,21 +43,28 @@ from jsparse.ops.mla import indexed_mla_attention
 from jsparse.selectors import ProjectedSelector, Selector
 
 HIGHEST = jax.lax.Precision.HIGHEST
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
 class MLACache(NamedTuple):
     """One layer's decode cache (a pytree): rows in position order, first ``lengths[b]``
-    filled, and the core's state (a selector's projected cache, or None)."""
+    filled, the core's state (a selector's projected cache, or None), and for FP8 rows
+    one scale per sequence (row = stored · scale; set by the sequence's first write)."""
 
     rows: Float[Array, "B S D"]
     lengths: Int[Array, " B"]
     core_state: Any = None
+    scale: Float[Array, " B"] | None = None
 
 
 class DenseMLA(nnx.Module):
-    """Absorbed softmax attention over every visible row (f32; the reference core)."""
+    """Absorbed softmax attention over every visible row (f32; the reference core).
+    ``cache_scale`` [B]: FP8 rows, dequantised first."""
 
-    def __call__(self, q, rows, *, q_positions, k_positions, scale, latent_dim, core_state=None):
+    def __call__(self, q, rows, *, q_positions, k_positions, scale, latent_dim, core_state=None,
+                 cache_scale=None):  # fmt: skip
+        if cache_scale is not None:
+            rows = rows.astype(jnp.float32) * cache_scale.astype(jnp.float32)[:, None, None]
         logits = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), rows.astype(jnp.float32),
                             precision=HIGHEST) * scale  # fmt: skip
         visible = (k_positions[:, None, :] >= 0) & (
@@ -181,6 +188,7 @@ class MLAAttention(nnx.Module):
         v_dim: int = 128,
         rope_theta: float = 1e4,
         core: nnx.Module | None = None,
+        fp8_headroom: float = 2.0,
         rngs: nnx.Rngs,
     ):
         if rope_dim % 2:
@@ -193,20 +201,27 @@ class MLAAttention(nnx.Module):
         self.kv_norm = RMSNorm(latent_dim)
         self.kv_b = linear(latent_dim, n_heads * (nope_dim + v_dim))
         self.o_proj = linear(n_heads * v_dim, d_model)
+        if not fp8_headroom >= 1.0:
+            raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a number >= 1")
         self.core = core if core is not None else DenseMLA()
         self.scale = 1.0 / math.sqrt(nope_dim + rope_dim)
+        self.fp8_headroom = float(fp8_headroom)
 
     @property
     def row_width(self) -> int:
         return self.latent_dim + self.rope_dim
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> MLACache:
+        """An empty cache of ``max_len`` rows in ``dtype``: a float dtype, or
+        ``float8_e4m3fn`` with one scale per sequence, the amax of its first write (the
+        prompt) times ``fp8_headroom`` over 448; later rows keep it and saturate."""
         state = None
         if hasattr(self.core, "init_core_state"):
             state = self.core.init_core_state(batch, max_len, self.row_width)
+        fp8 = jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
         return MLACache(
             jnp.zeros((batch, max_len, self.row_width), dtype), jnp.zeros((batch,), jnp.int32),
-            state,
+            state, jnp.ones((batch,), jnp.float32) if fp8 else None,
         )  # fmt: skip
 
     def up_projections(self):
@@ -234,19 +249,26 @@ class MLAAttention(nnx.Module):
         b, t, _ = x.shape
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         q, new_rows = self.absorbed(x, positions)
+        scale, stored = cache.scale, new_rows.astype(cache.rows.dtype)
+        kwargs = {}
+        if scale is not None:  # FP8 rows: a sequence's first write sets its scale
+            amax = jnp.max(jnp.abs(new_rows), axis=(1, 2)) * self.fp8_headroom / FP8_MAX
+            scale = jnp.where(cache.lengths == 0, jnp.where(amax > 0, amax, 1.0), scale)
+            fitted = jnp.clip(new_rows / scale[:, None, None], -FP8_MAX, FP8_MAX)
+            stored, kwargs["cache_scale"] = fitted.astype(cache.rows.dtype), scale
         write = jax.vmap(lambda r, n, at: jax.lax.dynamic_update_slice(r, n, (at, 0)))
-        rows = write(cache.rows, new_rows.astype(cache.rows.dtype), cache.lengths)
+        rows = write(cache.rows, stored, cache.lengths)
         lengths = cache.lengths + t
         slots = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :]
         k_positions = jnp.where(slots < lengths[:, None], slots, -1)
-        kwargs = dict(q_positions=positions, k_positions=k_positions, scale=self.scale,
-                      latent_dim=self.latent_dim)  # fmt: skip
+        kwargs |= dict(q_positions=positions, k_positions=k_positions, scale=self.scale,
+                       latent_dim=self.latent_dim)  # fmt: skip
+        q = q.astype(jnp.float32 if scale is not None else rows.dtype)
         if cache.core_state is None:
-            out, state = self.core(q.astype(rows.dtype), rows, **kwargs), None
+            out, state = self.core(q, rows, **kwargs), None
         else:
-            out, state = self.core(q.astype(rows.dtype), rows, core_state=cache.core_state,
-                                   **kwargs)  # fmt: skip
+            out, state = self.core(q, rows, core_state=cache.core_state, **kwargs)
         _, w_uv = self.up_projections()
         heads = jnp.einsum("bthc,chv->bthv", out.astype(jnp.float32), w_uv, precision=HIGHEST)
         y = self.o_proj(heads.reshape(b, t, -1).astype(x.dtype))
-        return y, MLACache(rows, lengths, state)
+        return y, MLACache(rows, lengths, state, scale)

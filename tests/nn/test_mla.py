@@ -128,3 +128,37 @@ def test_bad_configuration():
     params = sel.calibrate(q, q[:, :1])
     with pytest.raises(ValueError, match="MLA rows are one KV head of dim 40"):
         layer(SparseMLA(sel, params, budget=4)).init_cache(1, 8)
+
+
+def _decode(mla, x, prefill, dtype):
+    y, cache = mla(x[:, :prefill], mla.init_cache(x.shape[0], 32, dtype))
+    outs = [y]
+    for t in range(prefill, x.shape[1]):
+        yt, cache = mla(x[:, t : t + 1], cache)
+        outs.append(yt)
+    return np.asarray(jnp.concatenate(outs, 1)), cache
+
+
+def test_an_fp8_cache_keeps_the_prompts_scale_and_decodes_close_to_f32():
+    mla, x = layer(), inputs(2, 24, seed=5)
+    want, _ = _decode(mla, x, 18, jnp.float32)
+    got, cache = _decode(mla, x, 18, jnp.float8_e4m3fn)
+    assert cache.rows.dtype == jnp.float8_e4m3fn
+    _, prompt_rows = mla.absorbed(x[:, :18], jnp.broadcast_to(jnp.arange(18), (2, 18)))
+    amax = np.abs(np.asarray(prompt_rows)).max(axis=(1, 2))
+    np.testing.assert_allclose(np.asarray(cache.scale), 2.0 * amax / 448.0, rtol=1e-6)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert 1e-4 < err < 0.05, err  # FP8 rounding shows, and stays small
+
+
+def test_sparse_decoding_of_an_fp8_cache_with_every_row_equals_dense(kernel_impl):
+    """Both cores read the same FP8 rows: SparseMLA through indexed_mla_attention's
+    cache_scale, DenseMLA dequantising them."""
+    dense = layer()
+    sel, params = calibrated(dense)
+    sparse = layer(SparseMLA(sel, params, budget=32, implementation=kernel_impl))
+    x = inputs(2, 24, seed=3)
+    want, _ = _decode(dense, x, 18, jnp.float8_e4m3fn)
+    got, cache = _decode(sparse, x, 18, jnp.float8_e4m3fn)
+    assert cache.core_state is not None
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
