@@ -21,6 +21,10 @@ sees none gets 0); slots need not be in position order. The core applies the
 (``G = H // Hkv``). The core may be an ``nnx.Module`` (then its state is part of the
 model's) or any callable. :class:`DenseCausalAttention` is the exact default.
 
+A core with ``reads_fp8_caches = True`` (:class:`jsparse.SparseAttention`) gets an FP8
+cache as stored, with ``k_scale=`` and ``v_scale=`` [B, Hkv]; other cores get it
+dequantised to f32.
+
 A core that keeps a cache of its own beside K and V (a sparse method's projected-key
 cache) defines ``init_core_state(batch, max_len, n_kv_heads, head_dim)``. Its value,
 when not None, rides in each layer's :class:`KVCache` as ``core_state``; the model
@@ -293,40 +297,81 @@ def as_core_module(core: AttentionCore) -> nnx.Module:
     return FunctionCore(core)
 
 
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+# An FP8 K/V cache's scale per (sequence, KV head): the first write's amax times this
+# over 448; later entries keep it and saturate beyond it.
+FP8_KV_HEADROOM = 2.0
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """One layer's cache. ``length``: tokens written so far (shared by the batch);
-    ``core_state``: the attention core's own cache (see the module docstring), or None."""
+    ``core_state``: the attention core's own cache (see the module docstring), or None.
+    An FP8 cache (``float8_e4m3fn`` k and v) has ``k_scale`` / ``v_scale`` [B, Hkv]
+    (value = stored · scale), set by the first write."""
 
     k: Float[Array, "B S Hkv D"]
     v: Float[Array, "B S Hkv Dv"]
     positions: Int[Array, "B S"]  # token position of each slot, -1 = empty
     length: Int[Array, ""]
     core_state: Any = None
+    k_scale: Float[Array, "B Hkv"] | None = None
+    v_scale: Float[Array, "B Hkv"] | None = None
 
     @classmethod
     def empty(
-        cls, batch: int, max_len: int, n_kv_heads: int, head_dim: int, core_state: Any = None
-    ) -> KVCache:
+        cls, batch: int, max_len: int, n_kv_heads: int, head_dim: int, core_state: Any = None,
+        dtype=jnp.float32,
+    ) -> KVCache:  # fmt: skip
+        fp8 = jnp.dtype(dtype) == FP8
+
+        def scale():  # one buffer each: the cache is donated to jitted steps
+            return jnp.ones((batch, n_kv_heads), jnp.float32) if fp8 else None
+
         return cls(
-            k=jnp.zeros((batch, max_len, n_kv_heads, head_dim), jnp.float32),
-            v=jnp.zeros((batch, max_len, n_kv_heads, head_dim), jnp.float32),
+            k=jnp.zeros((batch, max_len, n_kv_heads, head_dim), dtype),
+            v=jnp.zeros((batch, max_len, n_kv_heads, head_dim), dtype),
             positions=jnp.full((batch, max_len), -1, jnp.int32),
             length=jnp.zeros((), jnp.int32),
             core_state=core_state,
+            k_scale=scale(),
+            v_scale=scale(),
         )
 
     def append(self, k, v, positions) -> KVCache:
-        """Writes T new entries at slots ``length ... length + T - 1``."""
+        """Writes T new entries at slots ``length ... length + T - 1`` (FP8: scaled, the
+        first write setting the scales)."""
         start = self.length
+        k_scale, v_scale = self.k_scale, self.v_scale
+        if k_scale is not None:
+            k, k_scale = _fp8_entries(k, k_scale, start == 0)
+            v, v_scale = _fp8_entries(v, v_scale, start == 0)
         return dataclasses.replace(
             self,
-            k=jax.lax.dynamic_update_slice(self.k, k, (0, start, 0, 0)),
-            v=jax.lax.dynamic_update_slice(self.v, v, (0, start, 0, 0)),
+            k=jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), (0, start, 0, 0)),
+            v=jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype), (0, start, 0, 0)),
             positions=jax.lax.dynamic_update_slice(self.positions, positions, (0, start)),
             length=start + k.shape[1],
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
+
+    def widened(self) -> tuple[Array, Array]:
+        """(k, v) in f32: dequantised when FP8, as stored otherwise."""
+        if self.k_scale is None:
+            return self.k, self.v
+        k = self.k.astype(jnp.float32) * self.k_scale[:, None, :, None]
+        return k, self.v.astype(jnp.float32) * self.v_scale[:, None, :, None]
+
+
+def _fp8_entries(x, scale, first):
+    """(x [B, T, Hkv, D] divided by its scale and clipped to FP8's range, the scale): the
+    first write sets the scale from its amax (FP8_KV_HEADROOM times over 448)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 3)) * FP8_KV_HEADROOM / FP8_MAX
+    scale = jnp.where(first, jnp.where(amax > 0, amax, 1.0), scale)
+    return jnp.clip(x / scale[:, None, :, None], -FP8_MAX, FP8_MAX), scale
 
 
 class Attention(nnx.Module):
@@ -359,10 +404,16 @@ class Attention(nnx.Module):
         else:
             cache = cache.append(k, v, positions)
             kw = dict(q_positions=positions, k_positions=cache.positions)
+            ck, cv = cache.k, cache.v
+            if cache.k_scale is not None:  # FP8: scales to a core that reads them in place
+                if getattr(self.core, "reads_fp8_caches", False):
+                    kw |= dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+                else:
+                    ck, cv = cache.widened()
             if cache.core_state is None:
-                out = self.core(q, cache.k, cache.v, **kw)
+                out = self.core(q, ck, cv, **kw)
             else:
-                out, state = self.core(q, cache.k, cache.v, core_state=cache.core_state, **kw)
+                out, state = self.core(q, ck, cv, core_state=cache.core_state, **kw)
                 cache = dataclasses.replace(cache, core_state=state)
         return self.o_proj(out.reshape(b, t, -1)), cache
 
@@ -439,16 +490,22 @@ class Llama(nnx.Module):
         for i, layer in enumerate(self.layers):
             layer.attn.core = as_core_module(core(i))
 
-    def init_cache(self, batch: int, max_len: int | None = None) -> tuple[KVCache, ...]:
+    def init_cache(
+        self, batch: int, max_len: int | None = None, dtype=jnp.float32
+    ) -> tuple[KVCache, ...]:
         """An empty KV cache of ``max_len`` slots (default: the model's context) per layer,
-        with each core's own state where its core defines ``init_core_state``."""
+        with each core's own state where its core defines ``init_core_state``. ``dtype``:
+        float32, or ``float8_e4m3fn`` (scales per sequence and KV head, see
+        :class:`KVCache`)."""
         c = self.config
         max_len = c.max_seq_len if max_len is None else max_len
         caches = []
         for layer in self.layers:
             init = getattr(layer.attn.core, "init_core_state", None)
             state = None if init is None else init(batch, max_len, c.n_kv_heads, c.head_dim)
-            caches.append(KVCache.empty(batch, max_len, c.n_kv_heads, c.head_dim, state))
+            caches.append(
+                KVCache.empty(batch, max_len, c.n_kv_heads, c.head_dim, state, dtype=dtype)
+            )
         return tuple(caches)
 
     def embed_tokens(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T C"]:

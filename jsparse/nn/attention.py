@@ -135,6 +135,8 @@ class SparseAttention(nnx.Module):
     are concrete.
     """
 
+    reads_fp8_caches = True  # a model passes an FP8 cache as stored, with its scales
+
     def __init__(
         self,
         selector: Selector | str,

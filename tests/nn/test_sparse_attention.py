@@ -16,19 +16,19 @@ TINY = LlamaConfig(
 )  # fmt: skip
 
 
-def _model(core=None, seed=0):
+def _model(core=None, seed=0, scale=20.0):
     model = Llama(TINY, core, rngs=nnx.Rngs(seed))
     # larger weights than the init's 0.02, so attention is far from uniform
     state = nnx.state(model, nnx.Param)
-    model_state = jax.tree.map(lambda p: p * 20.0, state)
+    model_state = jax.tree.map(lambda p: p * scale, state)
     nnx.update(model, model_state)
     return model
 
 
-def _decode(model, tokens, steps):
+def _decode(model, tokens, steps, dtype=jnp.float32):
     """Prefill tokens[:, :-steps], then decode the rest one token at a time."""
     fwd = forward_fn(model)
-    cache = model.init_cache(tokens.shape[0], 48)
+    cache = model.init_cache(tokens.shape[0], 48, dtype)
     logits, cache = fwd(tokens[:, :-steps], cache)
     outs = [logits[:, -1]]
     for i in range(steps, 0, -1):
@@ -198,3 +198,39 @@ def test_which_selectors_keep_a_projected_cache():
     assert keeps(make("jssa", rank=4)) and keeps(make("jssa_mla", rank=4, latent_dim=8))
     assert keeps(make("head_shared", rank=4))
     assert not keeps(make("head_shared", basis="full")) and not keeps(make("oracle"))
+
+
+def test_an_fp8_kv_cache_decodes_close_to_f32_and_sparse_reads_it_in_place(kernel_impl):
+    """The model's FP8 K/V cache (scales from the prompt's amax, headroom 2): the dense
+    core (dequantised cache) stays close to f32 at the init's weight scale (the sharp,
+    20× weights amplify FP8 rounding to tens of percent); SparseAttention with a budget
+    covering the context, reading the FP8 cache with its scales, decodes like that
+    dense core."""
+    plain = _model(scale=1.0)
+    err = np.abs(_decode(plain, TOKENS, 5, jnp.float8_e4m3fn) - _decode(plain, TOKENS, 5))
+    assert 1e-5 < err.max() / np.abs(_decode(plain, TOKENS, 5)).max() < 0.02
+    fp8 = _decode(_model(), TOKENS, steps=5, dtype=jnp.float8_e4m3fn)
+    sel, params = _calibrated("jssa", rank=4)
+    sparse = _model(lambda i: jsparse.SparseAttention(sel, params, 48, implementation=kernel_impl))
+    got = _decode(sparse, TOKENS, steps=5, dtype=jnp.float8_e4m3fn)
+    np.testing.assert_allclose(got, fp8, rtol=2e-4, atol=2e-4)
+
+
+def test_an_fp8_kv_cache_holds_the_keys_to_fp8_rounding_with_the_prompts_scales():
+    model = _model()
+    fwd = forward_fn(model)
+    _, f32 = fwd(TOKENS[:, :20], model.init_cache(2, 40))
+    _, cache = fwd(TOKENS[:, :20], model.init_cache(2, 40, jnp.float8_e4m3fn))
+    want, got = f32[0], cache[0]  # layer 0: its k, v do not depend on the cache's dtype
+    assert got.k.dtype == jnp.float8_e4m3fn and got.v.dtype == jnp.float8_e4m3fn
+    k, v = (np.asarray(x) for x in got.widened())
+    for name, x, ref, scale in (("k", k, want.k, got.k_scale), ("v", v, want.v, got.v_scale)):
+        ref, scale = np.asarray(ref), np.asarray(scale)[:, None, :, None]
+        amax = np.abs(ref[:, :20]).max(axis=(1, 3), keepdims=True)
+        np.testing.assert_allclose(scale, 2.0 * amax / 448.0, rtol=1e-5, err_msg=name)
+        # e4m3: 3 mantissa bits (half-ulp 1/16), subnormal step 2**-9 of the scale
+        bound = np.abs(ref) / 16 + scale * 2.0**-10 + 1e-7
+        assert (np.abs(x - ref) <= bound).all(), name
+    before = np.asarray(cache[0].v_scale)
+    _, after = fwd(TOKENS[:, 20:21], cache)  # a decode step keeps the scales
+    np.testing.assert_array_equal(np.asarray(after[0].v_scale), before)
