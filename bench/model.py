@@ -237,10 +237,12 @@ def cmd_sparse_decode(args) -> dict:
     captured = {i: d for i, d in capture_qkv(model, calib)}
     ids = np.asarray(assets.novel_token_ids(args.novel, args.offset, args.prefill + args.steps))
 
-    def decode_nll(core):
+    kv_dtype = jnp.dtype(args.kv_dtype)
+
+    def decode_nll(core, dtype=kv_dtype):
         model.set_core(core)
         fwd = forward_fn(model)
-        cache = model.init_cache(1, args.prefill + args.steps)
+        cache = model.init_cache(1, args.prefill + args.steps, dtype)
         logits, cache = fwd(jnp.asarray(ids[None, : args.prefill]), cache)
         nll = []
         for i in range(args.prefill, args.prefill + args.steps):
@@ -249,13 +251,21 @@ def cmd_sparse_decode(args) -> dict:
                 logits, cache = fwd(jnp.asarray(ids[None, i : i + 1]), cache)
         return np.asarray(nll)
 
-    dense = decode_nll(lambda i: DenseCausalAttention(args.query_chunk, args.key_chunk))
+    dense_core = lambda i: DenseCausalAttention(args.query_chunk, args.key_chunk)  # noqa: E731
+    dense = decode_nll(dense_core, jnp.dtype(jnp.float32))  # the reference: an f32 cache
     if not np.all(np.isfinite(dense)):
         raise SystemExit("the dense decode gave non-finite NLLs: not comparing against it")
-    rows = [dict(core="dense", budget=None, mean_nll=float(dense.mean()),
+    rows = [dict(core="dense", budget=None, kv_dtype="float32", mean_nll=float(dense.mean()),
                  perplexity=math.exp(dense.mean()), delta_nll=0.0)]  # fmt: skip
     print(f"dense: mean NLL {dense.mean():.4f} (perplexity {math.exp(dense.mean()):.3f}) "
           f"over {args.steps} decoded tokens")  # fmt: skip
+    if kv_dtype != jnp.dtype(jnp.float32):
+        nll = decode_nll(dense_core)
+        delta = float(nll.mean() - dense.mean())
+        rows.append(dict(core="dense", budget=None, kv_dtype=kv_dtype.name,
+                         mean_nll=float(nll.mean()), perplexity=math.exp(nll.mean()),
+                         delta_nll=delta))  # fmt: skip
+        print(f"dense, {kv_dtype.name} K/V cache: mean NLL {nll.mean():.4f}, Δ {delta:+.4f} nats")
     for name in args.selectors:
         sel = jsparse.make_selector(name)
         params = [sel.calibrate(jnp.asarray(captured[i]["q"]), jnp.asarray(captured[i]["k"]))
@@ -272,10 +282,12 @@ def cmd_sparse_decode(args) -> dict:
 
             nll = decode_nll(core)
             delta = float(nll.mean() - dense.mean())
-            rows.append(dict(core=name, budget=budget, mean_nll=float(nll.mean()),
-                             perplexity=math.exp(nll.mean()), delta_nll=delta,
-                             reproject=args.reproject))  # fmt: skip
+            rows.append(dict(core=name, budget=budget, kv_dtype=kv_dtype.name,
+                             mean_nll=float(nll.mean()), perplexity=math.exp(nll.mean()),
+                             delta_nll=delta, reproject=args.reproject))  # fmt: skip
             mode = ", re-projected every step" if args.reproject else ""
+            if kv_dtype != jnp.dtype(jnp.float32):
+                mode += f", {kv_dtype.name} K/V cache"
             print(f"{sel.describe()} budget {budget}{mode}: mean NLL {nll.mean():.4f} "
                   f"(perplexity {math.exp(nll.mean()):.3f}), Δ {delta:+.4f} nats")  # fmt: skip
     return {"rows": rows}
@@ -323,6 +335,12 @@ def main(argv=None) -> int:
     p.add_argument("--calib-tokens", type=int, default=16384,
                    help="calibration tokens; the exact-objective maps (jssa_rd, kq_svd) "
                    "overfit 2048 (WORKSPACE.md, session 28)")  # fmt: skip
+    p.add_argument(
+        "--kv-dtype",
+        default="float32",
+        choices=("float32", "float8_e4m3fn"),
+        help="the model's K/V cache (the dense f32 cache stays the reference)",
+    )
     p.add_argument("--reproject", action="store_true",
                    help="re-project the visible keys at every step (fresh FP8 / int4 scales) "
                    "instead of keeping the projected cache from the prefill")  # fmt: skip
