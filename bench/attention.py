@@ -44,17 +44,22 @@ def make_cache(case: dict, seed: int):
     kk, kv = jax.random.split(jax.random.PRNGKey(seed))
     k = jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16)
     v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
-    cache = dict(k=k, v=v, k_scale=None, v_scale=None)
-    if case["dtype"] == "fp8":  # one scale per (sequence, KV head), amax / 448
+    return serving_cache(k, v, case["dtype"], case.get("page"), seed)
+
+
+def serving_cache(k, v, dtype: str, page: int | None, seed: int = 0) -> dict:
+    """K/V [B, S, Hkv, D] as a serving cache holds them: ``dtype`` "fp8" stores e4m3 with
+    one scale per (sequence, KV head), amax / 448; ``page`` > 0 moves the rows into a
+    shuffled pool of pages with a table. Keys: k, v, k_scale, v_scale, page_table."""
+    cache = dict(k=k, v=v, k_scale=None, v_scale=None, page_table=None)
+    if dtype == "fp8":
         for name, x in (("k", k), ("v", v)):
-            amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 3))
-            scale = amax / 448.0
+            scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 3)) / 448.0
             cache[name] = (x / scale[:, None, :, None].astype(x.dtype)).astype(jnp.float8_e4m3fn)
             cache[f"{name}_scale"] = scale
-    cache["page_table"] = None
-    if case.get("page"):  # the same rows in a shuffled page pool
+    if page:  # the same rows in a shuffled page pool
         (cache["k"], cache["v"]), cache["page_table"] = common.shuffled_pages(
-            [cache["k"], cache["v"]], case["page"], seed
+            [cache["k"], cache["v"]], page, seed
         )
     return cache
 

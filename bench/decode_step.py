@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import jsparse
-from jsparse.nn.attention import prefill_projection
+from jsparse.nn.attention import CacheView, prefill_projection
 from jsparse.ops.projected import projected_scores
 
 from . import common
@@ -40,6 +40,7 @@ from .attention import (
     bf16_mismatch,
     cudnn_runs,
     dense_attention,
+    serving_cache,
     xla_gather_attention,
 )
 
@@ -51,12 +52,16 @@ DEFAULT_METHODS = ["xla", "dense", "jssa"]
 
 
 def make_layer(case: dict, seed: int = 0):
-    """The BF16 K/V cache, a JSSA selector calibrated on random activations, and its FP8
-    projected cache of the first S - 1 tokens (the prefill and earlier steps)."""
+    """The dense BF16 K/V cache; the same rows as the case's serving cache (``kv`` "fp8":
+    e4m3 with scales; ``page``: a shuffled page pool; see
+    :func:`bench.attention.serving_cache`); a JSSA selector calibrated on random
+    activations; and its FP8 projected cache of the first S - 1 tokens (the prefill and
+    earlier steps), projected from the serving cache as a model's prefill would."""
     b, s, h, hkv, d, rank = (case[x] for x in ("b", "s", "h", "hkv", "d", "rank"))
     kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 3)
     k = jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16)
     v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
+    cache = serving_cache(k, v, case.get("kv", "bf16"), case.get("page"), seed)
     sel = jsparse.make_selector("jssa", rank=rank)
     kq, kk2 = jax.random.split(kc)
     params = sel.calibrate(
@@ -65,15 +70,26 @@ def make_layer(case: dict, seed: int = 0):
     )
     slots = jnp.arange(s, dtype=jnp.int32)
     earlier = jnp.broadcast_to(jnp.where(slots < s - 1, slots, -1), (b, s))  # slot S-1 empty
-    state = prefill_projection(sel, params, k, earlier, headroom=2.0)
-    return k, v, sel, params, state
+    state = prefill_projection(sel, params, key_view(cache).dense(), earlier, headroom=2.0)
+    return (k, v), cache, sel, params, state
 
 
-def step_fn(method: str, impl: str, case: dict, sel, params, *, on_gpu: bool, k=None, v=None):
-    """``(q, k, v, state) -> (out [B, H, D], state)``. The cache and state go in as
-    arguments (closed over, jit would embed them in the program as constants); the
-    caller donates the state, so that the step updates it in place as a decode loop does
-    (the sparse steps write one projected key into it; ``dense`` passes it through)."""
+def key_view(cache: dict) -> CacheView:
+    return CacheView(cache["k"], cache["page_table"], cache["k_scale"])
+
+
+def extras(cache: dict) -> dict:
+    """The serving arguments of a cache (None where it is plain)."""
+    return {n: cache[n] for n in ("k_scale", "v_scale", "page_table")}
+
+
+def step_fn(method: str, impl: str, case: dict, sel, params, *, on_gpu: bool, dense=None):
+    """``(q, k, v, extra, state) -> (out [B, H, D], state)``: ``extra`` the serving
+    arguments (:func:`extras`; ``dense`` reads the dense BF16 ``dense`` cache and
+    ignores them). The cache and state go in as arguments (closed over, jit would embed
+    them in the program as constants); the caller donates the state, so that the step
+    updates it in place as a decode loop does (the sparse steps write one projected key
+    into it; ``dense`` passes it through)."""
     b, s, d, n = case["b"], case["s"], case["d"], case["budget"]
     scale = 1.0 / math.sqrt(d)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -81,50 +97,61 @@ def step_fn(method: str, impl: str, case: dict, sel, params, *, on_gpu: bool, k=
     if method == "jssa":
         core = jsparse.SparseAttention(sel, params, n, implementation=impl)
 
-        def jssa(q, k, v, state):
+        def jssa(q, k, v, extra, state):
             out, state = core(
                 q[:, None], k, v, q_positions=q_positions, k_positions=positions,
-                core_state=state,
+                core_state=state, **extra,
             )  # fmt: skip
             return out[:, 0], state
 
         return jssa
     if method == "xla":
 
-        def xla(q, k, v, state):
-            lists, state = reference_lists(sel, params, q, k, state, n)
-            return xla_gather_attention(q, k, v, lists, None, None, scale), state
+        def xla(q, k, v, extra, state):
+            keys = CacheView(k, extra["page_table"], extra["k_scale"])
+            lists, state = reference_lists(sel, params, q, keys, state, n)
+            out = xla_gather_attention(q, k, v, lists, extra["k_scale"], extra["v_scale"],
+                                       scale, extra["page_table"])  # fmt: skip
+            return out, state
 
         return xla
     if method == "dense":
-        cudnn = on_gpu and cudnn_runs({"k": k, "v": v}, case["h"])
-        return lambda q, k, v, state: (dense_attention(q, k, v, scale, cudnn=cudnn), state)
+        cudnn = on_gpu and cudnn_runs({"k": dense[0], "v": dense[1]}, case["h"])
+        return lambda q, k, v, extra, state: (dense_attention(q, k, v, scale, cudnn=cudnn), state)
     raise SystemExit(f"--op decode-step has methods xla, dense and jssa, not {method!r}")
 
 
-def reference_lists(sel, params, q, k, state, budget):
-    """The sparse step's lists by plain JAX: append the new key, score, ``lax.top_k``;
-    and the updated state."""
-    b, s = k.shape[:2]
-    state = sel.append_keys(params, state, k[:, s - 1], jnp.full((b,), s - 1, jnp.int32))
+def reference_lists(sel, params, q, keys: CacheView, state, budget):
+    """The sparse step's lists by plain JAX: append the new key (slot S - 1 of the
+    ``keys`` cache, widened), score, ``lax.top_k``; and the updated state."""
+    b, s = q.shape[0], keys.tokens
+    last = jnp.full((b,), s - 1, jnp.int32)
+    state = sel.append_keys(params, state, keys.rows(last), last)
     qp = sel.project_queries(params, q) * state.scale[:, :, None]
     scores = projected_scores(qp, state.values, implementation="reference")  # XLA's einsum
     return jax.lax.top_k(scores, min(budget, s))[1].astype(jnp.int32), state
 
 
-def check(method, got, *, q, k, v, want_lists, scale) -> list[str]:
+def check(method, got, *, q, cache, dense, want_lists, scale) -> list[str]:
     """The first and last sequence against the f32 reference attention over the rows
-    ``lax.top_k`` picks (every row for ``dense``)."""
-    b, s, hkv, _ = k.shape
+    ``lax.top_k`` picks from the serving cache (every row of the dense BF16 cache for
+    ``dense``)."""
+    b = q.shape[0]
     problems = []
     for i in sorted({0, b - 1}):
-        lists = want_lists[i : i + 1]
         if method == "dense":
-            lists = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, hkv, s))
+            k, v = dense[0][i : i + 1], dense[1][i : i + 1]
+            s, hkv = k.shape[1], k.shape[2]
+            lists, extra = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, hkv, s)), {}
+        else:
+            k, v = cache["k"], cache["v"]  # a page pool is shared: the table picks the row
+            if cache["page_table"] is None:
+                k, v = k[i : i + 1], v[i : i + 1]
+            lists = want_lists[i : i + 1]
+            extra = {n: None if x is None else x[i : i + 1] for n, x in extras(cache).items()}
         want = jsparse.indexed_attention(
-            q[i : i + 1], k[i : i + 1], v[i : i + 1], lists, scale=scale,
-            implementation="reference",
-        )  # fmt: skip
+            q[i : i + 1], k, v, lists, scale=scale, implementation="reference", **extra
+        )
         problems += bf16_mismatch(i, got[i], want[0])
     return problems
 
@@ -153,11 +180,14 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     progress = tqdm(total=len(cases) * len(args.method), desc="decode-step", disable=args.quiet)
     for case in cases:
         b, s, h, hkv, d, n, r = (case[x] for x in ("b", "s", "h", "hkv", "d", "budget", "rank"))
-        label = f"B{b} S{s} H{h}/{hkv} D{d} N{n} r{r}"
-        k, v, sel, params, state = make_layer(case)
+        kv_dtype = case.get("kv", "bf16")
+        paged = f" paged {case['page']}" if case.get("page") else ""
+        label = f"B{b} S{s} H{h}/{hkv} D{d} N{n} r{r} {kv_dtype}{paged}"
+        dense, cache, sel, params, state = make_layer(case)
         scale = 1.0 / math.sqrt(d)
         n_eff = min(n, s)
-        sparse_bytes = b * s * hkv * r + b * hkv * n_eff * 2 * d * 2 + b * h * 2 * d * 2
+        row_bytes = 2 * d * jnp.dtype(cache["k"].dtype).itemsize  # one K and one V row
+        sparse_bytes = b * s * hkv * r + b * hkv * n_eff * row_bytes + b * h * 2 * d * 2
         dense_bytes = b * s * hkv * 2 * d * 2 + b * h * 2 * d * 2
         floor_s = sparse_bytes / floors.copy_bytes_per_s
         sets = [
@@ -165,7 +195,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             for i in range(common.rotation_sets(sparse_bytes))
         ]
         want_lists, _ = jax.jit(functools.partial(reference_lists, sel, budget=n))(
-            params, sets[0], k, state
+            params, sets[0], key_view(cache), state
         )
         # Each call appends the same key at the same slot: chaining the donated state
         # through every call and method leaves it the same.
@@ -175,19 +205,21 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
         for method in args.method:
             progress.set_postfix_str(f"{label} {method}")
             nbytes = dense_bytes if method == "dense" else sparse_bytes
-            row = dict(case=label, method=method, b=b, s=s, budget=n, rank=r)
+            row = dict(case=label, method=method, b=b, s=s, budget=n, rank=r, kv=kv_dtype)
             row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
-            step = step_fn(method, impl, case, sel, params, on_gpu=on_gpu, k=k, v=v)
+            step = step_fn(method, impl, case, sel, params, on_gpu=on_gpu, dense=dense)
+            operands = (*dense, {}) if method == "dense" else (cache["k"], cache["v"],
+                                                               extras(cache))  # fmt: skip
             time_step(
-                row, step, (k, v), held, sets, args,
-                functools.partial(check, method, q=sets[0], k=k, v=v, want_lists=want_lists,
-                                  scale=scale),
+                row, step, operands, held, sets, args,
+                functools.partial(check, method, q=sets[0], cache=cache, dense=dense,
+                                  want_lists=want_lists, scale=scale),
                 nbytes=nbytes, floor_s=floor_s,
             )  # fmt: skip
             case_rows.append(row)
             progress.update()
         common.add_speedups(case_rows, ("xla", "dense"))
         rows.extend(case_rows)
-        del sets, k, v, held
+        del sets, dense, cache, held
     progress.close()
     return rows

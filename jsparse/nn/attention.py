@@ -65,6 +65,13 @@ class CacheView(NamedTuple):
             scale.shape[:1] + (1,) * token_axes + scale.shape[1:] + (1,)
         )
 
+    @property
+    def tokens(self) -> int:
+        """S: the token slots of each sequence (M·P when paged)."""
+        if self.page_table is None:
+            return self.values.shape[1]
+        return self.page_table.shape[1] * self.values.shape[1]
+
     def dense(self) -> Array:
         """[B, S, Hkv, D] (S = M·P when paged; a missing page reads page 0, which the
         positions must mark invisible)."""

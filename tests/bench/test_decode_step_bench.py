@@ -3,6 +3,7 @@
 import math
 
 import jax.numpy as jnp
+import pytest
 
 from bench import decode_step
 from bench.run import main
@@ -10,15 +11,24 @@ from bench.run import main
 CASE = dict(b=2, s=96, h=4, hkv=2, d=16, rank=4, budget=12)
 
 
-def test_check_accepts_every_method_and_flags_a_wrong_answer():
-    k, v, sel, params, state = decode_step.make_layer(CASE)
+@pytest.mark.parametrize(
+    "serving", [{}, {"kv": "fp8", "page": 16}], ids=["dense-bf16", "paged-fp8"]
+)
+def test_check_accepts_every_method_and_flags_a_wrong_answer(serving):
+    case = {**CASE, **serving}
+    dense, cache, sel, params, state = decode_step.make_layer(case)
     q = jnp.ones((2, 4, 16), jnp.bfloat16) * jnp.arange(16, dtype=jnp.bfloat16) / 8
-    lists, _ = decode_step.reference_lists(sel, params, q, k, state, CASE["budget"])
-    inputs = dict(q=q, k=k, v=v, want_lists=lists, scale=1 / math.sqrt(16))
+    keys = decode_step.key_view(cache)
+    lists, _ = decode_step.reference_lists(sel, params, q, keys, state, CASE["budget"])
+    inputs = dict(q=q, cache=cache, dense=dense, want_lists=lists, scale=1 / math.sqrt(16))
     out = {}
     for method in ("xla", "dense", "jssa"):
-        fn = decode_step.step_fn(method, "reference", CASE, sel, params, on_gpu=False)
-        out[method], after = fn(q, k, v, state)
+        fn = decode_step.step_fn(method, "reference", case, sel, params, on_gpu=False,
+                                 dense=dense)  # fmt: skip
+        if method == "dense":
+            out[method], after = fn(q, *dense, {}, state)
+        else:
+            out[method], after = fn(q, cache["k"], cache["v"], decode_step.extras(cache), state)
         assert after.values.shape == state.values.shape
         assert decode_step.check(method, out[method], **inputs) == [], method
     assert decode_step.check("dense", out["jssa"], **inputs) != []  # 12 of 96 rows
