@@ -38,21 +38,25 @@ add_arguments = attention.add_arguments  # --device-time
 
 
 def make_cache(case: dict, seed: int):
-    """The cache as the sparse methods read it (``cache``, ``cache_scale`` for FP8 (one
-    per sequence), ``page_table`` when paged: the rows in a shuffled pool of
-    ``case["page"]``-token pages), and the dense BF16 cache [B, S, Dc + Dr]."""
+    """The cache as the sparse methods read it (:func:`serving_rows`), and the dense BF16
+    cache [B, S, Dc + Dr]."""
     b, s, d = case["b"], case["s"], case["dc"] + case["dr"]
     cache = jax.random.normal(jax.random.PRNGKey(seed), (b, s, d), jnp.bfloat16)
-    src = dict(cache=cache, cache_scale=None, page_table=None)
-    if case["dtype"] == "fp8":
-        scale = jnp.max(jnp.abs(cache.astype(jnp.float32)), axis=(1, 2)) / 448.0
-        fp8 = (cache.astype(jnp.float32) / scale[:, None, None]).astype(jnp.float8_e4m3fn)
+    return serving_rows(cache, case["dtype"], case.get("page"), seed), cache
+
+
+def serving_rows(rows, dtype: str, page: int | None, seed: int = 0) -> dict:
+    """MLA rows [B, S, D] as a serving cache holds them: ``dtype`` "fp8" stores e4m3
+    with one scale per sequence (amax / 448); ``page`` > 0 moves them into a shuffled
+    pool of pages with a table. Keys: cache, cache_scale, page_table."""
+    src = dict(cache=rows, cache_scale=None, page_table=None)
+    if dtype == "fp8":
+        scale = jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=(1, 2)) / 448.0
+        fp8 = (rows.astype(jnp.float32) / scale[:, None, None]).astype(jnp.float8_e4m3fn)
         src.update(cache=fp8, cache_scale=scale)
-    if case.get("page"):
-        (src["cache"],), src["page_table"] = common.shuffled_pages(
-            [src["cache"]], case["page"], seed
-        )
-    return src, cache
+    if page:
+        (src["cache"],), src["page_table"] = common.shuffled_pages([src["cache"]], page, seed)
+    return src
 
 
 def make_query(case: dict, seed: int):

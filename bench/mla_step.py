@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import jsparse
 from jsparse.nn import SparseMLA
-from jsparse.nn.attention import prefill_projection
+from jsparse.nn.attention import CacheView, prefill_projection
 from jsparse.ops.projected import projected_scores
 
 from . import common, mla
@@ -45,12 +45,16 @@ add_arguments = mla.add_arguments  # --device-time
 
 
 def make_layer(case: dict, seed: int = 0):
-    """The BF16 rows, a ``jssa_mla`` selector calibrated on random activations, and its
-    projected cache of the first S - 1 rows (the prefill and earlier steps)."""
+    """The dense BF16 rows; the same rows as the case's serving cache (``dtype`` "fp8":
+    e4m3 with a scale per sequence; ``page``: a shuffled page pool; see
+    :func:`bench.mla.serving_rows`); a ``jssa_mla`` selector calibrated on random
+    activations; and its projected cache of the first S - 1 rows (the prefill and
+    earlier steps), projected from the serving cache as the layer's prefill would."""
     b, s, h, dc, dr, rank = (case[x] for x in ("b", "s", "h", "dc", "dr", "rank"))
     d = dc + dr
     kr, kq, kk = jax.random.split(jax.random.PRNGKey(seed), 3)
     rows = jax.random.normal(kr, (b, s, d), jnp.bfloat16)
+    src = mla.serving_rows(rows, case.get("dtype", "bf16"), case.get("page"), seed)
     sel = jsparse.make_selector("jssa_mla", rank=rank, latent_dim=dc)
     params = sel.calibrate(
         jax.random.normal(kq, (4096, h, d), jnp.float32),
@@ -58,53 +62,73 @@ def make_layer(case: dict, seed: int = 0):
     )
     slots = jnp.arange(s, dtype=jnp.int32)
     earlier = jnp.broadcast_to(jnp.where(slots < s - 1, slots, -1), (b, s))  # slot S-1 empty
-    state = prefill_projection(sel, params, rows[:, :, None], earlier, headroom=2.0)
-    return rows, sel, params, state
+    state = prefill_projection(sel, params, row_view(src).dense(), earlier, headroom=2.0)
+    return rows, src, sel, params, state
+
+
+def row_view(src: dict) -> CacheView:
+    """The serving rows as the selector's one KV head ([B, S, 1, D] or a pool)."""
+    scale = src["cache_scale"]
+    return CacheView(src["cache"][..., None, :], src["page_table"],
+                     None if scale is None else scale[:, None])  # fmt: skip
+
+
+def extras(src: dict) -> dict:
+    """The serving arguments of a cache (None where it is plain)."""
+    return {n: src[n] for n in ("cache_scale", "page_table")}
 
 
 def step_fn(method: str, impl: str, case: dict, sel, params):
-    """``(q, rows, state) -> (out [B, H, Dc], state)``; the caller donates the state
-    (the sparse steps write one projected row into it; ``dense`` passes it through)."""
+    """``(q, rows, extra, state) -> (out [B, H, Dc], state)``: ``extra`` the serving
+    arguments (:func:`extras`; ``dense`` gets the dense BF16 rows and ignores them). The
+    caller donates the state (the sparse steps write one projected row into it;
+    ``dense`` passes it through)."""
     b, s, dc, n = case["b"], case["s"], case["dc"], case["budget"]
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     q_positions = jnp.full((b, 1), s - 1, jnp.int32)
     if method == "jssa":
         core = SparseMLA(sel, params, n, implementation=impl)
 
-        def jssa(q, rows, state):
+        def jssa(q, rows, extra, state):
             out, state = core(
                 q[:, None], rows, q_positions=q_positions, k_positions=positions,
-                scale=mla.SCALE, latent_dim=dc, core_state=state,
+                scale=mla.SCALE, latent_dim=dc, core_state=state, **extra,
             )  # fmt: skip
             return out[:, 0], state
 
         return jssa
     if method == "xla":
 
-        def xla(q, rows, state):
-            lists, state = reference_lists(sel, params, q, rows, state, n)
-            return mla.xla_gather_attention(q, rows, lists, None, dc), state
+        def xla(q, rows, extra, state):
+            src = dict(cache=rows, **extra)
+            lists, state = reference_lists(sel, params, q, row_view(src), state, n)
+            out = mla.xla_gather_attention(q, rows, lists, extra["cache_scale"], dc,
+                                           extra["page_table"])  # fmt: skip
+            return out, state
 
         return xla
     if method == "dense":
-        return lambda q, rows, state: (mla.attend(q, rows, dc), state)
+        return lambda q, rows, extra, state: (mla.attend(q, rows, dc), state)
     raise SystemExit(f"--op mla-step has methods xla, dense and jssa, not {method!r}")
 
 
-def reference_lists(sel, params, q, rows, state, budget):
-    """The sparse step's lists [B, budget] by plain JAX: append the new row, score,
-    ``lax.top_k``; and the updated state."""
-    b, s = rows.shape[:2]
-    state = sel.append_keys(params, state, rows[:, s - 1, None], jnp.full((b,), s - 1, jnp.int32))
+def reference_lists(sel, params, q, keys: CacheView, state, budget):
+    """The sparse step's lists [B, budget] by plain JAX: append the new row (slot S - 1
+    of the ``keys`` view, widened), score, ``lax.top_k``; and the updated state."""
+    b, s = q.shape[0], keys.tokens
+    last = jnp.full((b,), s - 1, jnp.int32)
+    state = sel.append_keys(params, state, keys.rows(last), last)
     qp = sel.project_queries(params, q) * state.scale[:, :, None]
     scores = projected_scores(qp, state.values, implementation="reference")[:, 0]  # XLA's einsum
     return jax.lax.top_k(scores, min(budget, s))[1].astype(jnp.int32), state
 
 
-def check(method, got, *, q, rows, want_lists, dc) -> list[str]:
+def check(method, got, *, q, src, rows, want_lists, dc) -> list[str]:
     """The first and last sequence against the f32 reference over the rows ``lax.top_k``
-    picks (every row for ``dense``): the attention bench's check of those lists."""
-    src = dict(cache=rows, cache_scale=None, page_table=None)
+    picks from the serving cache ``src`` (every row of the dense BF16 ``rows`` for
+    ``dense``): the MLA bench's check of those lists."""
+    if method == "dense":
+        src = dict(cache=rows, cache_scale=None, page_table=None)
     return mla.check(method, got, q=q, idx=want_lists, src=src, dc=dc)
 
 
@@ -115,13 +139,14 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     for case in cases:
         b, s, h, dc, dr, n, r = (case[x] for x in ("b", "s", "h", "dc", "dr", "budget", "rank"))
         d = dc + dr
-        label = f"B{b} S{s} H{h} D{dc}+{dr} N{n} r{r}"
-        if case.get("dtype", "bf16") != "bf16":
-            raise SystemExit(f"--op mla-step: {label}: rows are bf16, not {case['dtype']!r}")
-        rows, sel, params, state = make_layer(case)
+        dtype = case.get("dtype", "bf16")
+        paged = f" paged {case['page']}" if case.get("page") else ""
+        label = f"B{b} S{s} H{h} D{dc}+{dr} N{n} r{r} {dtype}{paged}"
+        rows, src, sel, params, state = make_layer(case)
         n_eff = min(n, s)
         io = b * h * (d + dc) * 2  # q in, out back
-        sparse_bytes = b * s * (r + dr) + b * n_eff * d * 2 + io
+        row_bytes = d * jnp.dtype(src["cache"].dtype).itemsize
+        sparse_bytes = b * s * (r + dr) + b * n_eff * row_bytes + io
         dense_bytes = b * s * d * 2 + io
         flops = 2 * b * h * n_eff * (d + dc)
         dense_flops = 2 * b * h * s * (d + dc)
@@ -132,7 +157,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             for i in range(common.rotation_sets(sparse_bytes))
         ]
         want_lists, _ = jax.jit(functools.partial(reference_lists, sel, budget=n))(
-            params, sets[0], rows, state
+            params, sets[0], row_view(src), state
         )
         held = [state]  # each call appends the same row at the same slot
         del state
@@ -141,18 +166,19 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             progress.set_postfix_str(f"{label} {method}")
             dense = method == "dense"
             nbytes = dense_bytes if dense else sparse_bytes
-            row = dict(case=label, method=method, b=b, s=s, h=h, budget=n, rank=r)
+            row = dict(case=label, method=method, b=b, s=s, h=h, budget=n, rank=r, dtype=dtype)
             row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
+            operands = (rows, {}) if dense else (src["cache"], extras(src))
             time_step(
-                row, step_fn(method, impl, case, sel, params), (rows,), held, sets, args,
-                functools.partial(check, method, q=sets[0], rows=rows, want_lists=want_lists,
-                                  dc=dc),
+                row, step_fn(method, impl, case, sel, params), operands, held, sets, args,
+                functools.partial(check, method, q=sets[0], src=src, rows=rows,
+                                  want_lists=want_lists, dc=dc),
                 nbytes=nbytes, floor_s=floor_s, flops=dense_flops if dense else flops,
             )  # fmt: skip
             case_rows.append(row)
             progress.update()
         common.add_speedups(case_rows, ("xla", "dense"))
         out_rows.extend(case_rows)
-        del sets, rows, held
+        del sets, rows, src, held
     progress.close()
     return out_rows
