@@ -51,6 +51,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jsparse._checks import concrete
+from jsparse.selectors.base import fp8_scale, quantize_with_scale
 
 __all__ = [
     "MLP",
@@ -298,7 +299,6 @@ def as_core_module(core: AttentionCore) -> nnx.Module:
 
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 # An FP8 K/V cache's scale per (sequence, KV head): the first write's amax times this
 # over 448; later entries keep it and saturate beyond it.
 FP8_KV_HEADROOM = 2.0
@@ -367,11 +367,10 @@ class KVCache:
 
 
 def _fp8_entries(x, scale, first):
-    """(x [B, T, Hkv, D] divided by its scale and clipped to FP8's range, the scale): the
-    first write sets the scale from its amax (FP8_KV_HEADROOM times over 448)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 3)) * FP8_KV_HEADROOM / FP8_MAX
-    scale = jnp.where(first, jnp.where(amax > 0, amax, 1.0), scale)
-    return jnp.clip(x / scale[:, None, :, None], -FP8_MAX, FP8_MAX), scale
+    """(x [B, T, Hkv, D] in FP8 at its scale, the scale): the first write sets the scale
+    from its amax (FP8_KV_HEADROOM times over 448), as the projected-key caches do."""
+    scale = jnp.where(first, fp8_scale(x, FP8_KV_HEADROOM), scale)
+    return quantize_with_scale(x, scale, "float8_e4m3fn"), scale
 
 
 class Attention(nnx.Module):

@@ -41,9 +41,9 @@ from jsparse.nn.attention import (
 )
 from jsparse.ops.mla import indexed_mla_attention
 from jsparse.selectors import ProjectedSelector, Selector
+from jsparse.selectors.base import fp8_scale, quantize_with_scale
 
 HIGHEST = jax.lax.Precision.HIGHEST
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
 class MLACache(NamedTuple):
@@ -252,10 +252,11 @@ class MLAAttention(nnx.Module):
         scale, stored = cache.scale, new_rows.astype(cache.rows.dtype)
         kwargs = {}
         if scale is not None:  # FP8 rows: a sequence's first write sets its scale
-            amax = jnp.max(jnp.abs(new_rows), axis=(1, 2)) * self.fp8_headroom / FP8_MAX
-            scale = jnp.where(cache.lengths == 0, jnp.where(amax > 0, amax, 1.0), scale)
-            fitted = jnp.clip(new_rows / scale[:, None, None], -FP8_MAX, FP8_MAX)
-            stored, kwargs["cache_scale"] = fitted.astype(cache.rows.dtype), scale
+            one_head = new_rows[:, :, None]  # [B, T, 1, D]: the projected caches' layout
+            first = fp8_scale(one_head, self.fp8_headroom)[:, 0]
+            scale = jnp.where(cache.lengths == 0, first, scale)
+            stored = quantize_with_scale(one_head, scale[:, None], "float8_e4m3fn")[:, :, 0]
+            kwargs["cache_scale"] = scale
         write = jax.vmap(lambda r, n, at: jax.lax.dynamic_update_slice(r, n, (at, 0)))
         rows = write(cache.rows, stored, cache.lengths)
         lengths = cache.lengths + t
