@@ -65,7 +65,6 @@ class _Plan:
     kv_heads: int
     group: int  # G, query heads per KV head
     group_rows: int  # G padded to a power of two ≥ MIN_GROUP_ROWS
-    dim: int  # D
     vdim: int  # Dv: the output's width
     vdim_pad: int  # Dv padded to a power of two (masked loads: the cache is not copied)
     planes: int  # 1, or 2 for FP8 caches read as words (low and high bytes)
@@ -350,7 +349,7 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
         backend.check_triton_offsets("indexed_attention", k=k, v=v)
     kw, vw = d // planes, dv // planes
     p = _Plan(
-        seq=s, page_size=page_size, kv_heads=hkv, group=g, group_rows=gp, dim=d, vdim=dv,
+        seq=s, page_size=page_size, kv_heads=hkv, group=g, group_rows=gp, vdim=dv,
         vdim_pad=next_pow2(dv, 16), planes=planes, plane_dim=kw, plane_dim_pad=next_pow2(kw, 16),
         plane_vdim=vw, plane_vdim_pad=next_pow2(vw, 16), list_len=n, steps_per_split=per_split,
         steps=steps, splits=splits, scale=float(scale), compute=compute,
