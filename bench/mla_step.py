@@ -32,10 +32,8 @@ from tqdm import tqdm
 import jsparse
 from jsparse.nn import SparseMLA
 from jsparse.nn.attention import CacheView, prefill_projection
-from jsparse.ops.projected import projected_scores
 
-from . import common, mla
-from .decode_step import time_step
+from . import common, decode_step, mla
 
 __all__ = ["COLUMNS", "DEFAULT_METHODS", "add_arguments", "check", "run", "step_fn"]
 
@@ -113,14 +111,10 @@ def step_fn(method: str, impl: str, case: dict, sel, params):
 
 
 def reference_lists(sel, params, q, keys: CacheView, state, budget):
-    """The sparse step's lists [B, budget] by plain JAX: append the new row (slot S - 1
-    of the ``keys`` view, widened), score, ``lax.top_k``; and the updated state."""
-    b, s = q.shape[0], keys.tokens
-    last = jnp.full((b,), s - 1, jnp.int32)
-    state = sel.append_keys(params, state, keys.rows(last), last)
-    qp = sel.project_queries(params, q) * state.scale[:, :, None]
-    scores = projected_scores(qp, state.values, implementation="reference")[:, 0]  # XLA's einsum
-    return jax.lax.top_k(scores, min(budget, s))[1].astype(jnp.int32), state
+    """The sparse step's lists [B, budget] by plain JAX (the GQA step's, for MLA's one KV
+    head): append the new row, score, ``lax.top_k``; and the updated state."""
+    lists, state = decode_step.reference_lists(sel, params, q, keys, state, budget)
+    return lists[:, 0], state
 
 
 def check(method, got, *, q, src, rows, want_lists, dc) -> list[str]:
@@ -169,7 +163,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             row = dict(case=label, method=method, b=b, s=s, h=h, budget=n, rank=r, dtype=dtype)
             row.update(bytes=nbytes, floor_ms=1e3 * floor_s)
             operands = (rows, {}) if dense else (src["cache"], extras(src))
-            time_step(
+            decode_step.time_step(
                 row, step_fn(method, impl, case, sel, params), operands, held, sets, args,
                 functools.partial(check, method, q=sets[0], src=src, rows=rows,
                                   want_lists=want_lists, dc=dc),
