@@ -37,12 +37,12 @@ from . import common
 from .attention import (
     COLUMNS,
     add_arguments,
-    bf16_mismatch,
     cudnn_runs,
     dense_attention,
     serving_cache,
     xla_gather_attention,
 )
+from .attention import check as attention_check
 
 __all__ = [
     "COLUMNS", "DEFAULT_METHODS", "add_arguments", "check", "run", "step_fn", "time_step",
@@ -135,25 +135,10 @@ def reference_lists(sel, params, q, keys: CacheView, state, budget):
 def check(method, got, *, q, cache, dense, want_lists, scale) -> list[str]:
     """The first and last sequence against the f32 reference attention over the rows
     ``lax.top_k`` picks from the serving cache (every row of the dense BF16 cache for
-    ``dense``)."""
-    b = q.shape[0]
-    problems = []
-    for i in sorted({0, b - 1}):
-        if method == "dense":
-            k, v = dense[0][i : i + 1], dense[1][i : i + 1]
-            s, hkv = k.shape[1], k.shape[2]
-            lists, extra = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, hkv, s)), {}
-        else:
-            k, v = cache["k"], cache["v"]  # a page pool is shared: the table picks the row
-            if cache["page_table"] is None:
-                k, v = k[i : i + 1], v[i : i + 1]
-            lists = want_lists[i : i + 1]
-            extra = {n: None if x is None else x[i : i + 1] for n, x in extras(cache).items()}
-        want = jsparse.indexed_attention(
-            q[i : i + 1], k, v, lists, scale=scale, implementation="reference", **extra
-        )
-        problems += bf16_mismatch(i, got[i], want[0])
-    return problems
+    ``dense``): the attention bench's check of those lists."""
+    plain = dict(k=dense[0], v=dense[1], k_scale=None, v_scale=None, page_table=None)
+    return attention_check(method, got, q=q, idx=want_lists, cache=cache, dense_cache=plain,
+                           scale=scale)  # fmt: skip
 
 
 def time_step(row, step, operands, held, sets, args, check_fn, **rates):
