@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int
 
 from jsparse import _checks
 from jsparse.ops.attention import indexed_attention
+from jsparse.ops.attention.reference import listed_locations
 from jsparse.selectors import ProjectedSelector, Selector, make_selector
 
 
@@ -73,24 +74,23 @@ class CacheView(NamedTuple):
         return self.page_table.shape[1] * self.values.shape[1]
 
     def dense(self) -> Array:
-        """[B, S, Hkv, D] (S = M·P when paged; a missing page reads page 0, which the
-        positions must mark invisible)."""
+        """[B, S, Hkv, D] (S = M·P when paged; a slot on a missing page reads the pool's
+        first row, which the positions must mark invisible)."""
         x = self.values
         if self.page_table is not None:
-            pages = x[jnp.maximum(self.page_table, 0)]  # [B, M, P, Hkv, D]
-            x = pages.reshape(pages.shape[0], -1, *pages.shape[3:])
+            slots = jnp.arange(self.tokens, dtype=jnp.int32)
+            x = self._at(jnp.broadcast_to(slots, (self.page_table.shape[0], self.tokens)))
         return self._widened(x, 1)
 
     def rows(self, slot: Int[Array, " B"]) -> Array:
         """[B, Hkv, D]: each sequence's token at position ``slot[b]``."""
-        b = jnp.arange(slot.shape[0])
-        if self.page_table is None:
-            x = self.values[b, slot]
-        else:
-            p = self.values.shape[1]
-            page = jnp.maximum(self.page_table[b, slot // p], 0)
-            x = self.values[page, slot % p]
-        return self._widened(x, 0)
+        return self._widened(self._at(slot), 0)
+
+    def _at(self, slots: Int[Array, "B ..."]) -> Array:
+        """The stored entries of tokens ``slots[b, ...]``: the decode kernels' reference
+        lookup, dense or through the page table."""
+        _, i0, i1 = listed_locations(slots, self.values, self.page_table)
+        return self.values[i0, i1]
 
 
 def serving_view(name: str, cache, scale, page_table, k_positions, q_shape) -> CacheView:
