@@ -27,11 +27,8 @@ from jsparse.ops.indexer.triton import next_pow2
 # scores along tokens instead of heads changed nothing (3.5-3.7 TB/s).
 TILE_BYTES = 16 * 1024
 NUM_WARPS = 4
-# Several KV heads: one [block_s, R] load, row sum and contiguous store per head instead
-# of the [block_s, Hkv, R] view of one tile. The view cost 5.9× with one head (run 169);
-# with 8 heads the kernel reads at 3.7 TB/s against 3.98 without a view. Not yet
-# measured, so off by default.
-HEAD_LOADS = False
+# One [block_s, R] load, row sum and store per KV head instead of the [block_s, Hkv, R]
+# view was 2.3× slower (run 172: 292 → 667 µs at 32 × 128K × 8 heads), so the view stays.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +38,6 @@ class _Plan:
     heads_pad: int
     rank: int
     block_s: int
-    head_loads: bool
     interpret: bool
 
 
@@ -56,14 +52,6 @@ def _kernel(q_ref, x_ref, out_ref, *, p: _Plan):
     in_seq = tokens < p.seq
     rows = b * p.seq + tokens
     zero = jnp.zeros((), x_ref.dtype)  # (a Python 0 cannot be cast to FP8 here)
-    if p.head_loads:
-        dims = jnp.arange(p.rank, dtype=jnp.int32)
-        for h in range(p.kv_heads):  # static: one load, row sum and store per head
-            at = h * p.rank + dims
-            x = plt.load(x_ref.at[rows[:, None], at[None, :]], mask=in_seq[:, None], other=zero)
-            row = jnp.sum(x.astype(jnp.float32) * plt.load(q_ref.at[b, at])[None, :], axis=1)
-            plt.store(out_ref.at[b * p.kv_heads + h, tokens], row, mask=in_seq)
-        return
     heads = jnp.arange(p.heads_pad, dtype=jnp.int32)
     cols = jnp.arange(p.heads_pad * p.rank, dtype=jnp.int32)
     width = p.kv_heads * p.rank
@@ -81,14 +69,9 @@ def _kernel(q_ref, x_ref, out_ref, *, p: _Plan):
     plt.store(out_at, scores, mask=in_seq[:, None] & (heads[None, :] < p.kv_heads))
 
 
+@functools.partial(jax.jit, static_argnames=("block_s",))
 def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
-    """float32 [B, Hkv, S]; see :func:`jsparse.ops.projected.projected_scores`.
-    ``HEAD_LOADS`` is read here, at call time, so that a cached trace never hides it."""
-    return _projected_scores(q_proj, values, block_s=block_s, head_loads=HEAD_LOADS)
-
-
-@functools.partial(jax.jit, static_argnames=("block_s", "head_loads"))
-def _projected_scores(q_proj, values, *, block_s, head_loads):
+    """float32 [B, Hkv, S]; see :func:`jsparse.ops.projected.projected_scores`."""
     backend.check_triton_offsets("projected_scores", values=values)
     b, s, hkv, r = values.shape
     hp = next_pow2(hkv, 1)
@@ -97,7 +80,7 @@ def _projected_scores(q_proj, values, *, block_s, head_loads):
         block_s = max(16, min(1024, TILE_BYTES // row_bytes))
         block_s = min(block_s, next_pow2(s, 16))
     p = _Plan(seq=s, kv_heads=hkv, heads_pad=hp, rank=r, block_s=block_s,
-              head_loads=head_loads and hkv > 1, interpret=backend.is_interpret())  # fmt: skip
+              interpret=backend.is_interpret())  # fmt: skip
     q = jnp.pad(q_proj.astype(jnp.float32).reshape(b, hkv * r), ((0, 0), (0, (hp - hkv) * r)))
     out = pl.pallas_call(
         functools.partial(_kernel, p=p),
