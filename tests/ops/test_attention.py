@@ -82,10 +82,17 @@ def test_reference_matches_numpy_oracle(shape):
 TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3, "float8": 3e-2}
 
 
-@pytest.fixture(params=["bytes", "words"])
+@pytest.fixture(params=["words", "bytes"])
 def fp8_reading(request, monkeypatch):
-    """FP8 caches read byte by byte (the default), or as 16-bit words with f16 dots."""
+    """FP8 caches read as 16-bit words with f16 dots (the default), or byte by byte."""
     monkeypatch.setattr(attention_triton, "FP8_AS_WORDS", request.param == "words")
+    return request.param
+
+
+@pytest.fixture(params=["in_kernel", "before_launch"])
+def page_lookup(request, monkeypatch):
+    """A paged cache's pages looked up by the kernel, or before its launch."""
+    monkeypatch.setattr(attention_triton, "PAGES_BEFORE_LAUNCH", request.param == "before_launch")
     return request.param
 
 
@@ -333,9 +340,11 @@ def test_logits_far_from_zero_stay_finite(interpret, sign):
         np.testing.assert_allclose(np.asarray(lse), sign * 5000.0 + np.log(n), rtol=1e-6)
 
 
-def test_fp8_caches_of_2_to_4_gib_are_refused_not_misread():
-    """Pallas Triton would address these with wrapping 32-bit offsets (run 163): the
-    kernel refuses them, and ``implementation=None`` falls back to the reference."""
+def test_fp8_caches_of_2_to_4_gib_are_refused_not_misread(monkeypatch):
+    """Read byte by byte, Pallas Triton would address these with wrapping 32-bit offsets
+    (run 163): the kernel refuses them, and ``implementation=None`` falls back to the
+    reference."""
+    monkeypatch.setattr(attention_triton, "FP8_AS_WORDS", False)
     sds = jax.ShapeDtypeStruct
     b, s, hkv, d = 24, 131072, 8, 128  # 3.2 GB of FP8 keys
     q, idx = sds((b, 32, d), jnp.bfloat16), sds((b, hkv, 2048), jnp.int32)
@@ -383,7 +392,7 @@ def paged(cache, page_size):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8"])
-def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype, fp8_reading):
+def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype, fp8_reading, page_lookup):
     if fp8_reading == "words" and dtype != "float8":
         pytest.skip("only FP8 caches are read as words")
     fp8 = dtype == "float8"
@@ -401,7 +410,7 @@ def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype, fp8_reading):
                                    rtol=1e-2, atol=1e-2)  # fmt: skip
 
 
-def test_unallocated_pages_are_refused_or_never_read(kernel_impl):
+def test_unallocated_pages_are_refused_or_never_read(kernel_impl, page_lookup):
     q, k, v, idx = make(2, 4, 2, 16, 16, 64, 40, seed=11)
     (kp, table), (vp, _) = paged(k, 16), paged(v, 16)
     table = table.at[1, 3].set(-1)  # positions 48-63 of sequence 1 have no page
@@ -422,7 +431,7 @@ def test_unallocated_pages_are_refused_or_never_read(kernel_impl):
     )
 
 
-def test_paged_lowers_to_cuda():
+def test_paged_lowers_to_cuda(page_lookup):
     sds = jax.ShapeDtypeStruct
     pool = sds((4096, 16, 8, 128), jnp.bfloat16)
     args = [sds((8, 32, 128), jnp.bfloat16), pool, pool, sds((8, 8, 2048), jnp.int32),
@@ -437,7 +446,7 @@ def test_paged_lowers_to_cuda():
 
 
 @pytest.mark.gpu
-def test_gpu_paged_decode_shapes():
+def test_gpu_paged_decode_shapes(page_lookup):
     """8 sequences × 32K in pages of 16 tokens, 32 / 8 heads, D 128, 2048 rows each."""
     b, s, h, hkv, d, n = 8, 32768, 32, 8, 128, 2048
     kq, kk, kv, ki = jax.random.split(jax.random.PRNGKey(6), 4)

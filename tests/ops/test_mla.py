@@ -81,6 +81,13 @@ def fp8_reading(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["in_kernel", "before_launch"])
+def page_lookup(request, monkeypatch):
+    """A paged cache's pages looked up by the kernel, or before its launch."""
+    monkeypatch.setattr(mla_triton, "PAGES_BEFORE_LAUNCH", request.param == "before_launch")
+    return request.param
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8"])
 def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
@@ -293,7 +300,7 @@ def paged(cache, page_size):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8"])
-def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype, fp8_reading):
+def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype, fp8_reading, page_lookup):
     if fp8_reading == "bytes" and dtype != "float8":
         pytest.skip("only FP8 caches are read as words or bytes")
     fp8 = dtype == "float8"
@@ -312,7 +319,7 @@ def test_a_paged_cache_gives_the_dense_answer(kernel_impl, dtype, fp8_reading):
                                    rtol=1e-2, atol=1e-2)  # fmt: skip
 
 
-def test_unallocated_pages_are_refused_or_never_read(kernel_impl):
+def test_unallocated_pages_are_refused_or_never_read(kernel_impl, page_lookup):
     q, cache, idx = make(2, 16, 32, 8, 64, 40, seed=9)
     pool, table = paged(cache, 16)
     table = table.at[1, 3].set(-1)  # positions 48-63 of sequence 1 have no page
@@ -334,7 +341,7 @@ def test_unallocated_pages_are_refused_or_never_read(kernel_impl):
     )
 
 
-def test_paged_lowers_to_cuda():
+def test_paged_lowers_to_cuda(page_lookup):
     sds = jax.ShapeDtypeStruct
     args = [sds((8, 128, 576), jnp.bfloat16), sds((4096, 64, 576), F8), sds((8, 2048), jnp.int32),
             sds((8,), jnp.float32), sds((8, 512), jnp.int32)]  # fmt: skip
@@ -348,7 +355,7 @@ def test_paged_lowers_to_cuda():
 
 
 @pytest.mark.gpu
-def test_gpu_paged_deepseek_shapes():
+def test_gpu_paged_deepseek_shapes(page_lookup):
     """8 sequences × 32K in pages of 64 rows (FlashMLA's block), 128 heads, 2048 rows."""
     b, s, n, dc = 8, 32768, 2048, 512
     kq, kc, ki = jax.random.split(jax.random.PRNGKey(5), 3)

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse.ops.attention.reference import listed_locations
 from jsparse.ops.indexer.triton import next_pow2
 
 # tl.dot needs M ≥ 16: the G query heads of a KV head are padded to this many rows.
@@ -35,9 +36,15 @@ MIN_GROUP_ROWS = 16
 # Programs a launch aims at, in units of the SM count, when the lists alone give fewer.
 PROGRAMS_PER_SM = 2
 # FP8 K/V caches (even D and Dv) read as 16-bit words, two values each, with f16 dots
-# against a q rescaled per head; False: byte by byte, dots in q's dtype. The MLA kernel
-# gained 1.3-1.6× from words (runs 166-167); not yet measured here, so off by default.
-FP8_AS_WORDS = False
+# against a q rescaled per head; False: byte by byte, dots in q's dtype. Words: the kernel
+# 1.2-1.4× faster (run 171: 32 × 32K 68.3 → 49.1 µs), and they address caches of 2-4
+# GiB, which byte reads refuse (run 173).
+FP8_AS_WORDS = True
+# Paged caches: every listed token's page is looked up before the launch (one XLA gather
+# over the lists, `pool_slots`), so that the kernel's row loads wait on one load (the
+# list) instead of two (the list, then the page table). False: the kernel looks pages
+# up itself. Paged rows were up to 1.8× slower than dense ones that way (run 172).
+PAGES_BEFORE_LAUNCH = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +69,7 @@ class AttentionConfig:
 class _Plan:
     seq: int  # S, cache rows per (sequence, KV head) (virtual: max_pages · P when paged)
     page_size: int  # P of a paged cache, 0 for a dense [B, S, Hkv, D] one
+    pooled: bool  # the lists hold slots of the whole cache (pages looked up before)
     kv_heads: int
     group: int  # G, query heads per KV head
     group_rows: int  # G padded to a power of two ≥ MIN_GROUP_ROWS
@@ -78,7 +86,7 @@ class _Plan:
     splits: int
     scale: float
     compute: np.dtype
-    q_rescaled: bool  # q arrives in f16, times 2**shift per head; [pairs, Gp] undoes it
+    q_rescaled: bool  # the kernel rescales q per head for f16 dots (FP8 words, bf16 q)
     has_k_scale: bool
     has_v_scale: bool
     cfg: AttentionConfig
@@ -116,10 +124,10 @@ def widened_dtype(q, cache):
 
 
 def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
-    """q arrives plane by plane ([B·Hkv, G, planes·plane_dim]); a K/V row is plane_dim
-    (plane_vdim) cache elements: values, or 16-bit words of two FP8 values."""
+    """q is [B·Hkv, G, D] in its own order; a K/V row is plane_dim (plane_vdim) cache
+    elements: values, or 16-bit words of two FP8 values (then q's even and odd dims are
+    the two planes, and the output's planes are stored interleaved)."""
     table_ref, refs = (refs[0], refs[1:]) if p.page_size else (None, refs)
-    unshift_ref, refs = (refs[0], refs[1:]) if p.q_rescaled else (None, refs)
     n_scales = p.has_k_scale + p.has_v_scale
     scale_refs, outs = refs[:n_scales], refs[n_scales:]
     bn = p.cfg.block_n
@@ -132,24 +140,21 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
     # typed `other`s: Triton cannot cast an i32 0 to fp8
     k_zero, v_zero = jnp.zeros((), k_ref.dtype), jnp.zeros((), v_ref.dtype)
     # q is [B·Hkv, G, D] as given: the padded head rows and dims load as zeros.
-    q_mask = (heads[:, None] < p.group) & (dims[None, :] < p.plane_dim)
-    q = [
-        plt.load(q_ref.at[pair, heads[:, None], i * p.plane_dim + dims[None, :]], mask=q_mask,
-                 other=0.0).astype(p.compute)
-        for i in range(p.planes)
-    ]  # fmt: skip
-    precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
+    q = q_planes(q_ref, (pair,), heads, heads < p.group, 0, dims, p.plane_dim, p.planes)
     scale = p.scale
     if p.has_k_scale:
         scale = scale * plt.load(scale_refs[0].at[pair])
     if p.q_rescaled:
-        scale = scale * plt.load(unshift_ref.at[pair, heads])[:, None]
+        q, unshift = rescaled_f16(q)
+        scale = scale * unshift[:, None]
+    q = [qi.astype(p.compute) for qi in q]
+    precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
 
     def step(j, carry):
         m, l, accs = carry
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[pair, at], mask=at < p.list_len, other=-1)
-        ok, slots = listed_slots(ids, b, table_ref, p.seq, p.page_size)
+        ok, slots = listed_slots(ids, 0 if p.pooled else b, table_ref, p.seq, p.page_size)
         rows = slots * p.kv_heads + h
         k_mask = ok[:, None] & (dims[None, :] < p.plane_dim)
         kt = plt.load(k_ref.at[rows[:, None], dims[None, :]], mask=k_mask, other=k_zero)
@@ -211,10 +216,27 @@ def listed_slots(ids, b, table_ref, seq: int, page_size: int):
     return ok, jnp.where(ok, page, 0) * page_size + ids % page_size
 
 
+def pool_slots(indices, cache, page_table):
+    """The lists of a paged cache as slots of its page pool (page·P + offset; -1 for an
+    entry out of range or on a missing page): the page lookups done once, before a
+    launch, with the references' lookup."""
+    valid, page, at = listed_locations(indices, cache, page_table)
+    return jnp.where(valid, page * cache.shape[1] + at, -1)
+
+
+def looked_up_first(indices, cache, page_table, pages_first: bool):
+    """(lists, page table, S the lists index, pooled) for a kernel: a paged cache's
+    lists as pool slots with no table when ``pages_first``, else as given."""
+    slots, _, s = cache_geometry(cache, page_table)
+    if page_table is None or not pages_first:
+        return indices, page_table, s, False
+    return pool_slots(indices, cache, page_table), None, slots, True
+
+
 def store_normalized(outs, pair, m, l, planes, v_scale, real, width: int):
     """out = acc / l (0 where nothing was attended) in the output dtype and lse = m +
-    log l, for the ``real`` head rows: the output's ``planes`` (plane i at columns
-    [i·width, (i+1)·width), only ``width`` real dims of each; the MLA kernel's too)."""
+    log l, for the ``real`` head rows: the output's ``planes`` (``width`` real dims each,
+    stored interleaved by :func:`store_planes`; the MLA kernel's too)."""
     out_ref, lse_ref = outs
     some = l > 0
     safe = jnp.where(some, l, 1.0)
@@ -227,13 +249,27 @@ def store_normalized(outs, pair, m, l, planes, v_scale, real, width: int):
 
 
 def store_planes(ref, prefix, planes, real, width: int):
-    """Plane i's ``width`` real dims at columns [i·width, (i+1)·width) of each ``real``
-    head row of ``ref[*prefix]``."""
+    """Plane i's ``width`` real dims at columns i, i + n, i + 2n, … (n planes: the
+    cache's order, words' low and high bytes interleaved back) of each ``real`` head row
+    of ``ref[*prefix]``."""
     heads, dims = jnp.arange(real.shape[0]), jnp.arange(planes[0].shape[1])
     mask = real[:, None] & (dims[None, :] < width)
     for i, plane in enumerate(planes):
-        at = ref.at[(*prefix, heads[:, None], i * width + dims[None, :])]
+        at = ref.at[(*prefix, heads[:, None], dims[None, :] * len(planes) + i)]
         plt.store(at, plane.astype(ref.dtype), mask=mask)
+
+
+def q_planes(ref, prefix, rows, real, start: int, dims, width: int, planes: int):
+    """Rows ``rows`` of ``ref[*prefix]`` ([H, D]) in f32, as ``planes`` planes of ``width`` values
+    from column ``start``: plane i holds columns start + i, start + i + n, … (the values
+    that meet the low and high bytes of cache words). Rows not ``real`` and padded dims
+    are 0."""
+    mask = real[:, None] & (dims[None, :] < width)
+    return [
+        plt.load(ref.at[(*prefix, rows[:, None], start + dims[None, :] * planes + i)], mask=mask,
+                 other=0.0).astype(jnp.float32)
+        for i in range(planes)
+    ]  # fmt: skip
 
 
 def fp8_planes(tile, planes: int, compute):
@@ -255,26 +291,18 @@ def fp8_words(cache, width: int):
     return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
 
 
-def even_odd(x, width: int):
-    """The last axis's ``width`` values as [even-indexed | odd-indexed]: the two planes
-    of words, in the order a packed kernel reads q and writes its output."""
-    return jnp.concatenate([x[..., 0:width:2], x[..., 1:width:2]], axis=-1)
-
-
-def interleaved(x, width: int):
-    """The inverse of :func:`even_odd` on the last axis (``width`` values)."""
-    return x.reshape(*x.shape[:-1], 2, width // 2).swapaxes(-1, -2).reshape(x.shape)
-
-
 def rescaled_f16(q):
-    """(q · 2**shift in float16, 2**-shift [..] float32) per vector of q's last axis: the
-    power of two that puts max |q| in [2**13, 2**14), so that f16 neither overflows nor
-    flushes what bf16 or f32 held; exact, undone on the logits."""
-    mag = jnp.max(jnp.abs(q.astype(jnp.float32)), axis=-1)
-    _, exponent = jnp.frexp(mag)  # mag = m · 2**exponent, m in [0.5, 1)
+    """(planes of q rows in float16, each row times 2**shift, and 2**-shift [rows] f32):
+    the power of two that puts a row's max |q| over all planes in [2**13, 2**14), so
+    that f16 neither overflows nor flushes what bf16 or f32 held; exact, undone on the
+    logits. In-kernel: a row's exponent is read from its f32 bits (frexp's, for normal
+    magnitudes), and 2**±shift is built from bits."""
+    mag = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in q])
+    exponent = ((jax.lax.bitcast_convert_type(mag, jnp.int32) >> 23) & 0xFF) - 126
     shift = jnp.clip(14 - exponent, -120, 120)  # f32's exponent range bounds the undo
-    q16 = jnp.ldexp(q.astype(jnp.float32), shift[..., None]).astype(jnp.float16)
-    return q16, jnp.ldexp(jnp.ones_like(mag), -shift)
+    up = jax.lax.bitcast_convert_type((shift + 127) << 23, jnp.float32)
+    down = jax.lax.bitcast_convert_type((127 - shift) << 23, jnp.float32)
+    return [(x * up[:, None]).astype(jnp.float16) for x in q], down
 
 
 def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p):
@@ -311,7 +339,8 @@ def indexed_attention_triton(
 ):
     """(out [B, H, Dv] in q's dtype, lse [B, H] float32); see
     :func:`jsparse.indexed_attention`. ``FP8_AS_WORDS`` is read here, at call time, so
-    that a changed setting is never hidden by a cached trace."""
+    that a changed setting is never hidden by a cached trace (``PAGES_BEFORE_LAUNCH``
+    too)."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     words = (
         FP8_AS_WORDS and jnp.dtype(k.dtype) == fp8 and jnp.dtype(v.dtype) == fp8
@@ -320,16 +349,18 @@ def indexed_attention_triton(
     return _indexed_attention(
         q, k, v, indices, k_scale, v_scale, page_table, scale=scale,
         cfg=cfg or AttentionConfig(), splits=splits, words=bool(words),
+        pages_first=PAGES_BEFORE_LAUNCH,
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "cfg", "splits", "words"))
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "splits", "words", "pages_first"))
 def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale, cfg, splits,
-                       words):  # fmt: skip
+                       words, pages_first):  # fmt: skip
     b, h, d = q.shape
     out_dtype = q.dtype
     hkv, dv = k.shape[2], v.shape[3]
-    slots, page_size, s = cache_geometry(k, page_table)
+    indices, page_table, s, pooled = looked_up_first(indices, k, page_table, pages_first)
+    slots, page_size, _ = cache_geometry(k, page_table)
     g = h // hkv
     n = indices.shape[2]
     pairs = b * hkv
@@ -337,23 +368,21 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
     compute = widened_dtype(q, k)
     gp = next_pow2(g, MIN_GROUP_ROWS)
     planes = 2 if words else 1
-    unshift = []
-    if words:  # FP8 widens to f16 in one conversion; an f32 q keeps f32 dots
-        q = even_odd(q, d)
-        if compute == jnp.dtype(jnp.bfloat16):
-            q, shifts = rescaled_f16(q)
-            shifts = jnp.pad(shifts.reshape(pairs, g), ((0, 0), (0, gp - g)), constant_values=1.0)
-            unshift, compute = [shifts], jnp.dtype(jnp.float16)
+    # FP8 words widen to f16 in one conversion, against q rescaled in the kernel; an f32
+    # q keeps f32 dots.
+    q_rescaled = words and compute == jnp.dtype(jnp.bfloat16)
+    compute = jnp.dtype(jnp.float16) if q_rescaled else compute
+    if words:
         k, v = fp8_words(k, d), fp8_words(v, dv)
     else:
         backend.check_triton_offsets("indexed_attention", k=k, v=v)
     kw, vw = d // planes, dv // planes
     p = _Plan(
-        seq=s, page_size=page_size, kv_heads=hkv, group=g, group_rows=gp, vdim=dv,
+        seq=s, page_size=page_size, pooled=pooled, kv_heads=hkv, group=g, group_rows=gp, vdim=dv,
         vdim_pad=next_pow2(dv, 16), planes=planes, plane_dim=kw, plane_dim_pad=next_pow2(kw, 16),
         plane_vdim=vw, plane_vdim_pad=next_pow2(vw, 16), list_len=n, steps_per_split=per_split,
         steps=steps, splits=splits, scale=float(scale), compute=compute,
-        q_rescaled=bool(unshift), has_k_scale=k_scale is not None,
+        q_rescaled=q_rescaled, has_k_scale=k_scale is not None,
         has_v_scale=v_scale is not None, cfg=cfg, interpret=backend.is_interpret(),
     )  # fmt: skip
     # Reshapes only (free): the kernel masks the padded head rows, dims and list tail.
@@ -362,11 +391,10 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
     inputs += [] if page_table is None else [page_table]
     scales = [x.reshape(pairs).astype(jnp.float32) for x in (k_scale, v_scale) if x is not None]
     out, lse = launch_split_k(
-        functools.partial(_kernel, p=p), p, [*inputs, *unshift, *scales],
+        functools.partial(_kernel, p=p), p, [*inputs, *scales],
         scales[p.has_k_scale :], pairs=pairs, dtype=out_dtype, name="jsparse_indexed_attention",
     )  # fmt: skip
-    out = out.reshape(b, h, dv)
-    return (interleaved(out, dv) if words else out), lse.reshape(b, h)
+    return out.reshape(b, h, dv), lse.reshape(b, h)
 
 
 def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: str):

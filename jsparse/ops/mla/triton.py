@@ -12,7 +12,7 @@ the sequence's index list (split-K at small batch). Per step of ``block_n`` entr
 so a listed row is read once per head block and serves as key and value; nothing is
 copied out of the cache. An FP8 cache (even Dc and Dr) is read as 16-bit words, each
 two values: the low and high bytes are two planes with their own halves of q and of the
-accumulator, and the output's halves are interleaved back outside. Words are faster
+accumulator, and the kernel stores the output's halves interleaved. Words are faster
 than bytes (run 167), and Pallas Triton would address a 1-byte cache of 2-4 GiB with
 wrapping 32-bit offsets (run 163). The FP8 tiles widen to f16 and the dots run in f16
 against a q rescaled per head (one conversion per pair; FP8 → bf16 takes a longer
@@ -37,12 +37,12 @@ from jsparse import backend
 from jsparse.ops.attention.triton import (
     MIN_GROUP_ROWS,
     cache_geometry,
-    even_odd,
     fp8_planes,
     fp8_words,
-    interleaved,
     launch_split_k,
     listed_slots,
+    looked_up_first,
+    q_planes,
     rescaled_f16,
     split_list,
     store_normalized,
@@ -59,6 +59,9 @@ NUM_STAGES = 3  # run 164: 310 µs against 341 at 2 (128 × 32K, 128 heads, bf16
 # FP8 caches with even Dc and Dr are read as 16-bit words (False: byte by byte where
 # the cache is small enough to be addressed in bytes; see the wrapper).
 FP8_AS_WORDS = True
+# Paged caches: pages looked up before the launch (as the GQA kernel's switch of the
+# same name; MLA paged rows at 128 heads were 1.8× slower than dense ones, run 172).
+PAGES_BEFORE_LAUNCH = False
 # The dots' dtype over an FP8 cache: "float16" (q rescaled per head by a power of two
 # into f16's range) or "bfloat16" (q as it is).
 FP8_DOT_DTYPE = "float16"
@@ -98,6 +101,7 @@ def default_config(heads: int) -> MLAConfig:
 class _Plan:
     seq: int  # S (virtual: max_pages · P when paged)
     page_size: int  # P of a paged cache, 0 for a dense [B, S, D] one
+    pooled: bool  # the lists hold slots of the whole cache (pages looked up before)
     heads: int  # H
     head_blocks: int
     group: int  # heads per block (the merge's "group"): a power of two ≥ 16
@@ -114,7 +118,7 @@ class _Plan:
     splits: int
     scale: float
     compute: jnp.dtype
-    q_rescaled: bool  # q arrives in f16, times 2**shift per head; [pairs, group] undoes it
+    q_rescaled: bool  # the kernel rescales q per head for f16 dots (FP8, bf16 q)
     has_scale: bool
     cfg: MLAConfig
     interpret: bool
@@ -130,11 +134,11 @@ class _Plan:
 
 
 def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
-    """q arrives plane by plane: [latent planes | RoPE planes], each plane p.latent
-    (p.rope) wide; the cache row is [latent words | RoPE words]. A paged cache's page
-    table comes first in ``refs``."""
+    """q is [B, H, Dc + Dr] in its own order; the cache row is [latent | RoPE] values, or
+    words of two FP8 values (then q's even and odd dims of each part are the two planes,
+    and the output's planes are stored interleaved). A paged cache's page table comes
+    first in ``refs``."""
     table_ref, refs = (refs[0], refs[1:]) if p.page_size else (None, refs)
-    unshift_ref, refs = (refs[0], refs[1:]) if p.q_rescaled else (None, refs)
     scale_ref, outs = (refs[0], refs[1:]) if p.has_scale else (None, refs)
     bn = p.cfg.block_n
     pair = pl.program_id(0)  # b·head_blocks + block
@@ -145,26 +149,24 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
     cdims, rdims = jnp.arange(p.latent_pad), jnp.arange(p.rope_pad)
     zero = jnp.zeros((), cache_ref.dtype)  # typed `other`: Triton cannot cast i32 0 to fp8
 
-    def load_q(start, dims, width):
-        mask = real[:, None] & (dims[None, :] < width)
-        at = q_ref.at[b, heads[:, None], start + dims[None, :]]
-        return plt.load(at, mask=mask, other=0.0).astype(p.compute)
-
-    q_c = [load_q(i * p.latent, cdims, p.latent) for i in range(p.planes)]
-    rope_at = p.planes * p.latent
-    q_r = [load_q(rope_at + i * p.rope, rdims, p.rope) for i in range(p.planes) if p.rope]
-    precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
+    q_c = q_planes(q_ref, (b,), heads, real, 0, cdims, p.latent, p.planes)
+    dc = p.planes * p.latent
+    q_r = q_planes(q_ref, (b,), heads, real, dc, rdims, p.rope, p.planes) if p.rope else []
     scale = p.scale
     if p.has_scale:
         scale = scale * plt.load(scale_ref.at[pair])
     if p.q_rescaled:
-        scale = scale * plt.load(unshift_ref.at[pair, jnp.arange(p.group)])[:, None]
+        q, unshift = rescaled_f16(q_c + q_r)
+        q_c, q_r = q[: len(q_c)], q[len(q_c) :]
+        scale = scale * unshift[:, None]
+    q_c, q_r = [x.astype(p.compute) for x in q_c], [x.astype(p.compute) for x in q_r]
+    precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
 
     def step(j, carry):
         m, l, accs = carry
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[b, at], mask=at < p.list_len, other=-1)
-        ok, rows = listed_slots(ids, b, table_ref, p.seq, p.page_size)
+        ok, rows = listed_slots(ids, 0 if p.pooled else b, table_ref, p.seq, p.page_size)
 
         def load_rows(start, dims, width):
             mask = ok[:, None] & (dims[None, :] < width)
@@ -239,20 +241,22 @@ def indexed_mla_attention_triton(
     return _indexed_mla_attention(
         q, cache, indices, cache_scale, page_table, latent_dim=latent_dim, scale=scale,
         cfg=cfg or default_config(q.shape[1]), splits=splits, packed=packed,
-        fp8_dot=fp8_dot.name,
+        fp8_dot=fp8_dot.name, pages_first=PAGES_BEFORE_LAUNCH,
     )  # fmt: skip
 
 
 @functools.partial(
-    jax.jit, static_argnames=("latent_dim", "scale", "cfg", "splits", "packed", "fp8_dot")
+    jax.jit,
+    static_argnames=("latent_dim", "scale", "cfg", "splits", "packed", "fp8_dot", "pages_first"),
 )
 def _indexed_mla_attention(
     q, cache, indices, cache_scale, page_table, *, latent_dim, scale, cfg, splits, packed,
-    fp8_dot,
+    fp8_dot, pages_first,
 ):  # fmt: skip
     b, h, d = q.shape
     n = indices.shape[1]
-    pool, page_size, s = cache_geometry(cache, page_table)
+    indices, page_table, s, pooled = looked_up_first(indices, cache, page_table, pages_first)
+    pool, page_size, _ = cache_geometry(cache, page_table)
     blocks = -(-h // cfg.block_h)
     pairs = b * blocks
     steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
@@ -265,15 +269,10 @@ def _indexed_mla_attention(
         and fp8_dot == "float16"
         and (jnp.dtype(cache.dtype) == jnp.dtype(jnp.float8_e4m3fn))
     )
-    unshift = []
-    if q_rescaled:
-        q, shifts = rescaled_f16(q)
-        shifts = jnp.pad(shifts, ((0, 0), (0, blocks * cfg.block_h - h)), constant_values=1.0)
-        unshift, compute = [shifts.reshape(pairs, cfg.block_h)], jnp.dtype(jnp.float16)
+    compute = jnp.dtype(jnp.float16) if q_rescaled else compute  # q rescaled in the kernel
     dc, dr = latent_dim, d - latent_dim
     planes = 2 if packed else 1
     if packed:
-        q = jnp.concatenate([even_odd(q[..., :dc], dc), even_odd(q[..., dc:], dr)], axis=-1)
         rows = fp8_words(cache.reshape(pool, d), d)
     else:
         rows = cache.reshape(pool, d)
@@ -281,7 +280,7 @@ def _indexed_mla_attention(
     has_scale = cache_scale is not None
     lat, rope = dc // planes, dr // planes
     p = _Plan(
-        seq=s, page_size=page_size, heads=h, head_blocks=blocks, group=cfg.block_h,
+        seq=s, page_size=page_size, pooled=pooled, heads=h, head_blocks=blocks, group=cfg.block_h,
         planes=planes, latent=lat, latent_pad=next_pow2(lat, 16), rope=rope,
         rope_pad=next_pow2(max(rope, 1), 16), vdim=dc, vdim_pad=next_pow2(dc, 16),
         list_len=n, steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
@@ -291,11 +290,9 @@ def _indexed_mla_attention(
     scales = [jnp.repeat(cache_scale.astype(jnp.float32), blocks)] if has_scale else []
     table = [] if page_table is None else [page_table]
     out, lse = launch_split_k(
-        functools.partial(_kernel, p=p), p, [q, indices, rows, *table, *unshift, *scales],
+        functools.partial(_kernel, p=p), p, [q, indices, rows, *table, *scales],
         scales, pairs=pairs, dtype=out_dtype, name="jsparse_indexed_mla_attention",
     )  # fmt: skip
     bh = cfg.block_h
     out = out.reshape(b, blocks * bh, dc)[:, :h]
-    if packed:  # [low bytes' dims | high bytes' dims] back to the cache's order
-        out = interleaved(out, dc)
     return out, lse.reshape(b, blocks * bh)[:, :h]
