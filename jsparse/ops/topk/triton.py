@@ -856,14 +856,21 @@ MAX_CHUNKS = 64
 # Chunk programs per SM the split is sized for. At 256 rows × 128K (a 32-sequence GQA
 # decode step) 4 gives 3 chunks a row and the compaction reads at ~1.3 TB/s (run 162).
 CHUNK_PROGRAMS_PER_SM = 4
+# At least this many chunks a row while rows × chunks stay within 16 programs an SM (1:
+# no floor). Run 172, 256 rows × 128K: 9 chunks a row (16 an SM) read in 81.5 µs against
+# 103 at 3; at 64 rows, 33 chunks lost to 9 (the merge grows).
+MIN_ROW_CHUNKS = 1
 
 
 def default_chunks(rows: int, length: int) -> int:
     """Programs per row: enough rows × chunks to fill the GPU (CHUNK_PROGRAMS_PER_SM per
-    SM), each chunk at least ``MIN_CHUNK_ENTRIES`` long (``ONE_ROW_CHUNK_ENTRIES`` for a
-    single row), at most ``MAX_CHUNKS`` of them."""
+    SM) and at least ``MIN_ROW_CHUNKS`` while that stays within 16 programs an SM, each
+    chunk at least ``MIN_CHUNK_ENTRIES`` long (``ONE_ROW_CHUNK_ENTRIES`` for a single
+    row), at most ``MAX_CHUNKS`` of them."""
     entries = ONE_ROW_CHUNK_ENTRIES if rows == 1 else MIN_CHUNK_ENTRIES
-    fill = -(-CHUNK_PROGRAMS_PER_SM * backend.sm_count() // rows)
+    sms = backend.sm_count()
+    fill = -(-CHUNK_PROGRAMS_PER_SM * sms // rows)
+    fill = max(fill, min(MIN_ROW_CHUNKS, 16 * sms // rows))
     return int(max(1, min(fill, length // entries, MAX_CHUNKS)))
 
 
