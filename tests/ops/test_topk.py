@@ -560,11 +560,13 @@ def test_default_chunks_fill_the_device_and_follow_the_chunk_length(monkeypatch)
     assert select.default_chunks(64, 65536) == 9  # four programs an SM: ⌈528 / 64⌉
     assert select.default_chunks(8192, 65536) == 1
     assert select.default_chunks(1, 1000) == 1
-    monkeypatch.setattr(select, "MIN_ROW_CHUNKS", 8)  # a floor within 16 programs an SM
-    assert select.default_chunks(256, 131072) == 8  # 3 without the floor
+    # MIN_ROW_CHUNKS = 8: a floor while rows × chunks stay within 16 programs an SM
+    assert select.default_chunks(256, 131072) == 8
     assert select.default_chunks(64, 131072) == 9  # the fill is above the floor
     assert select.default_chunks(1024, 131072) == 2  # ⌊2112 / 1024⌋
-    assert select.default_chunks(8192, 65536) == 1
+    monkeypatch.setattr(select, "MIN_ROW_CHUNKS", 1)  # no floor: four programs an SM
+    assert select.default_chunks(256, 131072) == 3
+    assert select.default_chunks(1024, 131072) == 1
     monkeypatch.setattr(select, "MIN_CHUNK_ENTRIES", 1024)
     assert select.default_chunks(8, 65536) == 64
     assert select.default_chunks(1, 1 << 20) == 64  # MAX_CHUNKS

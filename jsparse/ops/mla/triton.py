@@ -59,9 +59,11 @@ NUM_STAGES = 3  # run 164: 310 µs against 341 at 2 (128 × 32K, 128 heads, bf16
 # FP8 caches with even Dc and Dr are read as 16-bit words (False: byte by byte where
 # the cache is small enough to be addressed in bytes; see the wrapper).
 FP8_AS_WORDS = True
-# Paged caches: pages looked up before the launch (as the GQA kernel's switch of the
-# same name; MLA paged rows at 128 heads were 1.8× slower than dense ones, run 172).
-PAGES_BEFORE_LAUNCH = False
+# Paged caches: every listed token's page looked up before the launch (one XLA gather
+# over the lists), so the kernel's row loads wait on one load, not two. Paged rows at 128
+# heads: 1.8× dense's time with the lookups in the kernel (run 172), 1.01× this way
+# (run 174: 32 × 32K 125 → 126 µs); at 16 heads +5% → +6-9% (the gather's ~1.7 µs).
+PAGES_BEFORE_LAUNCH = True
 # The dots' dtype over an FP8 cache: "float16" (q rescaled per head by a power of two
 # into f16's range) or "bfloat16" (q as it is).
 FP8_DOT_DTYPE = "float16"
