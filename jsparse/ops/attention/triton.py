@@ -36,9 +36,9 @@ MIN_GROUP_ROWS = 16
 # Programs a launch aims at, in units of the SM count, when the lists alone give fewer.
 PROGRAMS_PER_SM = 2
 # FP8 K/V caches (even D and Dv) read as 16-bit words, two values each, with f16 dots
-# against a q rescaled per head; False: byte by byte, dots in q's dtype. Words: the kernel
-# 1.2-1.4× faster (run 171: 32 × 32K 68.3 → 49.1 µs), and they address caches of 2-4
-# GiB, which byte reads refuse (run 173).
+# against a q rescaled per head; False: byte by byte, dots in q's dtype. Words are
+# 1.2-1.3× faster from 8 sequences on (run 174: 32 × 32K 53.0 µs, bytes 70.5 in run
+# 171), tie at one, and address caches of 2-4 GiB, which byte reads refuse (run 173).
 FP8_AS_WORDS = True
 # Paged caches: every listed token's page is looked up before the launch (one XLA gather
 # over the lists, `pool_slots`), so that the kernel's row loads wait on one load (the
@@ -263,10 +263,10 @@ def store_planes(ref, prefix, planes, real, width: int):
 
 
 def q_planes(ref, prefix, rows, real, start: int, dims, width: int, planes: int):
-    """Rows ``rows`` of ``ref[*prefix]`` ([H, D]) in f32, as ``planes`` planes of ``width`` values
-    from column ``start``: plane i holds columns start + i, start + i + n, … (the values
-    that meet the low and high bytes of cache words). Rows not ``real`` and padded dims
-    are 0."""
+    """Rows ``rows`` of ``ref[*prefix]`` ([H, D]) in f32, as ``planes`` planes of
+    ``width`` values from column ``start``: plane i holds columns start + i, start + i +
+    n, … (the values that meet the low and high bytes of cache words). Rows not
+    ``real`` and padded dims are 0."""
     mask = real[:, None] & (dims[None, :] < width)
     return [
         plt.load(ref.at[(*prefix, rows[:, None], start + dims[None, :] * planes + i)], mask=mask,

@@ -62,7 +62,7 @@ FP8_AS_WORDS = True
 # Paged caches: every listed token's page looked up before the launch (one XLA gather
 # over the lists), so the kernel's row loads wait on one load, not two. Paged rows at 128
 # heads: 1.8× dense's time with the lookups in the kernel (run 172), 1.01× this way
-# (run 174: 32 × 32K 125 → 126 µs); at 16 heads +5% → +6-9% (the gather's ~1.7 µs).
+# (run 174: 32 × 32K 125 → 126 µs); at 16 heads +5-23% → +5-9% (the gather, ~1.7 µs).
 PAGES_BEFORE_LAUNCH = True
 # The dots' dtype over an FP8 cache: "float16" (q rescaled per head by a power of two
 # into f16's range) or "bfloat16" (q as it is).
