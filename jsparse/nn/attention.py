@@ -241,12 +241,14 @@ def select_step(selector, params, q, keys: CacheView, q_positions, k_positions, 
     visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
     check_prefix(visible)
     lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
+    # Attention does not care about the lists' order: the selection skips its final sort.
     if core_state is None:
-        return selector.select(params, q, keys.dense(), lengths, budget), None
+        return selector.select(params, q, keys.dense(), lengths, budget, ordered=False), None
     slot = lengths - 1  # the cache is in position order
     k_new = keys.rows(jnp.maximum(slot, 0))  # [B, Hkv, D]
     core_state = selector.append_keys(params, core_state, k_new, slot)
-    return selector.select_projected(params, q, core_state, lengths, budget), core_state
+    lists = selector.select_projected(params, q, core_state, lengths, budget, ordered=False)
+    return lists, core_state
 
 
 def core_selector(selector, selector_options, budget, fp8_headroom, per: str) -> Selector:

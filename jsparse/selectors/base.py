@@ -124,8 +124,9 @@ def _selection_kernels() -> bool:
 
 
 def top_budget(
-    scores: Float[Array, "B Hkv S"], lengths: Int[Array, " B"], budget: int
-) -> Int[Array, "B Hkv budget"]:
+    scores: Float[Array, "B Hkv S"], lengths: Int[Array, " B"], budget: int, *,
+    ordered: bool = True,
+) -> Int[Array, "B Hkv budget"]:  # fmt: skip
     """Top-``budget`` positions per row, invisible tokens masked, ``-1`` padded, in the
     order score descending, then position ascending (deterministic ties).
 
@@ -133,6 +134,9 @@ def top_budget(
     indexer's exact selection kernels, which keep that order; elsewhere
     ``jax.lax.top_k``, which returns equal scores lowest index first. Both give the same
     positions for finite scores; ``lax.top_k`` sorts every row, the kernels do not.
+    ``ordered=False``: the same positions in the kernels' own order (mostly ascending
+    position), without their final sort: for a consumer that does not care, such as
+    attention over the lists.
     """
     b, hkv, s = scores.shape
     if _selection_kernels() and b * hkv > 0:
@@ -140,7 +144,7 @@ def top_budget(
 
         ends = jnp.repeat(jnp.clip(lengths.astype(jnp.int32), 0, s), hkv)
         rows = scores.reshape(b * hkv, s).astype(jnp.float32)
-        idx, _ = topk(rows, budget, kv_end=ends, sorted=True, implementation="triton")
+        idx, _ = topk(rows, budget, kv_end=ends, sorted=ordered, implementation="triton")
         return idx.reshape(b, hkv, budget)
     pos = jnp.arange(s, dtype=jnp.int32)
     visible = pos[None, None, :] < lengths[:, None, None]
@@ -226,13 +230,16 @@ class Selector:
         k: Float[Array, "B S Hkv D"],
         lengths: Int[Array, " B"],
         budget: int,
+        *,
+        ordered: bool = True,
     ) -> Int[Array, "B Hkv budget"]:
-        """Token positions per KV head: int32 ``[B, Hkv, budget]``, ``-1`` padded."""
+        """Token positions per KV head: int32 ``[B, Hkv, budget]``, ``-1`` padded, by
+        score descending (``ordered=False``: any order, see :func:`top_budget`)."""
         check_select_inputs(q, k, lengths, budget, head_dim=self._head_dim(params))
-        return _select(self, params, q, k, lengths, budget)
+        return _select(self, params, q, k, lengths, budget, bool(ordered))
 
-    def _select_impl(self, params, q, k, lengths, budget):
-        return top_budget(self.scores(params, q, k, lengths), lengths, budget)
+    def _select_impl(self, params, q, k, lengths, budget, ordered=True):
+        return top_budget(self.scores(params, q, k, lengths), lengths, budget, ordered=ordered)
 
     def _head_dim(self, params: Params) -> int | None:
         return None
@@ -246,9 +253,9 @@ class Selector:
         return f"{self.name}({fields})"
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _select(sel: Selector, params, q, k, lengths, budget):
-    return sel._select_impl(params, q, k, lengths, budget)
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _select(sel: Selector, params, q, k, lengths, budget, ordered):
+    return sel._select_impl(params, q, k, lengths, budget, ordered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,9 +359,12 @@ class ProjectedSelector(Selector):
         cache: ProjectedKeys,
         lengths: Int[Array, " B"],
         budget: int,
+        *,
+        ordered: bool = True,
     ) -> Int[Array, "B Hkv budget"]:
         """``select`` from an already projected cache (the decoding path)."""
-        return top_budget(self.scores_projected(params, q, cache), lengths, budget)
+        scores = self.scores_projected(params, q, cache)
+        return top_budget(scores, lengths, budget, ordered=ordered)
 
 
 def quantize_cache(

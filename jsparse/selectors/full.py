@@ -20,7 +20,7 @@ class FullSelector(Selector):
 
     name: ClassVar[str] = "full"
 
-    def _select_impl(self, params, q, k, lengths, budget):
+    def _select_impl(self, params, q, k, lengths, budget, ordered=True):
         b, s, hkv, _ = k.shape
         pos = jnp.arange(s, dtype=jnp.int32)
         idx = jnp.where(pos[None, :] < lengths[:, None], pos[None, :], -1)

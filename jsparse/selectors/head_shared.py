@@ -78,7 +78,7 @@ class HeadSharedSelector(ProjectedSelector):
         )
         return _votes(logits * cache.scale[:, :, None, None], lengths, d)
 
-    def select_projected(self, params, q, cache, lengths, budget):
+    def select_projected(self, params, q, cache, lengths, budget, *, ordered=True):
         """The shared vote from a projected cache (``basis="jssa"`` only: ``"full"``
         votes with the keys themselves and keeps no cache)."""
         if self.basis == "full":
@@ -86,7 +86,8 @@ class HeadSharedSelector(ProjectedSelector):
                 "head_shared(basis='full') keeps no projected cache; use select(params, q, k, "
                 "lengths, budget)"
             )
-        return top_budget(self._projected_votes(params, q, cache, lengths), lengths, budget)
+        votes = self._projected_votes(params, q, cache, lengths)
+        return top_budget(votes, lengths, budget, ordered=ordered)
 
 
 def _votes(logits, lengths, d):

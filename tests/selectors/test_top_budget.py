@@ -1,5 +1,6 @@
 """The selectors' top-budget step: the exact Top-K kernels (GPU, interpret mode) and
-``lax.top_k`` (elsewhere) pick the same positions in the same order."""
+``lax.top_k`` (elsewhere) pick the same positions in the same order; unordered lists
+hold the same positions."""
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,24 @@ def test_kernels_and_lax_top_k_agree(monkeypatch, interpret, s, budget, lengths)
     assert np.all(got[1][:, min(int(lengths[1]), budget) :] == -1)
 
 
+@pytest.mark.parametrize(
+    "s, budget, lengths",
+    [(300, 40, [300, 17, 0]), (64, 100, [64, 5, 63]), (1000, 256, [999, 1000, 300])],
+    ids=["cut", "budget-beyond-S", "long"],
+)  # fmt: skip
+def test_unordered_lists_hold_the_same_positions(monkeypatch, interpret, s, budget, lengths):
+    """``ordered=False`` (what attention asks for) skips the kernels' final sort: each
+    row holds the same positions and padding, in another order."""
+    scores = _scores(len(lengths), 2, s)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    monkeypatch.setattr(base, "_selection_kernels", lambda: True)
+    want = np.asarray(top_budget(scores, lengths, budget))
+    got = np.asarray(top_budget(scores, lengths, budget, ordered=False))
+    np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(want, axis=-1))
+    if s == 1000:  # random scores: score order is not the kernels' own order
+        assert not np.array_equal(got, want)
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_and_lax_top_k_agree(monkeypatch):
     scores = _scores(8, 8, 131072, seed=1)
@@ -44,6 +63,8 @@ def test_gpu_kernels_and_lax_top_k_agree(monkeypatch):
     np.testing.assert_array_equal(np.asarray(top_budget(scores, lengths, 2048)), want)
     per = jax.vmap(lambda sc, ln: top_budget(sc[None], ln[None], 2048)[0])  # compiled, batched
     np.testing.assert_array_equal(np.asarray(per(scores, lengths)), want)
+    loose = np.asarray(top_budget(scores, lengths, 2048, ordered=False))
+    np.testing.assert_array_equal(np.sort(loose, axis=-1), np.sort(want, axis=-1))
 
 
 def test_kernels_under_vmap(monkeypatch, interpret):
