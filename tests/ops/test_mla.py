@@ -74,20 +74,6 @@ def test_reference_matches_numpy_oracle(shape):
 TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3, "float8": 3e-2}
 
 
-@pytest.fixture(params=["words", "bytes"])
-def fp8_reading(request, monkeypatch):
-    """FP8 caches read as 16-bit words (the default), or byte by byte (the switch off)."""
-    monkeypatch.setattr(mla_triton, "FP8_AS_WORDS", request.param == "words")
-    return request.param
-
-
-@pytest.fixture(params=["in_kernel", "before_launch"])
-def page_lookup(request, monkeypatch):
-    """A paged cache's pages looked up by the kernel, or before its launch."""
-    monkeypatch.setattr(mla_triton, "PAGES_BEFORE_LAUNCH", request.param == "before_launch")
-    return request.param
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8"])
 def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
