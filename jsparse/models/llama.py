@@ -51,7 +51,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jsparse._checks import concrete
-from jsparse.selectors.base import fp8_scale, quantize_with_scale
+from jsparse.selectors.base import fp8_first_write
 
 __all__ = [
     "MLP",
@@ -346,8 +346,8 @@ class KVCache:
         start = self.length
         k_scale, v_scale = self.k_scale, self.v_scale
         if k_scale is not None:
-            k, k_scale = _fp8_entries(k, k_scale, start == 0)
-            v, v_scale = _fp8_entries(v, v_scale, start == 0)
+            k, k_scale = fp8_first_write(k, k_scale, start == 0, FP8_KV_HEADROOM)
+            v, v_scale = fp8_first_write(v, v_scale, start == 0, FP8_KV_HEADROOM)
         return dataclasses.replace(
             self,
             k=jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), (0, start, 0, 0)),
@@ -364,13 +364,6 @@ class KVCache:
             return self.k, self.v
         k = self.k.astype(jnp.float32) * self.k_scale[:, None, :, None]
         return k, self.v.astype(jnp.float32) * self.v_scale[:, None, :, None]
-
-
-def _fp8_entries(x, scale, first):
-    """(x [B, T, Hkv, D] in FP8 at its scale, the scale): the first write sets the scale
-    from its amax (FP8_KV_HEADROOM times over 448), as the projected-key caches do."""
-    scale = jnp.where(first, fp8_scale(x, FP8_KV_HEADROOM), scale)
-    return quantize_with_scale(x, scale, "float8_e4m3fn"), scale
 
 
 class Attention(nnx.Module):

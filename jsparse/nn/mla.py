@@ -41,7 +41,7 @@ from jsparse.nn.attention import (
 )
 from jsparse.ops.mla import indexed_mla_attention
 from jsparse.selectors import ProjectedSelector, Selector
-from jsparse.selectors.base import fp8_scale, quantize_with_scale
+from jsparse.selectors.base import fp8_first_write
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -252,10 +252,11 @@ class MLAAttention(nnx.Module):
         scale, stored = cache.scale, new_rows.astype(cache.rows.dtype)
         kwargs = {}
         if scale is not None:  # FP8 rows: a sequence's first write sets its scale
-            one_head = new_rows[:, :, None]  # [B, T, 1, D]: the projected caches' layout
-            first = fp8_scale(one_head, self.fp8_headroom)[:, 0]
-            scale = jnp.where(cache.lengths == 0, first, scale)
-            stored = quantize_with_scale(one_head, scale[:, None], "float8_e4m3fn")[:, :, 0]
+            # as one KV head of the projected caches' layout: [B, T, 1, D], scales [B, 1]
+            first = (cache.lengths == 0)[:, None]
+            stored, scale = fp8_first_write(new_rows[:, :, None], scale[:, None], first,
+                                            self.fp8_headroom)  # fmt: skip
+            stored, scale = stored[:, :, 0], scale[:, 0]
             kwargs["cache_scale"] = scale
         write = jax.vmap(lambda r, n, at: jax.lax.dynamic_update_slice(r, n, (at, 0)))
         rows = write(cache.rows, stored, cache.lengths)

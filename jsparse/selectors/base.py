@@ -407,6 +407,17 @@ def quantize_with_scale(
     return round_to(jnp.clip(proj / s, -fmax, fmax), dtype)
 
 
+def fp8_first_write(
+    x: Float[Array, "B T Hkv R"], scale: Float[Array, "B Hkv"], first, headroom: float
+) -> tuple[Array, Array]:
+    """(``x`` in FP8 at the scale, the scale) of a cache whose scale the first write
+    sets: where ``first`` (a bool broadcasting to ``scale``) the scale becomes this
+    write's :func:`fp8_scale`; later writes keep it and saturate. The models' FP8 K/V and
+    MLA caches."""
+    scale = jnp.where(first, fp8_scale(x, headroom), scale)
+    return quantize_with_scale(x, scale, "float8_e4m3fn"), scale
+
+
 def write_token_rows(values: Array, rows: Array, slots: Int[Array, " B"]) -> Array:
     """``values`` [B, S, ...] with ``values[b, slots[b]] = rows[b]``; a slot outside
     [0, S) writes nothing (not numpy's wrap-around of a negative index)."""
