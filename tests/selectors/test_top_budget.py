@@ -10,6 +10,13 @@ import pytest
 from jsparse.selectors import base
 from jsparse.selectors.base import top_budget
 
+# rows cut by the budget, a budget beyond S, long rows; each with shorter rows beside
+CASES = pytest.mark.parametrize(
+    "s, budget, lengths",
+    [(300, 40, [300, 17, 0]), (64, 100, [64, 5, 63]), (1000, 256, [999, 1000, 300])],
+    ids=["cut", "budget-beyond-S", "long"],
+)  # fmt: skip
+
 
 def _scores(b, hkv, s, seed=0):
     rng = np.random.default_rng(seed)
@@ -19,11 +26,7 @@ def _scores(b, hkv, s, seed=0):
     return jnp.asarray(scores)
 
 
-@pytest.mark.parametrize(
-    "s, budget, lengths",
-    [(300, 40, [300, 17, 0]), (64, 100, [64, 5, 63]), (1000, 256, [999, 1000, 300])],
-    ids=["cut", "budget-beyond-S", "long"],
-)  # fmt: skip
+@CASES
 def test_kernels_and_lax_top_k_agree(monkeypatch, interpret, s, budget, lengths):
     scores = _scores(len(lengths), 2, s)
     lengths = jnp.asarray(lengths, jnp.int32)
@@ -35,11 +38,7 @@ def test_kernels_and_lax_top_k_agree(monkeypatch, interpret, s, budget, lengths)
     assert np.all(got[1][:, min(int(lengths[1]), budget) :] == -1)
 
 
-@pytest.mark.parametrize(
-    "s, budget, lengths",
-    [(300, 40, [300, 17, 0]), (64, 100, [64, 5, 63]), (1000, 256, [999, 1000, 300])],
-    ids=["cut", "budget-beyond-S", "long"],
-)  # fmt: skip
+@CASES
 def test_unordered_lists_hold_the_same_positions(monkeypatch, interpret, s, budget, lengths):
     """``ordered=False`` (what attention asks for) skips the kernels' final sort: each
     row holds the same positions and padding, in another order."""
