@@ -43,7 +43,7 @@ FP8_AS_WORDS = True
 # Paged caches: every listed token's page is looked up before the launch (one XLA gather
 # over the lists, `pool_slots`), so that the kernel's row loads wait on one load (the
 # list) instead of two (the list, then the page table). False: the kernel looks pages
-# up itself. GQA bf16 paged against dense: +1-4% in the kernel (run 172), +7-13% before
+# up itself. GQA bf16 paged against dense: +1-5% in the kernel (run 172), +7-13% before
 # (run 174: the kernel matches dense, the gather and select add ~4 µs). FP8 read as
 # bytes lost 47% in the kernel at 32 × 32K (run 172); words in the kernel are not yet
 # measured. The MLA kernel's switch of the same name is on (1.8× at 128 heads).
