@@ -169,22 +169,11 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
             for qi, ki in zip(q, fp8_planes(kt, p.planes, p.compute), strict=True)
         )  # fmt: skip
         logits = jnp.where(ok[None, :], logits * scale, -jnp.inf)  # [Gp, BN]
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        # Subtract a finite max: a row that has seen only empty entries stays at 0 weight.
-        base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        weights = jnp.exp(logits - base[:, None])
-        alpha = jnp.exp(m - base)
+        m_new, weights, alpha = softmax_weights(m, logits)
         v_mask = ok[:, None] & (vdims[None, :] < p.plane_vdim)
         vt = plt.load(v_ref.at[rows[:, None], vdims[None, :]], mask=v_mask, other=v_zero)
-        w = weights.astype(p.compute)
-        accs = tuple(
-            acc * alpha[:, None] + jax.lax.dot_general(
-                w, vi, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-                precision=precision,
-            )
-            for acc, vi in zip(accs, fp8_planes(vt, p.planes, p.compute), strict=True)
-        )  # fmt: skip
-        return m_new, l * alpha + jnp.sum(weights, axis=1), accs
+        vt = fp8_planes(vt, p.planes, p.compute)
+        return m_new, *accumulated(l, accs, weights, alpha, vt, p.compute, precision)
 
     gp = p.group_rows
     init = (
@@ -204,6 +193,30 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
     store_planes(acc_ref, (pair, split), accs, real, p.plane_vdim)
     plt.store(m_ref.at[pair, split], m)
     plt.store(l_ref.at[pair, split], l)
+
+
+def softmax_weights(m, logits):
+    """One online-softmax step over a tile of logits [rows, BN] (-inf where nothing is
+    listed): (the running max m_new, the tile's weights, the factor alpha that rescales
+    what was accumulated under m)."""
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    # Subtract a finite max: a row that has seen only empty entries stays at 0 weight.
+    base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    return m_new, jnp.exp(logits - base[:, None]), jnp.exp(m - base)
+
+
+def accumulated(l, accs, weights, alpha, value_planes, compute, precision):
+    """(l, accs) after a tile: the old sums rescaled by alpha plus the tile's weights
+    and weights · values, one accumulator a value plane."""
+    w = weights.astype(compute)
+    accs = tuple(
+        acc * alpha[:, None] + jax.lax.dot_general(
+            w, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            precision=precision,
+        )
+        for acc, v in zip(accs, value_planes, strict=True)
+    )  # fmt: skip
+    return l * alpha + jnp.sum(weights, axis=1), accs
 
 
 def listed_slots(ids, b, table_ref, seq: int, page_size: int):

@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plt
 from jsparse import backend
 from jsparse.ops.attention.triton import (
     MIN_GROUP_ROWS,
+    accumulated,
     cache_geometry,
     fp8_planes,
     fp8_words,
@@ -44,6 +45,7 @@ from jsparse.ops.attention.triton import (
     looked_up_first,
     q_planes,
     rescaled_f16,
+    softmax_weights,
     split_list,
     store_normalized,
     store_planes,
@@ -182,20 +184,8 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
             rope = load_rows(p.latent, rdims, p.rope)
             logits += sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_r, rope, strict=True))
         logits = jnp.where(ok[None, :], logits * scale, -jnp.inf)  # [BH, BN]
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        # Subtract a finite max: a row that has seen only empty entries stays at 0 weight.
-        base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        weights = jnp.exp(logits - base[:, None])
-        alpha = jnp.exp(m - base)
-        w = weights.astype(p.compute)
-        accs = tuple(
-            acc * alpha[:, None] + jax.lax.dot_general(
-                w, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-                precision=precision,
-            )
-            for acc, v in zip(accs, lat, strict=True)
-        )  # fmt: skip
-        return m_new, l * alpha + jnp.sum(weights, axis=1), accs
+        m_new, weights, alpha = softmax_weights(m, logits)
+        return m_new, *accumulated(l, accs, weights, alpha, lat, p.compute, precision)
 
     init = (
         jnp.full((p.group,), -jnp.inf, jnp.float32),
