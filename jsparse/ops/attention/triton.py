@@ -45,8 +45,9 @@ FP8_AS_WORDS = True
 # list) instead of two (the list, then the page table). False: the kernel looks pages
 # up itself. GQA bf16 paged against dense: +1-5% in the kernel (run 172), +7-13% before
 # (run 174: the kernel matches dense, the gather and select add ~4 µs). FP8 read as
-# bytes lost 47% in the kernel at 32 × 32K (run 172); words in the kernel are not yet
-# measured. The MLA kernel's switch of the same name is on (1.8× at 128 heads).
+# bytes lost 47% in the kernel at 32 × 32K (run 172); FP8 words lose 4-8% there, 9-13%
+# with pages first (run 175). The MLA kernel's switch of the same name is on (1.8× at
+# 128 heads).
 PAGES_BEFORE_LAUNCH = False
 
 
