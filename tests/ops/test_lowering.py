@@ -83,6 +83,14 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
         lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=8, with_codes=True),
         few, jax.ShapeDtypeStruct((8,), i32), jax.ShapeDtypeStruct((8,), i32),
     )  # fmt: skip
+    # split rows through keep bits, each chunk program writing its words
+    monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ROWS", 1)
+    for codes in (False, True):
+        lower_for_h200(
+            lambda x, a, b, w=codes: select.compact_rows(x, a, b, K, cap, chunks=8, with_codes=w),
+            scores, rng, rng,
+        )  # fmt: skip
+    monkeypatch.undo()
     # whole rows in one pass (the keep bits are the default above)
     monkeypatch.setattr(select, "KEEP_BITS", False)
     lower_for_h200(lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=1), scores, rng, rng)

@@ -143,18 +143,21 @@ def test_split_rows_with_a_shared_theta_keep_the_same_candidates(kind, kernel_im
         np.testing.assert_array_equal(ids0[r, : n0[r]], ids1[r, : n1[r]])
 
 
-def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes):
-    """The keep bits and their expansion give the one-pass compaction's ids, codes,
-    counts and flags on whole rows; returns (count, flag)."""
+def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes, chunks=1):
+    """The keep bits (written by ``chunks`` programs a row) and their expansion give the
+    one-pass compaction's ids, codes, counts and flags on whole rows; returns (count,
+    flag)."""
     start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
     args = (jnp.asarray(scores), start, end, top_k, cap)
+    monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ROWS", 1)
 
-    def compaction(keep_bits):
+    def compaction(keep_bits, chunks):
         monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
-        return [np.asarray(x) for x in select.compact_rows(*args, chunks=1, with_codes=with_codes)]
+        out = select.compact_rows(*args, chunks=chunks, with_codes=with_codes)
+        return [np.asarray(x) for x in out]
 
-    *want_slots, want_count, want_slow = compaction(False)
-    *slots, count, slow = compaction(True)
+    *want_slots, want_count, want_slow = compaction(False, 1)
+    *slots, count, slow = compaction(True, chunks)
     np.testing.assert_array_equal(count, want_count)
     np.testing.assert_array_equal(slow, want_slow)
     live = np.arange(cap)[None, :] < np.minimum(count, cap)[:, None]
@@ -164,41 +167,55 @@ def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes):
 
 
 @pytest.mark.parametrize(
-    ("kind", "with_codes", "s"),
+    ("kind", "with_codes", "s", "chunks"),
     [
-        ("gauss", False, 9000),  # gathered block loads (width not a block multiple)
-        ("gauss", False, 8192),  # aligned block loads
-        ("specials", True, 8192),  # -0 / NaN / ±inf, codes beside the ids
-        ("all-equal", False, 9000),  # off the fast path: the exact kernel
+        ("gauss", False, 9000, 1),  # gathered block loads (width not a block multiple)
+        ("gauss", False, 8192, 1),  # aligned block loads
+        ("specials", True, 8192, 1),  # -0 / NaN / ±inf, codes beside the ids
+        ("all-equal", False, 9000, 1),  # off the fast path: the exact kernel
+        ("gauss", True, 8192, 3),  # rows split over programs (decode), codes
+        ("gauss", False, 9000, 5),  # split, gathered loads, chunks past short rows' ends
+        ("all-equal", False, 8192, 4),  # split, then the exact kernel
     ],
 )  # fmt: skip
-def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, kernel_impl,
+def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, chunks, kernel_impl,
                                                       monkeypatch):  # fmt: skip
     # Rows: a full one, one inside blocks at both ends, one that fits the buffer whole
-    # (θ keeps all: every word full, bit 31 set, 32 rounds), one empty; all-equal rows
-    # leave the fast path and take the exact kernel.
+    # (θ keeps all: every word full, bit 31 set, 32 rounds), two empty, one of them at
+    # the row's end (its first block starts past the row: nothing may be stored there);
+    # all-equal rows leave the fast path and take the exact kernel.
     rng = np.random.default_rng(11)
-    start_end = [(0, s), (100, 7000), (3000, 3500), (5, 5)]
-    scores = _adversarial_rows(kind, 4, s, start_end, rng)
-    count, slow = _check_keep_bits(monkeypatch, scores, start_end, 40, 512, with_codes=with_codes)
+    start_end = [(0, s), (100, 7000), (3000, 3500), (5, 5), (s, s), (0, s)]
+    scores = _adversarial_rows(kind, len(start_end), s, start_end, rng)
+    count, slow = _check_keep_bits(
+        monkeypatch, scores, start_end, 40, 512, with_codes=with_codes, chunks=chunks
+    )
     assert count[2] == 500 and slow[2] == select.FAST
+    assert count[3] == count[4] == 0
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [1, 7])
 @pytest.mark.parametrize("with_codes", [False, True], ids=["ids", "codes"])
-def test_gpu_keep_bits_compaction_compiled(with_codes, monkeypatch):
+def test_gpu_keep_bits_compaction_compiled(with_codes, chunks, monkeypatch):
     # The bench's shape class compiled: 64K rows, K = 2048, causal ends, rounded scores
-    # (ties at the threshold) and a row short enough to keep whole.
+    # (ties at the threshold) and a row short enough to keep whole. Empty rows at the
+    # end of the block-aligned width (and 7 chunks of 64 blocks, the last one empty)
+    # start a block past their words, into the next row's: their stores are masked off.
     rng = np.random.default_rng(12)
     t, s, top_k = 64, 65536, 2048
     cap = candidate_capacity(top_k, s)
     scores = rng.standard_normal((t, s)).astype(np.float32)
     scores[t // 2 :] = np.round(scores[t // 2 :] * 4) / 4
     start_end = [(0, s - t + 1 + r) for r in range(t - 1)] + [(s - 3000, s)]
+    empty = list(range(0, t // 2, 4))
+    for r in empty:
+        start_end[r] = (s, s)
     count, slow = _check_keep_bits(
-        monkeypatch, scores, start_end, top_k, cap, with_codes=with_codes
+        monkeypatch, scores, start_end, top_k, cap, with_codes=with_codes, chunks=chunks
     )
-    assert count[-1] == 3000 and np.all(count >= top_k)
+    live = np.setdiff1d(np.arange(t), empty)
+    assert count[-1] == 3000 and np.all(count[live] >= top_k) and np.all(count[empty] == 0)
     assert np.sum(slow == select.FAST) >= t // 2  # most rows took the keep bits
 
 

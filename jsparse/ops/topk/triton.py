@@ -750,13 +750,18 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 # 64K (run 98).
 KEEP_BITS = True
 EXPAND_WORDS = 2048  # words per step of the expansion (16 a thread at 4 warps)
+# Rows split over chunks (decode) from this many rows write keep bits too, each chunk
+# program its part of the row's words, and the whole-row expansion follows: the split
+# compaction's per-entry stores are the same ~75% over its loads as above (run 176:
+# 256 rows × 128K in 78 µs, 1.7 TB/s). None: never (the measured default until then).
+SPLIT_KEEP_BITS_MIN_ROWS: int | None = None
 
 
-def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *, cfg):
-    """Program (row): bit j of word w is whether entry 32·w + j of the row is ≥ θ and
-    visible; words of the aligned blocks that touch the row's range are written (others
-    are never read). The expansion counts them."""
-    row = pl.program_id(0)
+def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *, cfg, chunks):
+    """Program (row, chunk): bit j of word w is whether entry 32·w + j of the row is ≥ θ
+    and visible; the words of the chunk's share of the aligned blocks that touch the
+    row's range are written (others are never read). The expansion counts them."""
+    row, chunk = pl.program_id(0), pl.program_id(1)
     blk = cfg.block
     n_words = blk // 32
     _, block, lo, hi = _row_source((scores_ref, start_ref, end_ref), True, row, blk)
@@ -770,11 +775,18 @@ def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *, c
         # bits: the sum is their OR (bit 31 included, no carry)
         kept_i = kept.astype(jnp.int32).reshape(n_words, 32)
         words = jnp.sum(jnp.left_shift(kept_i, shifts), axis=1)
-        plt.store(words_ref.at[row, pl.ds(pl.multiple_of(a // 32, n_words), n_words)], words)
+        # _peeled runs the first block even when there are none: an empty row at the
+        # end of a block-aligned width (or an empty chunk) would store past its words,
+        # into the next row's
+        live = jnp.broadcast_to(a < hi, (n_words,))
+        at = words_ref.at[row, pl.ds(pl.multiple_of(a // 32, n_words), n_words)]
+        plt.store(at, words, mask=live)
         return carry
 
-    first, n_blocks = _aligned_blocks(lo, hi, blk)
-    _peeled(body, first, n_blocks, blk, n_blocks * 0)
+    first, total = _aligned_blocks(lo, hi, blk)
+    per_chunk = (total + chunks - 1) // chunks
+    own = jnp.clip(total - chunk * per_chunk, 0, per_chunk)
+    _peeled(body, first + chunk * per_chunk * blk, own, blk, own * 0)
 
 
 def _expand_bits_kernel(*refs, top_k, cap, cfg, codes):
@@ -898,7 +910,11 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
             name="jsparse_topk_theta",
         )(*inputs)
 
-    if chunks == 1:
+    split_bits = (
+        dense and KEEP_BITS and chunks > 1
+        and SPLIT_KEEP_BITS_MIN_ROWS is not None and t >= SPLIT_KEEP_BITS_MIN_ROWS
+    )  # fmt: skip
+    if chunks == 1 or split_bits:
         # θ in a kernel of its own: its sample (4096 entries held in registers) would
         # set the streaming kernel's register count and so its rows per SM, and its
         # reductions would delay every row's first load (run 33: streaming with θ given
@@ -906,9 +922,9 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
         # 8192 × 64K, run 40). Rows split over chunks (decode) sample in each chunk
         # program below SHARED_THETA_MIN_ROWS rows (run 61: the θ kernel saved nothing
         # at 1 and 8 rows).
-        theta = theta_call(cfg.num_warps)
+        theta = theta_call(cfg.split_num_warps if split_bits else cfg.num_warps)
         if dense and KEEP_BITS:
-            bufs, slow = _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes)
+            bufs, slow = _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes, chunks)
         else:
             *bufs, slow = pl.pallas_call(
                 functools.partial(_chunk_kernel, **statics, theta_given=True),
@@ -959,18 +975,18 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
     return (*(x.reshape(t, cap) for x in slots), count, slow)
 
 
-def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes):
+def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes, chunks=1):
     """(buffers, flag) of whole dense rows through keep bits (see ``KEEP_BITS``): the
     same (codes,) ids, count and flag as the one-pass compaction; flagged rows' slots
-    are left for the exact kernel."""
+    are left for the exact kernel. ``chunks`` programs write each row's words."""
     scores, start, end = inputs
     blk, i32 = cfg.block, jnp.int32
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
     n_words = -(-scores.shape[1] // blk) * (blk // 32)  # every aligned block has its words
     words = pl.pallas_call(
-        functools.partial(_keep_bits_kernel, cfg=cfg),
-        grid=(t,),
+        functools.partial(_keep_bits_kernel, cfg=cfg, chunks=chunks),
+        grid=(t, chunks),
         # no init: words outside a row's blocks are never read
         out_shape=jax.ShapeDtypeStruct((t, n_words), i32),
         compiler_params=compiler,
