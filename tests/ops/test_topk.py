@@ -145,19 +145,21 @@ def test_split_rows_with_a_shared_theta_keep_the_same_candidates(kind, kernel_im
 
 def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes, chunks=1):
     """The keep bits (written by ``chunks`` programs a row) and their expansion give the
-    one-pass compaction's ids, codes, counts and flags on whole rows; returns (count,
-    flag)."""
+    one-pass compaction's ids, codes, counts and flags, with the same θ (the same
+    kernel, at the same warps: the search may stop at another code with other
+    reductions); returns (count, flag)."""
     start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
     args = (jnp.asarray(scores), start, end, top_k, cap)
     monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ROWS", 1)
+    monkeypatch.setattr(select, "SHARED_THETA_MIN_ROWS", 1)
 
-    def compaction(keep_bits, chunks):
+    def compaction(keep_bits):
         monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
         out = select.compact_rows(*args, chunks=chunks, with_codes=with_codes)
         return [np.asarray(x) for x in out]
 
-    *want_slots, want_count, want_slow = compaction(False, 1)
-    *slots, count, slow = compaction(True, chunks)
+    *want_slots, want_count, want_slow = compaction(False)
+    *slots, count, slow = compaction(True)
     np.testing.assert_array_equal(count, want_count)
     np.testing.assert_array_equal(slow, want_slow)
     live = np.arange(cap)[None, :] < np.minimum(count, cap)[:, None]

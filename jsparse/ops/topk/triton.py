@@ -752,9 +752,11 @@ KEEP_BITS = True
 EXPAND_WORDS = 2048  # words per step of the expansion (16 a thread at 4 warps)
 # Rows split over chunks (decode) from this many rows write keep bits too, each chunk
 # program its part of the row's words, and the whole-row expansion follows: the split
-# compaction's per-entry stores are the same ~75% over its loads as above (run 176:
-# 256 rows × 128K in 78 µs, 1.7 TB/s). None: never (the measured default until then).
-SPLIT_KEEP_BITS_MIN_ROWS: int | None = None
+# compaction's per-entry stores are the same ~75% over its loads as above. Run 177,
+# 256 rows × 128K: compaction + merge 83.3 µs → keep bits 37.8 + expansion 10.1 + an
+# idle exact launch; the 32 × 128K GQA decode step 511 → 478 µs. 64 rows: −2 to −3 µs
+# (8 × 128K step 162 → 159; `topk` 64 × 64K / 128K −1.9 / −2.2). None: never.
+SPLIT_KEEP_BITS_MIN_ROWS: int | None = 64
 
 
 def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *, cfg, chunks):
