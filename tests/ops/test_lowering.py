@@ -69,6 +69,8 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
     t, s, cap, n = 256, 65536, 4608, 30000
     scores = jax.ShapeDtypeStruct((t, s), jnp.float32)
     rng = jax.ShapeDtypeStruct((t,), i32)
+    # split rows below SPLIT_KEEP_BITS_MIN_ROWS: the one-pass chunks and their merge
+    monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ROWS", None)
     for chunks in (1, 8):
         for codes in (False, True):
             lower_for_h200(
@@ -83,6 +85,7 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
         lambda x, a, b: select.compact_rows(x, a, b, K, cap, chunks=8, with_codes=True),
         few, jax.ShapeDtypeStruct((8,), i32), jax.ShapeDtypeStruct((8,), i32),
     )  # fmt: skip
+    monkeypatch.undo()
     # split rows through keep bits, each chunk program writing its words
     monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ROWS", 1)
     for codes in (False, True):
@@ -97,6 +100,7 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
     monkeypatch.undo()
     # codes from the merge by default (above); written as kept, in the chunk kernel; the
     # select's K-th search with its guess
+    monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ROWS", None)
     monkeypatch.setattr(select, "MERGE_WRITES_CODES", False)
     monkeypatch.setattr(select, "SELECT_GUESS", not select.SELECT_GUESS)
     lower_for_h200(
