@@ -777,12 +777,14 @@ def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *, c
         # bits: the sum is their OR (bit 31 included, no carry)
         kept_i = kept.astype(jnp.int32).reshape(n_words, 32)
         words = jnp.sum(jnp.left_shift(kept_i, shifts), axis=1)
-        # _peeled runs the first block even when there are none: an empty row at the
-        # end of a block-aligned width (or an empty chunk) would store past its words,
-        # into the next row's
-        live = jnp.broadcast_to(a < hi, (n_words,))
         at = words_ref.at[row, pl.ds(pl.multiple_of(a // 32, n_words), n_words)]
-        plt.store(at, words, mask=live)
+        if masked:
+            # _peeled runs the first block even when there are none: an empty row at
+            # the end of a block-aligned width (or an empty chunk) would store past its
+            # words, into the next row's. Interior blocks lie inside the row.
+            plt.store(at, words, mask=jnp.broadcast_to(a < hi, (n_words,)))
+        else:
+            plt.store(at, words)
         return carry
 
     first, total = _aligned_blocks(lo, hi, blk)
