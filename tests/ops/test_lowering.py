@@ -88,6 +88,7 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
     monkeypatch.undo()
     # split rows through keep bits, each chunk program writing its words
     monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ROWS", 1)
+    monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ENTRIES", 1)
     for codes in (False, True):
         lower_for_h200(
             lambda x, a, b, w=codes: select.compact_rows(x, a, b, K, cap, chunks=8, with_codes=w),

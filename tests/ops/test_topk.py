@@ -151,6 +151,7 @@ def _check_keep_bits(monkeypatch, scores, start_end, top_k, cap, *, with_codes, 
     start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
     args = (jnp.asarray(scores), start, end, top_k, cap)
     monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ROWS", 1)
+    monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ENTRIES", 1)
     monkeypatch.setattr(select, "SHARED_THETA_MIN_ROWS", 1)
 
     def compaction(keep_bits):

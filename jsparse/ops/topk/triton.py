@@ -750,13 +750,16 @@ def _exact_kernel(*refs, dense, codes, top_k, cap, cfg):
 # 64K (run 98).
 KEEP_BITS = True
 EXPAND_WORDS = 2048  # words per step of the expansion (16 a thread at 4 warps)
-# Rows split over chunks (decode) from this many rows write keep bits too, each chunk
-# program its part of the row's words, and the whole-row expansion follows: the split
-# compaction's per-entry stores are the same ~75% over its loads as above. Run 177,
-# 256 rows × 128K: compaction + merge 83.3 µs → keep bits 37.8 + expansion 10.1 + an
-# idle exact launch; the 32 × 128K GQA decode step 511 → 478 µs. 64 rows: −2 to −3 µs
-# (8 × 128K step 162 → 159; `topk` 64 × 64K / 128K −1.9 / −2.2). None: never.
+# Rows split over chunks (decode), from this many rows and entries in all, write keep
+# bits too, each chunk program its part of the row's words, and the whole-row
+# expansion follows: the split compaction's per-entry stores are the same ~75% over
+# its loads as above. Run 177, 256 rows × 128K: compaction + merge 83.3 µs → keep bits
+# 37.8 + expansion 10.1 + an idle exact launch; the 32 × 128K GQA decode step 511 →
+# 478 µs. 64 rows: −2 to −3 µs at 64K and 128K (8 × 128K step 162 → 159; `topk`
+# 64 × 64K / 128K −1.9 / −2.2), but +3.4 at 32K (run 178: 8 × 32K step 87.0 → 90.4, the
+# expansion's latency over a short compaction); 256 × 32K −15 (233 → 218). None: never.
 SPLIT_KEEP_BITS_MIN_ROWS: int | None = 64
+SPLIT_KEEP_BITS_MIN_ENTRIES = 1 << 22
 
 
 def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *, cfg, chunks):
@@ -917,6 +920,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
     split_bits = (
         dense and KEEP_BITS and chunks > 1
         and SPLIT_KEEP_BITS_MIN_ROWS is not None and t >= SPLIT_KEEP_BITS_MIN_ROWS
+        and t * inputs[0].shape[1] >= SPLIT_KEEP_BITS_MIN_ENTRIES
     )  # fmt: skip
     if chunks == 1 or split_bits:
         # θ in a kernel of its own: its sample (4096 entries held in registers) would
