@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 import jsparse
+from jsparse import backend
 from jsparse.ops.indexer.methods import candidate_capacity
 from jsparse.ops.topk import codes as codes_lib
 from jsparse.ops.topk import triton as select
@@ -195,6 +197,46 @@ def test_keep_bits_compaction_equals_the_one_pass_one(kind, with_codes, s, chunk
     )
     assert count[2] == 500 and slow[2] == select.FAST
     assert count[3] == count[4] == 0
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 5])
+def test_keep_bits_store_only_their_rows_blocks(chunks, kernel_impl):
+    """Every program stores the words of its own blocks of its row's range and nothing
+    else (a range with no blocks still runs its first one): over a buffer of sentinels,
+    the words of blocks outside each row's range stay as they were. An empty row at a
+    block-aligned end once stored one block past its words, into the next row's."""
+    cfg = select.SelectConfig()
+    blk, n_w = cfg.block, cfg.block // 32
+    s = 8 * blk
+    start_end = [(0, s), (s, s), (100, 5000), (3 * blk, 3 * blk), (5, 5), (s - 10, s)]
+    t = len(start_end)
+    start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
+    scores = jnp.asarray(np.random.default_rng(5).standard_normal((t, s)), jnp.float32)
+    theta = jnp.full((t,), codes_lib.score_code(jnp.float32(0.0)), jnp.int32)
+    sentinel = jnp.full((t, s // 32), 0x5A5A5A5A, jnp.int32)
+
+    def kernel(scores_ref, start_ref, end_ref, theta_ref, _, words_ref):
+        select._keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref,
+                                 cfg=cfg, chunks=chunks)  # fmt: skip
+
+    words = np.asarray(
+        pl.pallas_call(
+            kernel, grid=(t, chunks), out_shape=jax.ShapeDtypeStruct(sentinel.shape, jnp.int32),
+            input_output_aliases={4: 0}, interpret=backend.is_interpret(),
+        )(scores, start, end, theta, sentinel)
+    )  # fmt: skip
+    x = np.asarray(scores)
+    for r, (lo, hi) in enumerate(start_end):
+        first, last = lo // blk, -(-hi // blk)  # the aligned blocks touching [lo, hi)
+        for b in range(s // blk):
+            got = words[r, b * n_w : (b + 1) * n_w]
+            if not first <= b < last:
+                assert np.all(got == 0x5A5A5A5A), (r, b)  # never written
+                continue
+            ids = b * blk + np.arange(blk)
+            kept = (x[r, ids] >= 0) & (ids >= lo) & (ids < hi)
+            bits = (kept.reshape(n_w, 32) << np.arange(32)).sum(axis=1, dtype=np.int64)
+            np.testing.assert_array_equal(got.view(np.uint32), bits.astype(np.uint32))
 
 
 @pytest.mark.gpu
