@@ -51,9 +51,8 @@ def serving_rows(rows, dtype: str, page: int | None, seed: int = 0) -> dict:
     pool of pages with a table. Keys: cache, cache_scale, page_table."""
     src = dict(cache=rows, cache_scale=None, page_table=None)
     if dtype == "fp8":
-        scale = jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=(1, 2)) / 448.0
-        fp8 = (rows.astype(jnp.float32) / scale[:, None, None]).astype(jnp.float8_e4m3fn)
-        src.update(cache=fp8, cache_scale=scale)
+        fp8, scale = attention.fp8_cache(rows[:, :, None])  # the rows as one KV head
+        src.update(cache=fp8[:, :, 0], cache_scale=scale[:, 0])
     if page:
         (src["cache"],), src["page_table"] = common.shuffled_pages([src["cache"]], page, seed)
     return src
