@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import jsparse
 from jsparse.ops.attention.reference import listed_locations
-from jsparse.selectors.base import fp8_scale, quantize_with_scale
+from jsparse.selectors.base import quantize_cache
 
 from . import common
 
@@ -55,19 +55,14 @@ def serving_cache(k, v, dtype: str, page: int | None, seed: int = 0) -> dict:
     cache = dict(k=k, v=v, k_scale=None, v_scale=None, page_table=None)
     if dtype == "fp8":
         for name, x in (("k", k), ("v", v)):
-            cache[name], cache[f"{name}_scale"] = fp8_cache(x)
+            # the library's amax / 448 scale and rounding, as a model's cache holds them
+            fp8 = quantize_cache(x.astype(jnp.float32), "float8_e4m3fn")
+            cache[name], cache[f"{name}_scale"] = fp8.values, fp8.scale
     if page:  # the same rows in a shuffled page pool
         (cache["k"], cache["v"]), cache["page_table"] = common.shuffled_pages(
             [cache["k"], cache["v"]], page, seed
         )
     return cache
-
-
-def fp8_cache(x):
-    """(e4m3 values, scale [B, Hkv]) of a cache [B, S, Hkv, D]: the library's scale (amax
-    / 448 per sequence and KV head) and rounding, as a model's cache would hold it."""
-    scale = fp8_scale(x.astype(jnp.float32))
-    return quantize_with_scale(x, scale, "float8_e4m3fn"), scale
 
 
 def make_query(case: dict, seed: int):

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import jsparse
 from jsparse.ops.attention.reference import listed_locations
+from jsparse.selectors.base import quantize_cache
 
 from . import attention, common
 from .attention import bf16_mismatch
@@ -51,8 +52,9 @@ def serving_rows(rows, dtype: str, page: int | None, seed: int = 0) -> dict:
     pool of pages with a table. Keys: cache, cache_scale, page_table."""
     src = dict(cache=rows, cache_scale=None, page_table=None)
     if dtype == "fp8":
-        fp8, scale = attention.fp8_cache(rows[:, :, None])  # the rows as one KV head
-        src.update(cache=fp8[:, :, 0], cache_scale=scale[:, 0])
+        # the library's scale and rounding, the rows as one KV head [B, S, 1, D]
+        fp8 = quantize_cache(rows[:, :, None].astype(jnp.float32), "float8_e4m3fn")
+        src.update(cache=fp8.values[:, :, 0], cache_scale=fp8.scale[:, 0])
     if page:
         (src["cache"],), src["page_table"] = common.shuffled_pages([src["cache"]], page, seed)
     return src
