@@ -70,10 +70,6 @@ __all__ = [
 
 Params = dict[str, Array]
 HIGHEST = jax.lax.Precision.HIGHEST
-# A/B switch (run 181): how project_queries takes the query heads' mean. "fused": as
-# written, which XLA may fuse into a concatenate made by its dot merger; "barrier": the
-# mean kept out of other fusions; "dot": a dot with a vector of 1/g.
-QUERY_MEAN = "fused"
 
 # name -> (dtype, bytes per value). FP8 is the paper's default scoring cache (App. E.2).
 CACHE_DTYPES: dict[str, tuple[Any, int]] = {
@@ -304,15 +300,7 @@ class ProjectedSelector(Selector):
         """``A q̄`` in f32, ``q̄`` the mean of each KV head's query heads."""
         a, _ = self.maps(params)
         hkv = a.shape[0]
-        qg = q.astype(jnp.float32).reshape(q.shape[0], hkv, -1, q.shape[-1])
-        if QUERY_MEAN == "dot":
-            g = qg.shape[2]
-            qm = jnp.einsum("bhgd,g->bhd", qg, jnp.full((g,), 1.0 / g, jnp.float32),
-                            precision=HIGHEST)  # fmt: skip
-        else:
-            qm = qg.mean(axis=2)
-            if QUERY_MEAN == "barrier":
-                qm = jax.lax.optimization_barrier(qm)
+        qm = q.astype(jnp.float32).reshape(q.shape[0], hkv, -1, q.shape[-1]).mean(axis=2)
         return jnp.einsum("bhd,hrd->bhr", qm, a, precision=HIGHEST)
 
     def project_keys(
