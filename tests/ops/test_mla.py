@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jsparse
+from jsparse.ops.attention import triton as attention_triton
 from jsparse.ops.mla import triton as mla_triton
 from tests.lowering import lower_for_h200
 from tests.paging import shuffled_pages
@@ -132,6 +133,30 @@ def test_splits_and_tiles_give_the_same_answer(interpret):
         np.testing.assert_allclose(np.asarray(lse), np.asarray(lse1), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("block", [16, 32])
+def test_merge_value_blocks_give_the_same_answer(interpret, monkeypatch, block):
+    """The merge weighting blocks of a head's latent values gives the whole row's
+    answer, bit for bit (per value the same sums), FP8 scales included."""
+    q, cache, idx = make(2, 20, 64, 16, 300, 130, seed=6, cache_dtype=F8)
+    cache_scale = jnp.asarray([0.5, 2.0], jnp.float32)
+    run = lambda: mla_triton.indexed_mla_attention_triton(  # noqa: E731
+        q, cache, idx, cache_scale, latent_dim=64, scale=0.1, splits=3
+    )
+    want, want_lse = run()
+    monkeypatch.setattr(attention_triton, "MERGE_VDIM_BLOCK", block)
+    got, got_lse = run()  # read at call time: not a cached trace
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
+
+
+@pytest.mark.parametrize("block", [8, 24, 128.0])
+def test_merge_value_block_must_be_a_power_of_two(monkeypatch, block):
+    q, cache, idx = make(1, 4, 32, 8, 50, 20)
+    monkeypatch.setattr(attention_triton, "MERGE_VDIM_BLOCK", block)
+    with pytest.raises(ValueError, match="MERGE_VDIM_BLOCK"):
+        mla_triton.indexed_mla_attention_triton(q, cache, idx, None, latent_dim=32, scale=0.1)
+
+
 def test_every_row_listed_is_dense_mla(kernel_impl):
     """Every cache row listed: plain softmax attention with keys [c; k_r], values c."""
     b, h, dc, dr, s = 2, 16, 32, 16, 45
@@ -233,6 +258,19 @@ def test_lowers_to_cuda(qdt, cdt, shape):
         assert "jsparse_indexed_mla_attention" in lowered.as_text()
 
 
+def test_merge_value_blocks_lower_to_cuda(monkeypatch):
+    """DeepSeek's 512 latent values merged in blocks of 128: a 3-D merge grid."""
+    monkeypatch.setattr(attention_triton, "MERGE_VDIM_BLOCK", 128)
+    sds = jax.ShapeDtypeStruct
+    args = [sds((1, 128, 576), jnp.bfloat16), sds((1, 4096, 576), jnp.bfloat16),
+            sds((1, 2048), jnp.int32)]  # fmt: skip
+
+    def fn(q, c, i):
+        return mla_triton.indexed_mla_attention_triton(q, c, i, None, latent_dim=512, scale=0.1)
+
+    assert "jsparse_indexed_mla_attention_merge" in lower_for_h200(fn, *args).as_text()
+
+
 def test_fp8_caches_of_2_to_4_gib(monkeypatch):
     """A DeepSeek FP8 cache of 128 × 32K rows (2.4 GB) is read as 16-bit words and
     lowers even with bytes asked for; an odd row width (read byte by byte) of that size
@@ -256,10 +294,13 @@ def test_fp8_caches_of_2_to_4_gib(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge_block", [None, 128])
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("b, h", [(1, 128), (16, 16)])
-def test_gpu_deepseek_shapes(b, h, cache):
-    """DeepSeek-V3 MLA (Dc 512, Dr 64), 64K context, 2048 listed rows."""
+def test_gpu_deepseek_shapes(b, h, cache, merge_block, monkeypatch):
+    """DeepSeek-V3 MLA (Dc 512, Dr 64), 64K context, 2048 listed rows; the merge over
+    whole rows and over blocks of 128 latent values."""
+    monkeypatch.setattr(attention_triton, "MERGE_VDIM_BLOCK", merge_block)
     s, n, dc = 65536, 2048, 512
     kq, kc, ki = jax.random.split(jax.random.PRNGKey(b), 3)
     q = jax.random.normal(kq, (b, h, dc + 64), jnp.bfloat16)

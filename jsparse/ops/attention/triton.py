@@ -49,6 +49,12 @@ FP8_AS_WORDS = True
 # with pages first (run 175). The MLA kernel's switch of the same name is on (1.8× at
 # 128 heads).
 PAGES_BEFORE_LAUNCH = False
+# Output values a merge program weights (a power of two ≥ 16), None: a head's whole row.
+# A/B switch: MLA's rows are 512 values, so at one sequence × 128 heads (32 splits) a
+# program holds [32, 512] partials, 128 a thread at 4 warps, in 128 programs: 5.2 µs
+# against the kernel's 8.2 (run 176). Blocks of 128 give 4× the programs at a quarter
+# of the registers each.
+MERGE_VDIM_BLOCK: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,16 +328,21 @@ def rescaled_f16(q):
     return [(x * up[:, None]).astype(jnp.float16) for x in q], down
 
 
-def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p):
-    """One program per (pair, query head): that head's partial softmaxes from every
-    split, loaded at once and weighted by exp(m_split - max m). (A loop over the splits
-    waited ~0.6 µs on each split's loads: 19 µs at 32 splits, run 154; as XLA ops the
-    merge was three to four fusions, ~4 µs, run 153.)"""
+def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p, vdim_block):
+    """One program per (pair, query head, block of ``vdim_block`` output values): that
+    head's partial softmaxes from every split, loaded at once and weighted by
+    exp(m_split - max m). (A loop over the splits waited ~0.6 µs on each split's loads:
+    19 µs at 32 splits, run 154; as XLA ops the merge was three to four fusions, ~4 µs,
+    run 153.)"""
     v_scale_ref, (out_ref, lse_ref) = (refs[0], refs[1:]) if p.has_v_scale else (None, refs)
     pair, g = pl.program_id(0), pl.program_id(1)
+    whole = vdim_block == p.vdim_pad  # a 2-D grid: the launch as it was before blocks
     split = jnp.arange(next_pow2(p.splits))
     real = split < p.splits
-    vdims = jnp.arange(p.vdim_pad)
+    vdims = jnp.arange(vdim_block)
+    if not whole:
+        block = pl.program_id(2)
+        vdims = block * vdim_block + vdims
     m = plt.load(m_ref.at[pair, split, g], mask=real, other=-jnp.inf)
     l = plt.load(l_ref.at[pair, split, g], mask=real, other=0.0)
     acc = plt.load(
@@ -348,7 +359,14 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p):
     if p.has_v_scale:
         out = out * plt.load(v_scale_ref.at[pair])
     plt.store(out_ref.at[pair, g, vdims], out.astype(out_ref.dtype), mask=vdims < p.vdim)
-    plt.store(lse_ref.at[pair, g], jnp.where(some, base + jnp.log(safe), -jnp.inf))
+
+    def store_lse():
+        plt.store(lse_ref.at[pair, g], jnp.where(some, base + jnp.log(safe), -jnp.inf))
+
+    if whole:
+        store_lse()
+    else:
+        pl.when(block == 0)(store_lse)
 
 
 def indexed_attention_triton(
@@ -357,7 +375,7 @@ def indexed_attention_triton(
     """(out [B, H, Dv] in q's dtype, lse [B, H] float32); see
     :func:`jsparse.indexed_attention`. ``FP8_AS_WORDS`` is read here, at call time, so
     that a changed setting is never hidden by a cached trace (``PAGES_BEFORE_LAUNCH``
-    too)."""
+    and ``MERGE_VDIM_BLOCK`` too)."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     words = (
         FP8_AS_WORDS and jnp.dtype(k.dtype) == fp8 and jnp.dtype(v.dtype) == fp8
@@ -366,13 +384,15 @@ def indexed_attention_triton(
     return _indexed_attention(
         q, k, v, indices, k_scale, v_scale, page_table, scale=scale,
         cfg=cfg or AttentionConfig(), splits=splits, words=bool(words),
-        pages_first=PAGES_BEFORE_LAUNCH,
+        pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(),
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "cfg", "splits", "words", "pages_first"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "cfg", "splits", "words", "pages_first", "merge_block")
+)
 def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale, cfg, splits,
-                       words, pages_first):  # fmt: skip
+                       words, pages_first, merge_block):  # fmt: skip
     b, h, d = q.shape
     out_dtype = q.dtype
     hkv, dv = k.shape[2], v.shape[3]
@@ -410,18 +430,30 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
     out, lse = launch_split_k(
         functools.partial(_kernel, p=p), p, [*inputs, *scales],
         scales[p.has_k_scale :], pairs=pairs, dtype=out_dtype, name="jsparse_indexed_attention",
+        merge_block=merge_block,
     )  # fmt: skip
     return out.reshape(b, h, dv), lse.reshape(b, h)
 
 
-def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: str):
+def merge_vdim_block() -> int | None:
+    """``MERGE_VDIM_BLOCK``, checked; the wrappers read it at call time and pass it to
+    their jitted functions as a static argument (a cached trace never hides a change)."""
+    block = MERGE_VDIM_BLOCK
+    if block is not None and (not isinstance(block, int) or block < 16 or block & (block - 1)):
+        raise ValueError(f"MERGE_VDIM_BLOCK: got {block!r}; expected None or a power of two >= 16")
+    return block
+
+
+def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: str,
+                   merge_block: int | None = None):  # fmt: skip
     """(out [pairs, group, vdim] in ``dtype``, lse [pairs, group] float32) of a split-K
     decode kernel on the grid (pairs, p.splits): one launch when each list has one
     program (the kernel normalises in place), else the kernel's partial softmaxes
     ``(acc [pairs, splits, group_rows, vdim_pad], m, l [pairs, splits, group_rows])``
     and a merge launch that weights them (``v_scales``: ``[pairs]`` float32 when
     ``p.has_v_scale``). ``p`` needs ``splits``, ``group``, ``group_rows``, ``vdim``,
-    ``vdim_pad``, ``has_v_scale``, ``interpret`` and ``cfg`` (warps, stages)."""
+    ``vdim_pad``, ``has_v_scale``, ``interpret`` and ``cfg`` (warps, stages).
+    ``merge_block``: output values a merge program weights (None: the whole row)."""
     sds = jax.ShapeDtypeStruct
     final = sds((pairs, p.group, p.vdim), dtype), sds((pairs, p.group), jnp.float32)
     rows = (pairs, p.splits, p.group_rows)
@@ -436,9 +468,10 @@ def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: st
     )(*operands)
     if p.splits == 1:
         return outs
+    vdim_block = min(merge_block or p.vdim_pad, p.vdim_pad)
     return pl.pallas_call(
-        functools.partial(_merge_kernel, p=p),
-        grid=(pairs, p.group),
+        functools.partial(_merge_kernel, p=p, vdim_block=vdim_block),
+        grid=(pairs, p.group) + ((p.vdim_pad // vdim_block,) if vdim_block < p.vdim_pad else ()),
         out_shape=final,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=p.interpret,

@@ -43,6 +43,7 @@ from jsparse.ops.attention.triton import (
     launch_split_k,
     listed_slots,
     looked_up_first,
+    merge_vdim_block,
     q_planes,
     rescaled_f16,
     softmax_weights,
@@ -233,17 +234,19 @@ def indexed_mla_attention_triton(
     return _indexed_mla_attention(
         q, cache, indices, cache_scale, page_table, latent_dim=latent_dim, scale=scale,
         cfg=cfg or default_config(q.shape[1]), splits=splits, packed=packed,
-        fp8_dot=fp8_dot.name, pages_first=PAGES_BEFORE_LAUNCH,
+        fp8_dot=fp8_dot.name, pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(),
     )  # fmt: skip
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("latent_dim", "scale", "cfg", "splits", "packed", "fp8_dot", "pages_first"),
-)
+    static_argnames=(
+        "latent_dim", "scale", "cfg", "splits", "packed", "fp8_dot", "pages_first", "merge_block",
+    ),
+)  # fmt: skip
 def _indexed_mla_attention(
     q, cache, indices, cache_scale, page_table, *, latent_dim, scale, cfg, splits, packed,
-    fp8_dot, pages_first,
+    fp8_dot, pages_first, merge_block,
 ):  # fmt: skip
     b, h, d = q.shape
     n = indices.shape[1]
@@ -284,6 +287,7 @@ def _indexed_mla_attention(
     out, lse = launch_split_k(
         functools.partial(_kernel, p=p), p, [q, indices, rows, *table, *scales],
         scales, pairs=pairs, dtype=out_dtype, name="jsparse_indexed_mla_attention",
+        merge_block=merge_block,
     )  # fmt: skip
     bh = cfg.block_h
     out = out.reshape(b, blocks * bh, dc)[:, :h]
