@@ -246,9 +246,9 @@ def select_step(selector, params, q, keys: CacheView, q_positions, k_positions, 
         return selector.select(params, q, keys.dense(), lengths, budget, ordered=False), None
     slot = lengths - 1  # the cache is in position order
     k_new = keys.rows(jnp.maximum(slot, 0))  # [B, Hkv, D]
-    core_state = selector.append_keys(params, core_state, k_new, slot)
-    lists = selector.select_projected(params, q, core_state, lengths, budget, ordered=False)
-    return lists, core_state
+    return selector.decode_step(
+        params, q, core_state, k_new, slot, lengths, budget, ordered=False
+    )  # fmt: skip
 
 
 def core_selector(selector, selector_options, budget, fp8_headroom, per: str) -> Selector:

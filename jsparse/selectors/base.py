@@ -54,7 +54,8 @@ from jsparse.calibration.moments import (
     init_moments,
     update_moments,
 )
-from jsparse.ops.projected import projected_scores
+from jsparse.ops.projected import projected_scores, projected_step
+from jsparse.ops.projected.reference import key_projection, query_projection
 
 __all__ = [
     "CACHE_DTYPES",
@@ -70,6 +71,11 @@ __all__ = [
 
 Params = dict[str, Array]
 HIGHEST = jax.lax.Precision.HIGHEST
+# A decode step's projections (the query's, times the cache's scales, and the new key's
+# into the cache) in one Pallas launch (`projected_step`) instead of XLA's three to five
+# small fusions: 5.5-15 µs of glue a step at 8-32 sequences (run 179: a dot, a
+# concatenate, transposes and the cache write). A/B switch, off until measured.
+FUSED_STEP = False
 
 # name -> (dtype, bytes per value). FP8 is the paper's default scoring cache (App. E.2).
 CACHE_DTYPES: dict[str, tuple[Any, int]] = {
@@ -298,10 +304,7 @@ class ProjectedSelector(Selector):
 
     def project_queries(self, params: Params, q: Float[Array, "B H D"]) -> Float[Array, "B Hkv R"]:
         """``A q̄`` in f32, ``q̄`` the mean of each KV head's query heads."""
-        a, _ = self.maps(params)
-        hkv = a.shape[0]
-        qm = q.astype(jnp.float32).reshape(q.shape[0], hkv, -1, q.shape[-1]).mean(axis=2)
-        return jnp.einsum("bhd,hrd->bhr", qm, a, precision=HIGHEST)
+        return query_projection(q, self.maps(params)[0])
 
     def project_keys(
         self, params: Params, k: Float[Array, "B S Hkv D"], *, headroom: float = 1.0
@@ -319,7 +322,7 @@ class ProjectedSelector(Selector):
         _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")
         _checks.check_dim("k", k, 2, b.shape[0], "KV heads of the calibrated params")
         _checks.check_dim("k", k, 3, b.shape[-1], "head_dim of the calibrated params")
-        return jnp.einsum("bshd,hrd->bshr", k.astype(jnp.float32), b, precision=HIGHEST)
+        return key_projection(k, b)
 
     def empty_cache(self, params: Params, batch: int, slots: int) -> ProjectedKeys:
         """A zero cache of ``slots`` tokens per sequence, scales 1 (``project_keys`` of a
@@ -351,6 +354,37 @@ class ProjectedSelector(Selector):
 
     def scores(self, params, q, k, lengths):
         return self.scores_projected(params, q, self.project_keys(params, k))
+
+    def decode_step(
+        self,
+        params: Params,
+        q: Float[Array, "B H D"],
+        cache: ProjectedKeys,
+        k_new: Float[Array, "B Hkv D"],
+        slots: Int[Array, " B"],
+        lengths: Int[Array, " B"],
+        budget: int,
+        *,
+        ordered: bool = True,
+    ) -> tuple[Int[Array, "B Hkv budget"], ProjectedKeys]:
+        """(lists, cache) of one decode step: :meth:`append_keys` of ``k_new`` at
+        ``slots``, then :meth:`select_projected`. With ``FUSED_STEP`` on, where the
+        Pallas kernels run, and for a selector that keeps this class's projections,
+        both projections and the cache write are one ``projected_step`` launch."""
+        if FUSED_STEP and _selection_kernels() and self._plain_projections():
+            a, b = self.maps(params)
+            qp, values = projected_step(q, k_new, a, b, cache.values, cache.scale, slots)
+            cache = cache._replace(values=values)
+            return top_budget(projected_scores(qp, values), lengths, budget, ordered=ordered), cache
+        cache = self.append_keys(params, cache, k_new, slots)
+        return self.select_projected(params, q, cache, lengths, budget, ordered=ordered), cache
+
+    def _plain_projections(self) -> bool:
+        """Whether this selector projects, stores and scores as this class does (its
+        subclasses that only calibrate other maps), so that ``projected_step`` is its
+        step."""
+        own = ("project_queries", "_project", "append_keys", "scores_projected", "select_projected")
+        return all(getattr(type(self), n) is getattr(ProjectedSelector, n) for n in own)
 
     def select_projected(
         self,

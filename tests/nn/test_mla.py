@@ -99,6 +99,32 @@ def test_sparse_decoding_with_every_row_equals_dense(kernel_impl):
     np.testing.assert_allclose(results[1], results[0], rtol=1e-4, atol=1e-5)
 
 
+def test_the_fused_step_decodes_like_the_separate_projections(kernel_impl, monkeypatch):
+    """``FUSED_STEP`` for ``jssa_mla`` (one KV head, every query head's mean): a small
+    budget selects the same rows as the selector's own methods."""
+    dense = layer()
+    sel, params = calibrated(dense)
+    x = inputs(2, 24, seed=5)
+
+    def decode():
+        mla = layer(SparseMLA(sel, params, budget=6, implementation=kernel_impl))
+        y, cache = mla(x[:, :18], mla.init_cache(2, 32))
+        outs = [y]
+        for t in range(18, 24):
+            yt, cache = mla(x[:, t : t + 1], cache)
+            outs.append(yt)
+        return np.asarray(jnp.concatenate(outs, 1))
+
+    separate = decode()
+    base = jsparse.selectors.base
+    step, calls = base.projected_step, []
+    monkeypatch.setattr(base, "FUSED_STEP", True)
+    monkeypatch.setattr(base, "projected_step", lambda *a: calls.append(1) or step(*a))
+    fused = decode()
+    assert calls
+    np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-6)
+
+
 def test_a_small_budget_attends_the_selected_rows(kernel_impl):
     """Budget 6 of 20 rows, oracle selector: the step equals dense attention over the
     oracle's 6 rows."""

@@ -154,6 +154,22 @@ def test_the_kept_projected_cache_selects_like_projecting_every_step(name):
     assert not np.allclose(kept[:, 1:], _decode(_model(), TOKENS, steps=6)[:, 1:], atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["jssa", "loki"])
+def test_the_fused_step_decodes_like_the_separate_projections(name, kernel_impl, monkeypatch):
+    """``FUSED_STEP``: the step's projections and cache write in one ``projected_step``
+    launch select the same tokens as the selector's own methods (same logits)."""
+    sel, params = _calibrated(name, rank=4)
+    core = lambda i: jsparse.SparseAttention(sel, params, 6)  # noqa: E731
+    separate = _decode(_model(core), TOKENS, steps=6)
+    base = jsparse.selectors.base
+    step, calls = base.projected_step, []
+    monkeypatch.setattr(base, "FUSED_STEP", True)
+    monkeypatch.setattr(base, "projected_step", lambda *a: calls.append(1) or step(*a))
+    fused = _decode(_model(core), TOKENS, steps=6)
+    assert calls  # the fused path ran (traced once per layer)
+    np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["jssa", "jssa_rd", "head_shared"])
 def test_a_budget_covering_the_context_decodes_like_dense_with_the_kept_cache(name):
     options = {"fp8_dims": 2, "int4_dims": 4} if name == "jssa_rd" else {"rank": 4}

@@ -321,3 +321,14 @@ def test_head_shared_selects_the_same_from_its_projected_cache():
     )
     with pytest.raises(NotImplementedError, match="keeps no projected cache"):
         make_selector("head_shared", basis="full").select_projected({}, q, None, lengths, 7)
+
+
+def test_which_selectors_take_the_fused_decode_step():
+    """``projected_step`` is the step of selectors that only calibrate other maps; those
+    that store or score their own way keep their methods."""
+    plain = lambda name, **kw: make_selector(name, **kw)._plain_projections()  # noqa: E731
+    for name in ("jssa", "loki", "kq_svd", "fasa"):
+        assert plain(name, rank=4), name
+    assert plain("jssa_mla", rank=4, latent_dim=8)
+    assert not plain("jssa_rd", fp8_dims=2, int4_dims=4)
+    assert not plain("head_shared", rank=4)

@@ -91,3 +91,108 @@ def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
         name="jsparse_projected_scores",
     )(q, values.reshape(b * s, hkv * r))
     return out.reshape(b, hkv, s)
+
+
+# The decode step's projections (`projected_step`): one program per (sequence, KV head)
+# averages the head's query heads, applies both maps, scales the query, quantises the key
+# and stores it in the cache in place. Walked in chunks of the head dimension (and of
+# the query heads) so that a [R, chunk] map tile and a [heads, chunk] query tile fit in
+# registers: DeepSeek's MLA is R = 64 against D = 576 and 128 query heads.
+STEP_D_CHUNK = 64
+STEP_HEAD_CHUNK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepPlan:
+    seq: int
+    heads: int  # query heads per KV head
+    kv_heads: int
+    dim: int
+    rank: int
+    d_chunk: int
+    head_chunk: int
+    fp8: bool
+    interpret: bool
+
+
+def _step_kernel(q_ref, k_ref, a_ref, b_ref, scale_ref, slot_ref, _values_in, qp_ref, values_ref,
+                 *, p: _StepPlan):  # fmt: skip
+    b, h = pl.program_id(0), pl.program_id(1)
+    ranks = jnp.arange(p.rank, dtype=jnp.int32)
+    lanes = jnp.arange(p.d_chunk, dtype=jnp.int32)
+    group = jnp.arange(p.head_chunk, dtype=jnp.int32)
+    first_head = (b * p.kv_heads + h) * p.heads  # q is [B·H, D]
+
+    def chunk(c, accs):
+        acc_q, acc_k = accs
+        dims = c * p.d_chunk + lanes
+        in_dim = dims < p.dim
+
+        def add_heads(j, total):
+            heads = j * p.head_chunk + group
+            ok = (heads < p.heads)[:, None] & in_dim[None, :]
+            x = plt.load(q_ref.at[first_head + heads[:, None], dims[None, :]], mask=ok, other=0)
+            return total + jnp.sum(x.astype(jnp.float32), axis=0)
+
+        n_head_chunks = -(-p.heads // p.head_chunk)
+        q_sum = jax.lax.fori_loop(0, n_head_chunks, add_heads, jnp.zeros((p.d_chunk,), jnp.float32))
+        q_mean = q_sum / p.heads
+        k_new = plt.load(k_ref.at[b * p.kv_heads + h, dims], mask=in_dim, other=0)
+        tile = jnp.broadcast_to(in_dim[None, :], (p.rank, p.d_chunk))  # R: a power of two
+        maps_at = (h * p.rank + ranks[:, None], dims[None, :])
+        a = plt.load(a_ref.at[maps_at], mask=tile, other=0.0)
+        bm = plt.load(b_ref.at[maps_at], mask=tile, other=0.0)
+        acc_q = acc_q + jnp.sum(a * q_mean[None, :], axis=1)
+        acc_k = acc_k + jnp.sum(bm * k_new.astype(jnp.float32)[None, :], axis=1)
+        return acc_q, acc_k
+
+    zeros = jnp.zeros((p.rank,), jnp.float32)
+    acc_q, acc_k = jax.lax.fori_loop(0, -(-p.dim // p.d_chunk), chunk, (zeros, zeros))
+    scale = plt.load(scale_ref.at[b * p.kv_heads + h])
+    plt.store(qp_ref.at[b * p.kv_heads + h, ranks], acc_q * scale)
+    if p.fp8:  # quantize_with_scale: divided by the scale, clipped to e4m3fn's range
+        fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
+        acc_k = jnp.clip(acc_k / scale, -fmax, fmax)
+    slot = plt.load(slot_ref.at[b])
+    live = (slot >= 0) & (slot < p.seq)
+    # A dead slot stores nothing; its lanes point at row 0 of the sequence, never at
+    # another program's row (interpret mode writes masked lanes' old values back).
+    row = b * p.seq + jnp.where(live, slot, 0)
+    at = values_ref.at[row, h * p.rank + ranks]
+    plt.store(at, acc_k.astype(values_ref.dtype), mask=jnp.broadcast_to(live, (p.rank,)))
+
+
+@jax.jit
+def projected_step_triton(q, k_new, query_map, key_map, values, scale, slots):
+    """(q_proj [B, Hkv, R] f32, values); see :func:`jsparse.ops.projected.projected_step`.
+    ``values`` is updated in place when the caller donates it."""
+    backend.check_triton_offsets("projected_step", values=values)
+    b, s, hkv, r = values.shape
+    h, d = q.shape[1], q.shape[2]
+    g = h // hkv
+    p = _StepPlan(
+        seq=s, heads=g, kv_heads=hkv, dim=d, rank=r,
+        d_chunk=min(STEP_D_CHUNK, next_pow2(d, 16)),
+        head_chunk=min(STEP_HEAD_CHUNK, next_pow2(g, 1)),
+        fp8=jnp.dtype(values.dtype) == jnp.dtype(jnp.float8_e4m3fn),
+        interpret=backend.is_interpret(),
+    )  # fmt: skip
+    qp, rows = pl.pallas_call(
+        functools.partial(_step_kernel, p=p),
+        grid=(b, hkv),
+        out_shape=(
+            jax.ShapeDtypeStruct((b * hkv, r), jnp.float32),
+            jax.ShapeDtypeStruct((b * s, hkv * r), values.dtype),
+        ),
+        input_output_aliases={6: 1},
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=p.interpret,
+        name="jsparse_projected_step",
+    )(
+        q.reshape(b * h, d), k_new.reshape(b * hkv, d),
+        query_map.astype(jnp.float32).reshape(hkv * r, d),
+        key_map.astype(jnp.float32).reshape(hkv * r, d),
+        scale.astype(jnp.float32).reshape(b * hkv), slots.astype(jnp.int32),
+        values.reshape(b * s, hkv * r),
+    )  # fmt: skip
+    return qp.reshape(b, hkv, r), rows.reshape(b, s, hkv, r)
