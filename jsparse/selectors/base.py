@@ -28,7 +28,10 @@ Contract of ``select``:
   ``cache_dtype``) and ``select_projected(params, q, cache, lengths, budget)``. For
   decoding, ``empty_cache(params, batch, slots)`` allocates one and
   ``append_keys(params, cache, k_new, slots)`` writes one token's projection per
-  sequence with the cache's existing scales, so a step never re-projects the context.
+  sequence with the cache's existing scales, so a step never re-projects the context;
+  ``decode_step(params, q, cache, k_new, slots, lengths, budget)`` is the two in turn
+  (``FUSED_STEP``: their projections in one kernel, for selectors that only calibrate
+  other maps).
   ``bytes_per_token(head_dim)`` is the scoring-side memory per token per KV head, the
   quantity "equal memory" compares.
 """

@@ -87,6 +87,9 @@ def projected_step(
         _checks.check_rank(name, x, rank, layout)
     _checks.check_dtype("values", values, CACHE_FLOATS)
     _checks.check_dtype("slots", slots, (jnp.int32,))
+    for name, x in (("q", q), ("k_new", k_new), ("query_map", query_map), ("key_map", key_map)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name}: dtype {x.dtype}; expected a floating-point array")
     b, _, hkv, r = values.shape
     d = q.shape[2]
     for name, x, want in (
