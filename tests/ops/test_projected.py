@@ -229,6 +229,11 @@ def test_step_lowers_to_cuda(b, h, hkv, d, r, s):
     ]  # fmt: skip
     text = lower_for_h200(projected_step_triton, *args).as_text()
     assert "jsparse_projected_step" in text
+    fp8_q = [sds((b, h, d), jnp.float8_e4m3fn), sds((b, hkv, d), jnp.float8_e4m3fn)]
+    assert (
+        "jsparse_projected_step"
+        in lower_for_h200(projected_step_triton, *fp8_q, *args[2:]).as_text()
+    )
 
 
 @pytest.mark.gpu

@@ -131,13 +131,15 @@ def _step_kernel(q_ref, k_ref, a_ref, b_ref, scale_ref, slot_ref, _values_in, qp
         def add_heads(j, total):
             heads = j * p.head_chunk + group
             ok = (heads < p.heads)[:, None] & in_dim[None, :]
-            x = plt.load(q_ref.at[first_head + heads[:, None], dims[None, :]], mask=ok, other=0)
+            at = q_ref.at[first_head + heads[:, None], dims[None, :]]
+            x = plt.load(at, mask=ok, other=jnp.zeros((), q_ref.dtype))  # (FP8: no Python 0)
             return total + jnp.sum(x.astype(jnp.float32), axis=0)
 
         n_head_chunks = -(-p.heads // p.head_chunk)
         q_sum = jax.lax.fori_loop(0, n_head_chunks, add_heads, jnp.zeros((p.d_chunk,), jnp.float32))
         q_mean = q_sum / p.heads
-        k_new = plt.load(k_ref.at[b * p.kv_heads + h, dims], mask=in_dim, other=0)
+        k_at = k_ref.at[b * p.kv_heads + h, dims]
+        k_new = plt.load(k_at, mask=in_dim, other=jnp.zeros((), k_ref.dtype))
         tile = jnp.broadcast_to(in_dim[None, :], (p.rank, p.d_chunk))  # R: a power of two
         maps_at = (h * p.rank + ranks[:, None], dims[None, :])
         a = plt.load(a_ref.at[maps_at], mask=tile, other=0.0)
