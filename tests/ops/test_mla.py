@@ -149,6 +149,37 @@ def test_merge_value_blocks_give_the_same_answer(interpret, monkeypatch, block):
     np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
 
 
+def test_max_splits_caps_the_split_and_keeps_the_answer(interpret, monkeypatch):
+    """``MAX_SPLITS``: fewer splits of each list, the same attention (to f32 rounding);
+    at 1 the kernel normalises in place and no merge is launched."""
+    q, cache, idx = make(2, 20, 64, 16, 300, 130, seed=8)
+    run = lambda: mla_triton.indexed_mla_attention_triton(  # noqa: E731
+        q, cache, idx, None, latent_dim=64, scale=0.1
+    )
+    want, want_lse = run()
+    for cap in (2, 1):
+        monkeypatch.setattr(attention_triton, "MAX_SPLITS", cap)
+        got, lse = run()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
+    sds = jax.ShapeDtypeStruct
+    shapes = [sds((1, 128, 576), jnp.bfloat16), sds((1, 4096, 576), jnp.bfloat16),
+              sds((1, 2048), jnp.int32)]  # fmt: skip
+
+    def lowered():  # a fresh function each time: a cached outer trace would hide the switch
+        def fn(q, c, i):
+            return mla_triton.indexed_mla_attention_triton(q, c, i, None, latent_dim=512, scale=0.1)
+
+        return lower_for_h200(fn, *shapes).as_text()
+
+    assert "_merge" not in lowered()  # MAX_SPLITS = 1
+    monkeypatch.setattr(attention_triton, "MAX_SPLITS", 8)
+    assert "jsparse_indexed_mla_attention_merge" in lowered()
+    monkeypatch.setattr(attention_triton, "MAX_SPLITS", 0)
+    with pytest.raises(ValueError, match="MAX_SPLITS"):
+        run()
+
+
 @pytest.mark.parametrize("block", [8, 24, 128.0])
 def test_merge_value_block_must_be_a_power_of_two(monkeypatch, block):
     q, cache, idx = make(1, 4, 32, 8, 50, 20)

@@ -55,6 +55,10 @@ PAGES_BEFORE_LAUNCH = False
 # against the kernel's 8.2 (run 176). Blocks of 128 give 4× the programs at a quarter
 # of the registers each.
 MERGE_VDIM_BLOCK: int | None = None
+# At most this many splits a list (None: as many as PROGRAMS_PER_SM asks, up to one a
+# step). A/B switch: one sequence's lists split 32 ways, and then the f32 partials (a row
+# per head and split) outweigh the rows read, 8.4 MB against 2.4 MB at 1 × 128 MLA heads.
+MAX_SPLITS: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,17 +107,29 @@ class _Plan:
     interpret: bool
 
 
-def default_splits(pairs: int, steps: int) -> int:
-    """Splits of each list: enough programs for PROGRAMS_PER_SM a SM, at most one a step."""
+def default_splits(pairs: int, steps: int, max_splits: int | None = None) -> int:
+    """Splits of each list: enough programs for PROGRAMS_PER_SM a SM, at most one a step
+    (and at most ``max_splits``)."""
     want = -(-PROGRAMS_PER_SM * backend.sm_count() // max(pairs, 1))
-    return max(1, min(want, steps))
+    return max(1, min(want, steps, max_splits or steps))
 
 
-def split_list(pairs: int, list_len: int, block_n: int, splits: int | None = None):
+def max_splits() -> int | None:
+    """``MAX_SPLITS``, checked; read at call time by the wrappers, which pass it to their
+    jitted functions as a static argument."""
+    cap = MAX_SPLITS
+    if cap is not None and (not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"MAX_SPLITS: got {cap!r}; expected None or an int >= 1")
+    return cap
+
+
+def split_list(pairs: int, list_len: int, block_n: int, splits: int | None = None,
+               max_splits: int | None = None):  # fmt: skip
     """(steps, steps per split, splits) of lists of ``list_len`` entries walked
-    ``block_n`` a step by ``pairs`` programs a split (``splits`` None: the default)."""
+    ``block_n`` a step by ``pairs`` programs a split (``splits`` None: the default, at
+    most ``max_splits``)."""
     steps = max(1, -(-list_len // block_n))
-    splits = splits or default_splits(pairs, steps)
+    splits = splits or default_splits(pairs, steps, max_splits)
     per_split = -(-steps // splits)
     return steps, per_split, -(-steps // per_split)  # no program without a step
 
@@ -374,8 +390,8 @@ def indexed_attention_triton(
 ):
     """(out [B, H, Dv] in q's dtype, lse [B, H] float32); see
     :func:`jsparse.indexed_attention`. ``FP8_AS_WORDS`` is read here, at call time, so
-    that a changed setting is never hidden by a cached trace (``PAGES_BEFORE_LAUNCH``
-    and ``MERGE_VDIM_BLOCK`` too)."""
+    that a changed setting is never hidden by a cached trace (``PAGES_BEFORE_LAUNCH``,
+    ``MERGE_VDIM_BLOCK`` and ``MAX_SPLITS`` too)."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     words = (
         FP8_AS_WORDS and jnp.dtype(k.dtype) == fp8 and jnp.dtype(v.dtype) == fp8
@@ -384,15 +400,16 @@ def indexed_attention_triton(
     return _indexed_attention(
         q, k, v, indices, k_scale, v_scale, page_table, scale=scale,
         cfg=cfg or AttentionConfig(), splits=splits, words=bool(words),
-        pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(),
+        pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(), cap=max_splits(),
     )  # fmt: skip
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "cfg", "splits", "words", "pages_first", "merge_block")
+    jax.jit,
+    static_argnames=("scale", "cfg", "splits", "words", "pages_first", "merge_block", "cap"),
 )
 def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale, cfg, splits,
-                       words, pages_first, merge_block):  # fmt: skip
+                       words, pages_first, merge_block, cap):  # fmt: skip
     b, h, d = q.shape
     out_dtype = q.dtype
     hkv, dv = k.shape[2], v.shape[3]
@@ -401,7 +418,7 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
     g = h // hkv
     n = indices.shape[2]
     pairs = b * hkv
-    steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
+    steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits, cap)
     compute = widened_dtype(q, k)
     gp = next_pow2(g, MIN_GROUP_ROWS)
     planes = 2 if words else 1
