@@ -206,6 +206,17 @@ def test_step_bad_inputs_are_named():
         ("slots", dict(slots=slots.astype(jnp.float32))),
         ("values", dict(values=values.astype(jnp.int8))),
         ("k_new", dict(k_new=k_new.astype(jnp.int32))),
+        ("scale", dict(scale=scale.astype(jnp.int32))),
+        (
+            "q",
+            dict(
+                values=values[:, :, :0],
+                k_new=k_new[:, :0],
+                a=a[:0],
+                bmap=bmap[:0],
+                scale=scale[:, :0],
+            ),
+        ),  # no KV heads
         ("q", dict(q=q[0])),
     ]
     base = dict(q=q, k_new=k_new, a=a, bmap=bmap, values=values, scale=scale, slots=slots)

@@ -87,7 +87,8 @@ def projected_step(
         _checks.check_rank(name, x, rank, layout)
     _checks.check_dtype("values", values, CACHE_FLOATS)
     _checks.check_dtype("slots", slots, (jnp.int32,))
-    for name, x in (("q", q), ("k_new", k_new), ("query_map", query_map), ("key_map", key_map)):
+    floats = ("q", q), ("k_new", k_new), ("query_map", query_map), ("key_map", key_map)
+    for name, x in (*floats, ("scale", scale)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name}: dtype {x.dtype}; expected a floating-point array")
     b, _, hkv, r = values.shape
@@ -102,7 +103,7 @@ def projected_step(
                 f"{name}: shape {tuple(x.shape)}; expected {want} to match values "
                 f"{tuple(values.shape)} [B, S, Hkv, R] and q's head dim D = {d}"
             )
-    if q.shape[1] % hkv or q.shape[1] == 0:
+    if hkv == 0 or q.shape[1] % hkv or q.shape[1] == 0:
         raise ValueError(
             f"q: {q.shape[1]} query heads; expected a positive multiple of Hkv = {hkv}"
         )
