@@ -114,7 +114,7 @@ def default_splits(pairs: int, steps: int, max_splits: int | None = None) -> int
     return max(1, min(want, steps, max_splits or steps))
 
 
-def max_splits() -> int | None:
+def split_cap() -> int | None:
     """``MAX_SPLITS``, checked; read at call time by the wrappers, which pass it to their
     jitted functions as a static argument."""
     cap = MAX_SPLITS
@@ -400,7 +400,7 @@ def indexed_attention_triton(
     return _indexed_attention(
         q, k, v, indices, k_scale, v_scale, page_table, scale=scale,
         cfg=cfg or AttentionConfig(), splits=splits, words=bool(words),
-        pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(), cap=max_splits(),
+        pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(), cap=split_cap(),
     )  # fmt: skip
 
 

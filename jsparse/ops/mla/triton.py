@@ -43,11 +43,11 @@ from jsparse.ops.attention.triton import (
     launch_split_k,
     listed_slots,
     looked_up_first,
-    max_splits,
     merge_vdim_block,
     q_planes,
     rescaled_f16,
     softmax_weights,
+    split_cap,
     split_list,
     store_normalized,
     store_planes,
@@ -237,7 +237,7 @@ def indexed_mla_attention_triton(
         q, cache, indices, cache_scale, page_table, latent_dim=latent_dim, scale=scale,
         cfg=cfg or default_config(q.shape[1]), splits=splits, packed=packed,
         fp8_dot=fp8_dot.name, pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(),
-        cap=max_splits(),
+        cap=split_cap(),
     )  # fmt: skip
 
 
