@@ -139,8 +139,9 @@ def top_budget(
     """Top-``budget`` positions per row, invisible tokens masked, ``-1`` padded, in the
     order score descending, then position ascending (deterministic ties).
 
-    On an NVIDIA GPU (or in Pallas interpret mode) this is :func:`jsparse.topk`, the
-    indexer's exact selection kernels, which keep that order; elsewhere
+    On an NVIDIA GPU (or in Pallas interpret mode) this is
+    :func:`jsparse.ops.topk.topk_prefix`, the indexer's exact selection kernels, which
+    keep that order; elsewhere
     ``jax.lax.top_k``, which returns equal scores lowest index first. Both give the same
     positions for finite scores; ``lax.top_k`` sorts every row, the kernels do not.
     ``ordered=False``: the same positions in the kernels' own order (mostly ascending
@@ -149,11 +150,11 @@ def top_budget(
     """
     b, hkv, s = scores.shape
     if _selection_kernels() and b * hkv > 0:
-        from jsparse.ops.topk import topk  # Pallas imports only when used
+        from jsparse.ops.topk import topk_prefix  # Pallas imports only when used
 
-        ends = jnp.repeat(jnp.clip(lengths.astype(jnp.int32), 0, s), hkv)
         rows = scores.reshape(b * hkv, s).astype(jnp.float32)
-        idx, _ = topk(rows, budget, kv_end=ends, sorted=ordered, implementation="triton")
+        lengths = lengths.astype(jnp.int32)  # clipped to [0, S] by the kernels
+        idx, _ = topk_prefix(rows, lengths, budget, sorted=ordered, implementation="triton")
         return idx.reshape(b, hkv, budget)
     pos = jnp.arange(s, dtype=jnp.int32)
     visible = pos[None, None, :] < lengths[:, None, None]

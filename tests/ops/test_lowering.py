@@ -191,3 +191,22 @@ def test_dense_scorer_launch_takes_only_what_it_reads(with_scale):
     assert "broadcast_in_dim" not in first_launch
     operands = body[body.index("xla.gpu.triton(") :].split(")")[0].count("%")
     assert operands == 5 + with_scale
+
+
+def test_decode_selection_builds_no_ranges(monkeypatch):
+    # A decode step's top-budget selection once launched two small XLA kernels before the
+    # compaction (~0.8 µs each): a zero start per row and its lengths repeated per head
+    # and clipped. The kernels now read a one-entry constant start and the lengths as
+    # given: nothing but reshapes comes before the first launch.
+    from jsparse import backend
+    from jsparse.selectors.base import top_budget
+
+    monkeypatch.setattr(backend, "has_nvidia_gpu", lambda: True)
+    scores = jax.ShapeDtypeStruct((4, 2, 8192), jnp.float32)
+    lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+    text = lower_for_h200(lambda x, n: top_budget(x, n, 64, ordered=False), scores, lengths)
+    text = text.as_text()
+    before = text[: text.index("stablehlo.custom_call")]
+    for op in ("broadcast_in_dim", "clamp", "concatenate", "iota", "select"):
+        assert f"stablehlo.{op}" not in before, op
+    assert "dense<0> : tensor<1xi32>" in before

@@ -121,6 +121,50 @@ def test_compact_rows_keeps_the_exact_top_k(kind, chunks, s, kernel_impl):
         np.testing.assert_array_equal(np.asarray(slow)[:2], select.SEARCHED)
 
 
+# (KEEP_BITS, chunks, split keep bits): the one-pass compaction, keep bits and their
+# expansion, rows split over programs with a merge, and split keep bits.
+RANGE_PATHS = [(False, 1, False), (True, 1, False), (False, 3, False), (True, 3, True)]
+
+
+@pytest.mark.parametrize("keep_bits, chunks, split_bits", RANGE_PATHS)
+@pytest.mark.parametrize("kind", ["gauss", "all-equal"])
+def test_ranges_shared_by_groups_of_rows(kind, keep_bits, chunks, split_bits, kernel_impl,
+                                         monkeypatch):  # fmt: skip
+    # A decode step's heads share their sequence's length and every row starts at 0: a
+    # start of one entry and ends of one entry per sequence, read by every kernel of
+    # the compaction as entry t // (T / n), each end clipped to [start, S].
+    monkeypatch.setattr(select, "KEEP_BITS", keep_bits)
+    if split_bits:
+        monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ROWS", 1)
+        monkeypatch.setattr(select, "SPLIT_KEEP_BITS_MIN_ENTRIES", 1)
+    s, g, top_k = 9000, 2, 40
+    lengths = np.array([s + 50, 4000, -3, 30], np.int32)  # past S, inside, negative, < K
+    ends = np.repeat(np.clip(lengths, 0, s), g)
+    t = len(ends)
+    scores = _adversarial_rows(kind, t, s, [(0, e) for e in ends], np.random.default_rng(2))
+    # row 0's end is past S: unclipped, it would read keys S .. S + 49, which are the
+    # next row's first entries on the GPU and its own last one, clamped, interpreted
+    scores[:, -1] = scores[1:, :50] = np.inf
+    start = jnp.zeros((1,), jnp.int32)
+    codes, ci, cn, _ = select.compact_rows(
+        jnp.asarray(scores), start, jnp.asarray(lengths), top_k, 512, chunks=chunks,
+        with_codes=True,
+    )  # fmt: skip
+    got = select.select_by_rank(codes, ci, cn, top_k)
+    vis = visible_key_ids(jnp.zeros((t,), jnp.int32), jnp.asarray(ends), s)
+    want = select_topk_reference(jnp.asarray(scores), vis, top_k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(np.asarray(cn)[-4:], [0, 0, 30, 30])
+
+
+def test_group_ranges_must_divide_the_rows():
+    x = jnp.zeros((6, 64), jnp.float32)
+    message = r"end: shape \(4,\); expected \[n\] with n dividing T = 6"
+    with pytest.raises(ValueError, match=message):
+        select.compact_rows(x, jnp.zeros((1,), jnp.int32), jnp.zeros((4,), jnp.int32), 4, 64)
+
+
 @pytest.mark.parametrize("kind", ["gauss", "all-equal"])
 def test_split_rows_with_a_shared_theta_keep_the_same_candidates(kind, kernel_impl, monkeypatch):
     """θ searched once a row (a kernel of its own) or by every chunk program: the same

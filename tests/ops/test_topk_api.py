@@ -81,6 +81,36 @@ def test_defaults_jit_and_no_keys():
     assert np.all(np.asarray(ids) == -1) and np.all(np.isneginf(np.asarray(vals)))
 
 
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_topk_prefix_is_topk_with_each_sequences_length(impl, kernel_impl):
+    # three sequences of two rows each; lengths past S, negative and shorter than K are
+    # clipped to [0, S], as a decode step's selection clipped them before
+    rng = np.random.default_rng(6)
+    x, _, _ = rows("ties", rng, t=6, s=3000)
+    lengths = np.array([3100, -2, 90], np.int32)
+    ends = np.repeat(np.clip(lengths, 0, 3000), 2)
+    name = kernel_impl if impl == "kernel" else "reference"
+    select = jax.jit(lambda x, n: jsparse.ops.topk.topk_prefix(x, n, 150, implementation=name))
+    ids, vals = select(jnp.asarray(x), jnp.asarray(lengths))
+    want_ids, want_vals = oracle(x, np.zeros(6, np.int32), ends, 150)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_array_equal(np.asarray(vals), want_vals)
+
+
+@pytest.mark.parametrize(
+    "lengths, message",
+    [
+        (jnp.zeros((2, 1), jnp.int32), "lengths: expected rank 1"),
+        (jnp.zeros((2,), jnp.float32), "lengths: dtype float32"),
+        (jnp.zeros((4,), jnp.int32), r"lengths: shape \(4,\) against scores \(6, 40\)"),
+        (jnp.zeros((0,), jnp.int32), "B dividing T"),
+    ],
+)
+def test_topk_prefix_bad_lengths(lengths, message):
+    with pytest.raises(ValueError, match=message):
+        jsparse.ops.topk.topk_prefix(jnp.zeros((6, 40), jnp.float32), lengths, 3)
+
+
 @pytest.mark.parametrize(
     "call, message",
     [

@@ -1,6 +1,6 @@
 """Exact Top-K selection under one total order (score descending, id ascending)."""
 
-from jsparse.ops.topk.api import topk
+from jsparse.ops.topk.api import topk, topk_prefix
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 from jsparse.ops.topk.reference import select_codes_reference, select_topk_reference
 
@@ -11,4 +11,5 @@ __all__ = [
     "select_codes_reference",
     "select_topk_reference",
     "topk",
+    "topk_prefix",
 ]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, backend
@@ -50,11 +51,53 @@ def topk(
     if t == 0:
         raise ValueError(f"scores: shape {tuple(scores.shape)} has no rows; expected T ≥ 1")
     start, end = _checks.check_ranges(kv_start, kv_end, t, s, f"scores {tuple(scores.shape)}")
+    # an absent range is one constant entry for every row, not a [T] array that a jit
+    # caller would fill with a launch of its own (the kernels read entry t // (T / n))
+    start = _constant_range(0) if kv_start is None else start
+    end = _constant_range(s) if kv_end is None else end
+    return _select(scores, start, end, top_k, sorted, implementation)
+
+
+def topk_prefix(
+    scores: Float[Array, "T S"],
+    lengths: Int[Array, " B"],
+    top_k: int,
+    *,
+    sorted: bool = True,
+    implementation: str | Sequence[str] | None = None,
+) -> tuple[Int[Array, "T K"], Float[Array, "T K"]]:
+    """:func:`topk` of rows that see a prefix of their keys: B sequences of T / B rows
+    each (a decode step's heads), row t selecting among keys ``0 ≤ i < lengths[t // (T /
+    B)]``, each length clipped to [0, S]. The same answer as ``topk(scores, top_k,
+    kv_end=jnp.repeat(jnp.clip(lengths, 0, S), T // B))``, without the launch that
+    builds those ends.
+    """
+    _checks.check_rank("scores", scores, 2, "[T, S]")
+    _checks.check_dtype("scores", scores, (jnp.float32,))
+    _checks.check_rank("lengths", lengths, 1, "[B]")
+    _checks.check_dtype("lengths", lengths, (jnp.int32,))
+    t, b = scores.shape[0], lengths.shape[0]
+    if t == 0 or b == 0 or t % b:
+        raise ValueError(
+            f"lengths: shape {tuple(lengths.shape)} against scores {tuple(scores.shape)}; "
+            "expected B ≥ 1 sequences of T / B rows each (B dividing T ≥ 1)"
+        )
+    return _select(scores, _constant_range(0), lengths, top_k, sorted, implementation)
+
+
+def _constant_range(value: int):
+    return np.full((1,), value, np.int32)
+
+
+def _select(scores, start, end, top_k, sort, implementation):
+    """Dispatch over validated rows; ``start`` and ``end`` hold one entry per group of
+    rows (a [T] range: groups of one)."""
+    t, s = scores.shape
     top_k = _checks.check_top_k(top_k)
     if s == 0:  # nothing to select: every slot is padding
         return jnp.full((t, top_k), -1, jnp.int32), jnp.full((t, top_k), -jnp.inf, jnp.float32)
     return backend.dispatch(
-        "topk", _implementations(), implementation, scores, start, end, top_k, bool(sorted)
+        "topk", _implementations(), implementation, scores, start, end, top_k, bool(sort)
     )
 
 
@@ -70,4 +113,7 @@ def _implementations():
 
 def _reference(scores, start, end, top_k, sort):
     del sort  # the reference always sorts
-    return select_topk_reference(scores, visible_key_ids(start, end, scores.shape[1]), top_k)
+    t, s = scores.shape
+    start, end = (jnp.repeat(r, t // r.shape[0]) for r in (start, end))  # one per row
+    end = jnp.clip(end, start, s)  # as the kernels clip a prefix's length
+    return select_topk_reference(scores, visible_key_ids(start, end, s), top_k)

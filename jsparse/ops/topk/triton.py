@@ -298,6 +298,18 @@ def _largest_true(holds):
     return jax.lax.fori_loop(0, 8, step, jnp.int32(0))
 
 
+def _dense_range(start_ref, end_ref, row, shape):
+    """Row ``row``'s visible range [lo, hi) of a dense [T, S] ``shape``. A range array of
+    n entries serves the rows in groups of T / n (a start of one entry: every row's
+    start; ends of B entries: B sequences of T / B heads each, a decode step's lengths),
+    and hi is clipped to [lo, S] (sequence lengths are not checked against S), so that
+    a caller's ranges need no launch of their own to be built (~0.8 µs each)."""
+    t, width = shape
+    lo = plt.load(start_ref.at[row // (t // start_ref.shape[0])])
+    hi = plt.load(end_ref.at[row // (t // end_ref.shape[0])])
+    return lo, jnp.clip(hi, lo, width)
+
+
 def _row_source(refs, dense, row, blk):
     """(entries, block, lo, hi) of a dense score row or a record row.
 
@@ -314,8 +326,8 @@ def _row_source(refs, dense, row, blk):
     lanes = jnp.arange(blk, dtype=jnp.int32)
     if dense:
         scores_ref, start_ref, end_ref = refs
-        lo, hi = plt.load(start_ref.at[row]), plt.load(end_ref.at[row])
         width = scores_ref.shape[1]
+        lo, hi = _dense_range(start_ref, end_ref, row, scores_ref.shape)
         refs_other = ((scores_ref, 0.0),)
     else:
         codes_ref, ids_ref, count_ref = refs
@@ -796,7 +808,7 @@ def _keep_bits_kernel(scores_ref, start_ref, end_ref, theta_ref, words_ref, *, c
     _peeled(body, first + chunk * per_chunk * blk, own, blk, own * 0)
 
 
-def _expand_bits_kernel(*refs, top_k, cap, cfg, codes):
+def _expand_bits_kernel(*refs, top_k, cap, cfg, codes, width):
     """Program (row): the row's count (popcounts of its words) and fast-path flag; a fast
     row's words become its candidate ids, in id order: round r stores each word's r-th
     lowest set bit at the word's offset + r. Flagged rows are left to the exact kernel.
@@ -808,7 +820,7 @@ def _expand_bits_kernel(*refs, top_k, cap, cfg, codes):
         scores_ref = codes_ref = None
     row = pl.program_id(0)
     blk = cfg.block
-    lo, hi = plt.load(start_ref.at[row]), plt.load(end_ref.at[row])
+    lo, hi = _dense_range(start_ref, end_ref, row, (words_ref.shape[0], width))
     first, n_blocks = _aligned_blocks(lo, hi, blk)
     w0, n_w = first // 32, n_blocks * (blk // 32)
     lanes = jnp.arange(EXPAND_WORDS, dtype=jnp.int32)
@@ -1004,7 +1016,9 @@ def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes, chunks=1):
     slots = jax.ShapeDtypeStruct((t * cap,), i32)  # no init: nothing reads past a count
     per_row = jax.ShapeDtypeStruct((t,), i32)
     *bufs, flag = pl.pallas_call(
-        functools.partial(_expand_bits_kernel, top_k=top_k, cap=cap, cfg=cfg, codes=codes),
+        functools.partial(
+            _expand_bits_kernel, top_k=top_k, cap=cap, cfg=cfg, codes=codes, width=scores.shape[1]
+        ),
         grid=(t,),
         out_shape=(slots,) * (2 if codes else 1) + (per_row, per_row),
         compiler_params=compiler,
@@ -1020,7 +1034,9 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
     select gathers their scores back (:func:`select_rows`). Slots past a row's count
     are undefined.
 
-    ``scores`` [T, S] is read only inside ``[start[t], end[t])``. Returns (ids, count
+    ``scores`` [T, S] is read only inside ``[start[t], end[t])``; ``start`` and ``end``
+    may also hold one entry per group of rows (n entries, n dividing T: row t reads
+    entry t // (T / n)), ends clipped to [start, S] (:func:`_dense_range`). Returns (ids, count
     [T], slow [T] int32: the path each row took, FAST (0) for the sampled θ, RETRIED (1)
     for one retry at a rescaled rank, SEARCHED (2) for the exact radix search).
     ``cap ≥ top_k``. A row that a ladder of thresholds rescued also reports RETRIED.
@@ -1032,6 +1048,11 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
     store per kept entry (run 41).
     """
     t, s = scores.shape
+    for name, r in (("start", start), ("end", end)):
+        if r.ndim != 1 or r.shape[0] == 0 or t % r.shape[0]:
+            raise ValueError(
+                f"{name}: shape {tuple(r.shape)}; expected [n] with n dividing T = {t}"
+            )
     chunks = chunks or default_chunks(t, s)
     inputs = (scores, start, end)
     return _compact_call(inputs, t, top_k, cap, True, cfg, chunks, codes=with_codes)
