@@ -76,9 +76,27 @@ Params = dict[str, Array]
 HIGHEST = jax.lax.Precision.HIGHEST
 # A decode step's projections (the query's, times the cache's scales, and the new key's
 # into the cache) in one Pallas launch (`projected_step`) instead of XLA's three to five
-# small fusions: 5.5-15 µs of glue a step at 8-32 sequences (run 179: a dot, a
-# concatenate, transposes and the cache write). A/B switch, off until measured.
-FUSED_STEP = False
+# small fusions (run 179: a dot, a concatenate, transposes, the cache write). One
+# program a (sequence, KV head) averages its G query heads of D values serially. Run 184,
+# GPU busy µs: GQA (G·D = 512) 32 × 32K / 128K −7 / −6, 8 × 32K −1.6, 8 × 128K 0, one
+# sequence +0.7 / −0.5; MLA (one KV head, G·D = 128 × 576) +47 to +56 at every batch.
+# None: on where the launch has at least FUSED_STEP_MIN_PROGRAMS programs and each
+# averages at most FUSED_STEP_MAX_QUERY_VALUES; True / False: always / never.
+FUSED_STEP: bool | None = None
+FUSED_STEP_MIN_PROGRAMS = 64
+FUSED_STEP_MAX_QUERY_VALUES = 4096
+
+
+def fused_step_pays(q_shape, kv_heads: int) -> bool:
+    """Whether a decode step of queries ``q_shape`` [B, H, D] over ``kv_heads`` KV heads
+    takes ``projected_step`` (``FUSED_STEP``)."""
+    if FUSED_STEP is not None:
+        return bool(FUSED_STEP)
+    b, h, d = q_shape
+    return b * kv_heads >= FUSED_STEP_MIN_PROGRAMS and (h // kv_heads) * d <= (
+        FUSED_STEP_MAX_QUERY_VALUES
+    )
+
 
 # name -> (dtype, bytes per value). FP8 is the paper's default scoring cache (App. E.2).
 CACHE_DTYPES: dict[str, tuple[Any, int]] = {
@@ -372,10 +390,12 @@ class ProjectedSelector(Selector):
         ordered: bool = True,
     ) -> tuple[Int[Array, "B Hkv budget"], ProjectedKeys]:
         """(lists, cache) of one decode step: :meth:`append_keys` of ``k_new`` at
-        ``slots``, then :meth:`select_projected`. With ``FUSED_STEP`` on, where the
-        Pallas kernels run, and for a selector that keeps this class's projections,
-        both projections and the cache write are one ``projected_step`` launch."""
-        if FUSED_STEP and _selection_kernels() and self._plain_projections():
+        ``slots``, then :meth:`select_projected`. Where the Pallas kernels run, for a
+        selector that keeps this class's projections and where it pays
+        (:func:`fused_step_pays`), both projections and the cache write are one
+        ``projected_step`` launch."""
+        fused = _selection_kernels() and self._plain_projections()
+        if fused and fused_step_pays(q.shape, k_new.shape[1]):
             a, b = self.maps(params)
             qp, values = projected_step(q, k_new, a, b, cache.values, cache.scale, slots)
             cache = cache._replace(values=values)

@@ -115,6 +115,7 @@ def test_the_fused_step_decodes_like_the_separate_projections(kernel_impl, monke
             outs.append(yt)
         return np.asarray(jnp.concatenate(outs, 1))
 
+    monkeypatch.setattr(jsparse.selectors.base, "FUSED_STEP", False)
     separate = decode()
     base = jsparse.selectors.base
     step, calls = base.projected_step, []

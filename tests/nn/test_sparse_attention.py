@@ -160,6 +160,7 @@ def test_the_fused_step_decodes_like_the_separate_projections(name, kernel_impl,
     launch select the same tokens as the selector's own methods (same logits)."""
     sel, params = _calibrated(name, rank=4)
     core = lambda i: jsparse.SparseAttention(sel, params, 6)  # noqa: E731
+    monkeypatch.setattr(jsparse.selectors.base, "FUSED_STEP", False)
     separate = _decode(_model(core), TOKENS, steps=6)
     base = jsparse.selectors.base
     step, calls = base.projected_step, []

@@ -332,3 +332,18 @@ def test_which_selectors_take_the_fused_decode_step():
     assert plain("jssa_mla", rank=4, latent_dim=8)
     assert not plain("jssa_rd", fp8_dims=2, int4_dims=4)
     assert not plain("head_shared", rank=4)
+
+
+def test_the_fused_step_is_taken_where_it_measured_faster(monkeypatch):
+    """Run 184: GQA steps of ≥ 64 (sequence, KV head) programs gain; one sequence does
+    not, and MLA's one KV head of 128 × 576 query values loses ~50 µs at every batch."""
+    from jsparse.selectors import base
+
+    pays = base.fused_step_pays
+    assert pays((32, 32, 128), 8) and pays((8, 32, 128), 8)
+    assert not pays((1, 32, 128), 8)  # 8 programs
+    assert not pays((32, 128, 576), 1) and not pays((128, 128, 576), 1)
+    monkeypatch.setattr(base, "FUSED_STEP", True)
+    assert pays((1, 128, 576), 1)
+    monkeypatch.setattr(base, "FUSED_STEP", False)
+    assert not pays((32, 32, 128), 8)

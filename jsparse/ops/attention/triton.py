@@ -49,16 +49,14 @@ FP8_AS_WORDS = True
 # with pages first (run 175). The MLA kernel's switch of the same name is on (1.8× at
 # 128 heads).
 PAGES_BEFORE_LAUNCH = False
-# Output values a merge program weights (a power of two ≥ 16), None: a head's whole row.
-# A/B switch: MLA's rows are 512 values, so at one sequence × 128 heads (32 splits) a
-# program holds [32, 512] partials, 128 a thread at 4 warps, in 128 programs: 5.2 µs
-# against the kernel's 8.2 (run 176). Blocks of 128 give 4× the programs at a quarter
-# of the registers each.
-MERGE_VDIM_BLOCK: int | None = None
-# At most this many splits a list (None: as many as PROGRAMS_PER_SM asks, up to one a
-# step). A/B switch: one sequence's lists split 32 ways, and then the f32 partials (a row
-# per head and split) outweigh the rows read, 8.4 MB against 2.4 MB at 1 × 128 MLA heads.
-MAX_SPLITS: int | None = None
+# Output values a merge program weights (a power of two ≥ 16) when the merge has no more
+# (pair, head) programs than SMs; else, and with None, a head's whole row. MLA's rows are
+# 512 values: at one sequence × 128 heads (32 splits) a program holding its [32, 512]
+# partials merged in 5.2 µs against the kernel's 8.2 (run 176); blocks of 128 (4× the
+# programs at a quarter of the registers each) take the step from 33.7 to 32.0 µs at
+# 1 × 32K and 37.8 to 36.0 at 1 × 128K, but cost 2.7-9 µs from 8 sequences on, where
+# 1024+ whole-row programs already fill the GPU (run 185). GQA rows (128) are one block.
+MERGE_VDIM_BLOCK: int | None = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,29 +105,17 @@ class _Plan:
     interpret: bool
 
 
-def default_splits(pairs: int, steps: int, max_splits: int | None = None) -> int:
-    """Splits of each list: enough programs for PROGRAMS_PER_SM a SM, at most one a step
-    (and at most ``max_splits``)."""
+def default_splits(pairs: int, steps: int) -> int:
+    """Splits of each list: enough programs for PROGRAMS_PER_SM a SM, at most one a step."""
     want = -(-PROGRAMS_PER_SM * backend.sm_count() // max(pairs, 1))
-    return max(1, min(want, steps, max_splits or steps))
+    return max(1, min(want, steps))
 
 
-def split_cap() -> int | None:
-    """``MAX_SPLITS``, checked; read at call time by the wrappers, which pass it to their
-    jitted functions as a static argument."""
-    cap = MAX_SPLITS
-    if cap is not None and (not isinstance(cap, int) or cap < 1):
-        raise ValueError(f"MAX_SPLITS: got {cap!r}; expected None or an int >= 1")
-    return cap
-
-
-def split_list(pairs: int, list_len: int, block_n: int, splits: int | None = None,
-               max_splits: int | None = None):  # fmt: skip
+def split_list(pairs: int, list_len: int, block_n: int, splits: int | None = None):
     """(steps, steps per split, splits) of lists of ``list_len`` entries walked
-    ``block_n`` a step by ``pairs`` programs a split (``splits`` None: the default, at
-    most ``max_splits``)."""
+    ``block_n`` a step by ``pairs`` programs a split (``splits`` None: the default)."""
     steps = max(1, -(-list_len // block_n))
-    splits = splits or default_splits(pairs, steps, max_splits)
+    splits = splits or default_splits(pairs, steps)
     per_split = -(-steps // splits)
     return steps, per_split, -(-steps // per_split)  # no program without a step
 
@@ -390,8 +376,8 @@ def indexed_attention_triton(
 ):
     """(out [B, H, Dv] in q's dtype, lse [B, H] float32); see
     :func:`jsparse.indexed_attention`. ``FP8_AS_WORDS`` is read here, at call time, so
-    that a changed setting is never hidden by a cached trace (``PAGES_BEFORE_LAUNCH``,
-    ``MERGE_VDIM_BLOCK`` and ``MAX_SPLITS`` too)."""
+    that a changed setting is never hidden by a cached trace (``PAGES_BEFORE_LAUNCH``
+    and ``MERGE_VDIM_BLOCK`` too)."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     words = (
         FP8_AS_WORDS and jnp.dtype(k.dtype) == fp8 and jnp.dtype(v.dtype) == fp8
@@ -400,16 +386,15 @@ def indexed_attention_triton(
     return _indexed_attention(
         q, k, v, indices, k_scale, v_scale, page_table, scale=scale,
         cfg=cfg or AttentionConfig(), splits=splits, words=bool(words),
-        pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(), cap=split_cap(),
+        pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(),
     )  # fmt: skip
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("scale", "cfg", "splits", "words", "pages_first", "merge_block", "cap"),
+    jax.jit, static_argnames=("scale", "cfg", "splits", "words", "pages_first", "merge_block")
 )
 def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale, cfg, splits,
-                       words, pages_first, merge_block, cap):  # fmt: skip
+                       words, pages_first, merge_block):  # fmt: skip
     b, h, d = q.shape
     out_dtype = q.dtype
     hkv, dv = k.shape[2], v.shape[3]
@@ -418,7 +403,7 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
     g = h // hkv
     n = indices.shape[2]
     pairs = b * hkv
-    steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits, cap)
+    steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
     compute = widened_dtype(q, k)
     gp = next_pow2(g, MIN_GROUP_ROWS)
     planes = 2 if words else 1
@@ -470,7 +455,8 @@ def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: st
     and a merge launch that weights them (``v_scales``: ``[pairs]`` float32 when
     ``p.has_v_scale``). ``p`` needs ``splits``, ``group``, ``group_rows``, ``vdim``,
     ``vdim_pad``, ``has_v_scale``, ``interpret`` and ``cfg`` (warps, stages).
-    ``merge_block``: output values a merge program weights (None: the whole row)."""
+    ``merge_block``: output values a merge program weights when pairs × group ≤ SMs
+    (None, or more programs: the whole row)."""
     sds = jax.ShapeDtypeStruct
     final = sds((pairs, p.group, p.vdim), dtype), sds((pairs, p.group), jnp.float32)
     rows = (pairs, p.splits, p.group_rows)
@@ -485,7 +471,8 @@ def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: st
     )(*operands)
     if p.splits == 1:
         return outs
-    vdim_block = min(merge_block or p.vdim_pad, p.vdim_pad)
+    few = pairs * p.group <= backend.sm_count()  # value blocks only within one wave
+    vdim_block = min(merge_block or p.vdim_pad, p.vdim_pad) if few else p.vdim_pad
     return pl.pallas_call(
         functools.partial(_merge_kernel, p=p, vdim_block=vdim_block),
         grid=(pairs, p.group) + ((p.vdim_pad // vdim_block,) if vdim_block < p.vdim_pad else ()),

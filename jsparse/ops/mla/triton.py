@@ -47,7 +47,6 @@ from jsparse.ops.attention.triton import (
     q_planes,
     rescaled_f16,
     softmax_weights,
-    split_cap,
     split_list,
     store_normalized,
     store_planes,
@@ -219,8 +218,8 @@ def indexed_mla_attention_triton(
 ):
     """(out [B, H, Dc] in q's dtype, lse [B, H] float32); see
     :func:`jsparse.indexed_mla_attention`. The module's tiles and FP8 switch (and the
-    shared split-K switches ``MERGE_VDIM_BLOCK`` and ``MAX_SPLITS``) are read
-    here, at call time, so that a changed setting is never hidden by a cached trace."""
+    shared ``MERGE_VDIM_BLOCK``) are read here, at call time, so that a changed setting
+    is never hidden by a cached trace."""
     d, dc = q.shape[-1], latent_dim
     # An FP8 cache is read as 16-bit words holding two values: with f16 dots, 1.3-1.6×
     # faster than bytes (run 167). Past 2**31 values words are needed: Pallas Triton
@@ -237,7 +236,6 @@ def indexed_mla_attention_triton(
         q, cache, indices, cache_scale, page_table, latent_dim=latent_dim, scale=scale,
         cfg=cfg or default_config(q.shape[1]), splits=splits, packed=packed,
         fp8_dot=fp8_dot.name, pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(),
-        cap=split_cap(),
     )  # fmt: skip
 
 
@@ -245,12 +243,11 @@ def indexed_mla_attention_triton(
     jax.jit,
     static_argnames=(
         "latent_dim", "scale", "cfg", "splits", "packed", "fp8_dot", "pages_first", "merge_block",
-        "cap",
     ),
 )  # fmt: skip
 def _indexed_mla_attention(
     q, cache, indices, cache_scale, page_table, *, latent_dim, scale, cfg, splits, packed,
-    fp8_dot, pages_first, merge_block, cap,
+    fp8_dot, pages_first, merge_block,
 ):  # fmt: skip
     b, h, d = q.shape
     n = indices.shape[1]
@@ -258,7 +255,7 @@ def _indexed_mla_attention(
     pool, page_size, _ = cache_geometry(cache, page_table)
     blocks = -(-h // cfg.block_h)
     pairs = b * blocks
-    steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits, cap)
+    steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
     compute = widened_dtype(q, cache)
     out_dtype = q.dtype
     # A bf16 q over an FP8 cache: FP8 widens to f16 in one conversion, to bf16 in a
