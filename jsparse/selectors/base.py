@@ -79,7 +79,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # small fusions (run 179: a dot, a concatenate, transposes, the cache write). One
 # program a (sequence, KV head) averages its G query heads of D values serially. Run 184,
 # GPU busy µs: GQA (G·D = 512) 32 × 32K / 128K −7 / −6, 8 × 32K −1.6, 8 × 128K 0, one
-# sequence +0.7 / −0.5; MLA (one KV head, G·D = 128 × 576) +47 to +56 at every batch.
+# sequence +0.7 / −0.5; MLA (one KV head, G·D = 128 × 576) +47 to +56 at every batch
+# (+31 at 16 heads).
 # None: on where the launch has at least FUSED_STEP_MIN_PROGRAMS programs and each
 # averages at most FUSED_STEP_MAX_QUERY_VALUES; True / False: always / never.
 FUSED_STEP: bool | None = None

@@ -195,9 +195,9 @@ def test_dense_scorer_launch_takes_only_what_it_reads(with_scale):
 
 def test_decode_selection_builds_no_ranges(monkeypatch):
     # A decode step's top-budget selection once launched two small XLA kernels before the
-    # compaction (~0.8 µs each): a zero start per row and its lengths repeated per head
-    # and clipped. The kernels now read a one-entry constant start and the lengths as
-    # given: nothing but reshapes comes before the first launch.
+    # compaction: a zero start per row, and its lengths repeated per head and clipped.
+    # The kernels now read a one-entry constant start and the lengths as given: nothing
+    # but reshapes comes before the first launch.
     from jsparse import backend
     from jsparse.selectors.base import top_budget
 

@@ -303,7 +303,8 @@ def _dense_range(start_ref, end_ref, row, shape):
     n entries serves the rows in groups of T / n (a start of one entry: every row's
     start; ends of B entries: B sequences of T / B heads each, a decode step's lengths),
     and hi is clipped to [lo, S] (sequence lengths are not checked against S), so that
-    a caller's ranges need no launch of their own to be built (~0.8 µs each)."""
+    a caller's ranges need no launch of their own to be built (two a decode step: −1.6
+    µs at one GQA sequence, within noise elsewhere, run 184)."""
     t, width = shape
     lo = plt.load(start_ref.at[row // (t // start_ref.shape[0])])
     hi = plt.load(end_ref.at[row // (t // end_ref.shape[0])])
