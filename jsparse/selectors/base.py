@@ -30,8 +30,8 @@ Contract of ``select``:
   ``append_keys(params, cache, k_new, slots)`` writes one token's projection per
   sequence with the cache's existing scales, so a step never re-projects the context;
   ``decode_step(params, q, cache, k_new, slots, lengths, budget)`` is the two in turn
-  (``FUSED_STEP``: their projections in one kernel, for selectors that only calibrate
-  other maps).
+  (their projections in one kernel, for selectors that only calibrate other maps,
+  where :func:`fused_step_pays`).
   ``bytes_per_token(head_dim)`` is the scoring-side memory per token per KV head, the
   quantity "equal memory" compares.
 """
