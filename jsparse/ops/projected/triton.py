@@ -100,6 +100,10 @@ def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
 # registers: DeepSeek's MLA is R = 64 against D = 576 and 128 query heads.
 STEP_D_CHUNK = 64
 STEP_HEAD_CHUNK = 16
+# Software-pipeline stages of the chunk loops (1: each chunk's loads wait for the last
+# chunk's sums). MLA's one program a sequence walks 9 × 8 dependent loads (run 185:
+# 54.7 µs); run 189 tries more stages and larger chunks.
+STEP_NUM_STAGES = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +191,7 @@ def projected_step_triton(q, k_new, query_map, key_map, values, scale, slots):
             jax.ShapeDtypeStruct((b * s, hkv * r), values.dtype),
         ),
         input_output_aliases={6: 1},
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=STEP_NUM_STAGES),
         interpret=p.interpret,
         name="jsparse_projected_step",
     )(
