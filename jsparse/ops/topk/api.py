@@ -50,11 +50,14 @@ def topk(
     t, s = scores.shape
     if t == 0:
         raise ValueError(f"scores: shape {tuple(scores.shape)} has no rows; expected T ≥ 1")
-    start, end = _checks.check_ranges(kv_start, kv_end, t, s, f"scores {tuple(scores.shape)}")
     # an absent range is one constant entry for every row, not a [T] array that a jit
     # caller would fill with a launch of its own (the kernels read entry t // (T / n))
-    start = _constant_range(0) if kv_start is None else start
-    end = _constant_range(s) if kv_end is None else end
+    start, end = _constant_range(0), _constant_range(s)
+    if kv_start is not None or kv_end is not None:
+        rows = f"scores {tuple(scores.shape)}"
+        given = _checks.check_ranges(kv_start, kv_end, t, s, rows)
+        start = start if kv_start is None else given[0]
+        end = end if kv_end is None else given[1]
     return _select(scores, start, end, top_k, sorted, implementation)
 
 
