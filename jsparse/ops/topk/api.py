@@ -45,11 +45,7 @@ def topk(
       (indices [T, K] int32, values [T, K] float32); rows with fewer than K visible keys
       are padded with -1 / -inf.
     """
-    _checks.check_rank("scores", scores, 2, "[T, S]")
-    _checks.check_dtype("scores", scores, (jnp.float32,))
-    t, s = scores.shape
-    if t == 0:
-        raise ValueError(f"scores: shape {tuple(scores.shape)} has no rows; expected T ≥ 1")
+    t, s = _checked_scores(scores)
     # an absent range is one constant entry for every row, not a [T] array that a jit
     # caller would fill with a launch of its own (the kernels read entry t // (T / n))
     start, end = _constant_range(0), _constant_range(s)
@@ -75,17 +71,26 @@ def topk_prefix(
     kv_end=jnp.repeat(jnp.clip(lengths, 0, S), T // B))``, without the launch that
     builds those ends.
     """
-    _checks.check_rank("scores", scores, 2, "[T, S]")
-    _checks.check_dtype("scores", scores, (jnp.float32,))
+    t, _ = _checked_scores(scores)
     _checks.check_rank("lengths", lengths, 1, "[B]")
     _checks.check_dtype("lengths", lengths, (jnp.int32,))
-    t, b = scores.shape[0], lengths.shape[0]
-    if t == 0 or b == 0 or t % b:
+    b = lengths.shape[0]
+    if b == 0 or t % b:
         raise ValueError(
             f"lengths: shape {tuple(lengths.shape)} against scores {tuple(scores.shape)}; "
             "expected B ≥ 1 sequences of T / B rows each (B dividing T ≥ 1)"
         )
     return _select(scores, _constant_range(0), lengths, top_k, sorted, implementation)
+
+
+def _checked_scores(scores) -> tuple[int, int]:
+    """(T, S) of f32 [T, S] score rows with T ≥ 1, else a ValueError naming ``scores``."""
+    _checks.check_rank("scores", scores, 2, "[T, S]")
+    _checks.check_dtype("scores", scores, (jnp.float32,))
+    t, s = scores.shape
+    if t == 0:
+        raise ValueError(f"scores: shape {tuple(scores.shape)} has no rows; expected T ≥ 1")
+    return t, s
 
 
 def _constant_range(value: int):
