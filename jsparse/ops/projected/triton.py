@@ -101,9 +101,10 @@ def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
 STEP_D_CHUNK = 64
 STEP_HEAD_CHUNK = 16
 # Software-pipeline stages of the chunk loops (1: each chunk's loads wait for the last
-# chunk's sums). MLA's one program a sequence walks 9 × 8 dependent loads (run 185:
-# 54.7 µs); run 189 tries more stages and larger chunks.
+# chunk's sums). MLA's one program a sequence walks 9 × 8 dependent loads (run 189:
+# 37 µs alone at any batch); run 191 tries more stages, larger chunks and 8 warps.
 STEP_NUM_STAGES = 1
+STEP_NUM_WARPS = 4  # the step's own, apart from the scores kernel's NUM_WARPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +192,7 @@ def projected_step_triton(q, k_new, query_map, key_map, values, scale, slots):
             jax.ShapeDtypeStruct((b * s, hkv * r), values.dtype),
         ),
         input_output_aliases={6: 1},
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=STEP_NUM_STAGES),
+        compiler_params=plt.CompilerParams(num_warps=STEP_NUM_WARPS, num_stages=STEP_NUM_STAGES),
         interpret=p.interpret,
         name="jsparse_projected_step",
     )(
