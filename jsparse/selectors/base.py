@@ -77,14 +77,14 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # A decode step's projections (the query's, times the cache's scales, and the new key's
 # into the cache) in one Pallas launch (`projected_step`) instead of XLA's three to five
 # small fusions (run 179: a dot, a concatenate, transposes, the cache write). One
-# program a (sequence, KV head) averages its G query heads of D values serially. Run 184,
-# GPU busy µs: GQA (G·D = 512) 32 × 32K / 128K −7 / −6, 8 × 32K −1.6, 8 × 128K 0, one
-# sequence +0.7 / −0.5; MLA (one KV head, G·D = 128 × 576) +47 to +56 at every batch
-# (+31 at 16 heads).
-# None: on where the launch has at least FUSED_STEP_MIN_PROGRAMS programs and each
-# averages at most FUSED_STEP_MAX_QUERY_VALUES; True / False: always / never.
+# program a (sequence, KV head) averages its G query heads of D values in chunks that
+# wait on each other. Run 191, GPU busy µs of the whole step against the unfused one
+# (run 189): GQA (G·D = 512) −0.9 / −1.4 at one sequence (32K / 128K), −2.7 / −3 at 8,
+# −2 / −3 at 32; MLA (one KV head, G·D = 128 × 576) +4 to +10 at every batch, its
+# kernel 16-20 µs in the step against ~7-14 of XLA glue (+7 at 16 heads).
+# None: on where each program averages at most FUSED_STEP_MAX_QUERY_VALUES; True /
+# False: always / never.
 FUSED_STEP: bool | None = None
-FUSED_STEP_MIN_PROGRAMS = 64
 FUSED_STEP_MAX_QUERY_VALUES = 4096
 
 
@@ -93,10 +93,8 @@ def fused_step_pays(q_shape, kv_heads: int) -> bool:
     takes ``projected_step`` (``FUSED_STEP``)."""
     if FUSED_STEP is not None:
         return bool(FUSED_STEP)
-    b, h, d = q_shape
-    return b * kv_heads >= FUSED_STEP_MIN_PROGRAMS and (h // kv_heads) * d <= (
-        FUSED_STEP_MAX_QUERY_VALUES
-    )
+    _, h, d = q_shape
+    return (h // kv_heads) * d <= FUSED_STEP_MAX_QUERY_VALUES
 
 
 # name -> (dtype, bytes per value). FP8 is the paper's default scoring cache (App. E.2).

@@ -96,15 +96,14 @@ def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
 # The decode step's projections (`projected_step`): one program per (sequence, KV head)
 # averages the head's query heads, applies both maps, scales the query, quantises the key
 # and stores it in the cache in place. Walked in chunks of the head dimension (and of
-# the query heads) so that a [R, chunk] map tile and a [heads, chunk] query tile fit in
-# registers: DeepSeek's MLA is R = 64 against D = 576 and 128 query heads.
-STEP_D_CHUNK = 64
-STEP_HEAD_CHUNK = 16
-# Software-pipeline stages of the chunk loops (1: each chunk's loads wait for the last
-# chunk's sums). MLA's one program a sequence walks 9 × 8 dependent loads (run 189:
-# 37 µs alone at any batch); run 191 tries more stages, larger chunks and 8 warps.
-STEP_NUM_STAGES = 1
-STEP_NUM_WARPS = 4  # the step's own, apart from the scores kernel's NUM_WARPS
+# the query heads); each chunk's loads wait for the last chunk's sums, so the chunks are
+# a chain of memory latencies and the fewer the better. Run 191, the kernel alone at
+# MLA's 128 heads × 576 (GPU busy µs, any batch): (16, 64) 37, (128, 64) 14.5, (128, 128)
+# 10.3 at 4 warps and 9.7-10.4 at 8; GQA's 4 × 128 at one sequence 3.2 → 1.7. Two
+# software-pipeline stages changed nothing.
+STEP_D_CHUNK = 128
+STEP_HEAD_CHUNK = 128
+STEP_NUM_WARPS = 8  # the step's own, apart from the scores kernel's NUM_WARPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +191,7 @@ def projected_step_triton(q, k_new, query_map, key_map, values, scale, slots):
             jax.ShapeDtypeStruct((b * s, hkv * r), values.dtype),
         ),
         input_output_aliases={6: 1},
-        compiler_params=plt.CompilerParams(num_warps=STEP_NUM_WARPS, num_stages=STEP_NUM_STAGES),
+        compiler_params=plt.CompilerParams(num_warps=STEP_NUM_WARPS, num_stages=1),
         interpret=p.interpret,
         name="jsparse_projected_step",
     )(
