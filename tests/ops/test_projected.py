@@ -152,6 +152,7 @@ def _step_oracle(q, k_new, a, bmap, scale, fp8):
         (2, 20, 1, 80, 8, 30, "fp8"),  # MLA-like: one KV head, D not a power of two
         (2, 32, 8, 128, 32, 50, "bf16"),
         (2, 4, 2, 24, 4, 9, "f32"),
+        (2, 136, 1, 200, 8, 12, "bf16"),  # two partial chunks of heads and of D (128 each)
     ],
 )
 def test_step_kernel_and_reference_match_the_oracle(b, h, hkv, d, r, s, dtype):
