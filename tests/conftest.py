@@ -101,6 +101,18 @@ def real_model(real_assets):
 
 
 @pytest.fixture
+def monkeypatch():
+    """pytest's ``monkeypatch``, with JAX's caches cleared before and after the test: the
+    library's switches are module constants read when a function is traced, and a trace
+    cached with the other setting would run it unseen (a sweep of such constants in one
+    process measured one tile ten times)."""
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+    jax.clear_caches()
+
+
+@pytest.fixture
 def interpret():
     """Pallas kernels in interpret mode for the duration of one test."""
     with backend.interpret_mode(True):
