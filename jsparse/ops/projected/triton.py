@@ -104,19 +104,6 @@ def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
 STEP_D_CHUNK = 128
 STEP_HEAD_CHUNK = 128
 STEP_NUM_WARPS = 8  # the step's own, apart from the scores kernel's NUM_WARPS
-# Chunk loops of at most this many trips are unrolled when traced: no chunk's loads then
-# depend on the last chunk's sums, so the compiler may issue them ahead (run 197 tries
-# it); 0 keeps every loop a loop.
-STEP_UNROLL = 0
-
-
-def _chunk_loop(trips: int, body, carry):
-    """``fori_loop(0, trips, body, carry)``, unrolled when ``trips`` ≤ ``STEP_UNROLL``."""
-    if trips > STEP_UNROLL:
-        return jax.lax.fori_loop(0, trips, body, carry)
-    for i in range(trips):
-        carry = body(i, carry)
-    return carry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +140,7 @@ def _step_kernel(q_ref, k_ref, a_ref, b_ref, scale_ref, slot_ref, _values_in, qp
             return total + jnp.sum(x.astype(jnp.float32), axis=0)
 
         n_head_chunks = -(-p.heads // p.head_chunk)
-        q_sum = _chunk_loop(n_head_chunks, add_heads, jnp.zeros((p.d_chunk,), jnp.float32))
+        q_sum = jax.lax.fori_loop(0, n_head_chunks, add_heads, jnp.zeros((p.d_chunk,), jnp.float32))
         q_mean = q_sum / p.heads
         k_at = k_ref.at[b * p.kv_heads + h, dims]
         k_new = plt.load(k_at, mask=in_dim, other=jnp.zeros((), k_ref.dtype))
@@ -166,7 +153,7 @@ def _step_kernel(q_ref, k_ref, a_ref, b_ref, scale_ref, slot_ref, _values_in, qp
         return acc_q, acc_k
 
     zeros = jnp.zeros((p.rank,), jnp.float32)
-    acc_q, acc_k = _chunk_loop(-(-p.dim // p.d_chunk), chunk, (zeros, zeros))
+    acc_q, acc_k = jax.lax.fori_loop(0, -(-p.dim // p.d_chunk), chunk, (zeros, zeros))
     scale = plt.load(scale_ref.at[b * p.kv_heads + h])
     plt.store(qp_ref.at[b * p.kv_heads + h, ranks], acc_q * scale)
     if p.fp8:  # quantize_with_scale: divided by the scale, clipped to e4m3fn's range
