@@ -154,8 +154,7 @@ def fp8_widening(monkeypatch):
     """The scorer's in-memory FP8 widening under test: ``set_threshold(n)`` sets
     ``WIDEN_FP8_IN_MEMORY_FROM`` (None: never) and clears the traces; ``decisions``
     records each launch's choice since."""
-    yield _Fp8Widening(monkeypatch)
-    jax.clear_caches()
+    return _Fp8Widening(monkeypatch)
 
 
 def pytest_report_header(config):

@@ -115,11 +115,9 @@ def test_paged_base_walks_several_tiles_a_program(splits, kernel_impl, monkeypat
     # A program reads each tile's pages one tile ahead: with every sequence's 5 tiles in
     # one or two programs, a wrong prefetch would read another tile's keys.
     monkeypatch.setattr(scorer, "batch_splits", lambda *args: splits)
-    jax.clear_caches()
     batch = make_batch(jnp.bfloat16, seed=5)
     dense = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
     from_pages = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **paged(batch))
-    jax.clear_caches()
     np.testing.assert_array_equal(np.asarray(from_pages.indices), np.asarray(dense.indices))
     np.testing.assert_array_equal(np.asarray(from_pages.scores), np.asarray(dense.scores))
     assert_matches_oracle(dense, batch)

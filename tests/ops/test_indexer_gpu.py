@@ -58,13 +58,12 @@ def test_base_report_is_its_ranges():
 
 
 @pytest.mark.parametrize("t", [1, 8])
-def test_scorer_written_report_is_the_same_result(t, monkeypatch, request):
+def test_scorer_written_report_is_the_same_result(t, monkeypatch):
     from jsparse.ops.indexer import methods
 
     x = inputs(t, 65536, jnp.float8_e4m3fn, causal=False)
     x["kv_end"] = x["kv_end"].at[-1].set(1500)  # one row sees fewer keys than K
     args = (x["q"], x["weights"], x["k"], K, x["k_scale"], x["kv_start"], x["kv_end"])
-    request.addfinalizer(jax.clear_caches)
     results = []
     for on in (False, True):
         monkeypatch.setattr(methods, "SCORER_WRITES_REPORT", on)

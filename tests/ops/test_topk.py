@@ -530,13 +530,11 @@ def test_select_by_rank_takes_the_block_form_from_its_row_count(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("by_blocks", [False, True], ids=["pairs", "blocks"])
 @pytest.mark.parametrize("t, s", [(1, 65536), (8, 131072)])
-def test_gpu_decode_rows_select_by_rank(t, s, by_blocks, monkeypatch, request):
+def test_gpu_decode_rows_select_by_rank(t, s, by_blocks, monkeypatch):
     # decode-sized rows take rank_select (or its block form) when compiled; rounded
-    # scores tie at the boundary, one row sees fewer keys than K. Traces are cached by
-    # function, not by this module constant: clear them before and after.
+    # scores tie at the boundary, one row sees fewer keys than K. (The module constant
+    # is read at trace time; the monkeypatch fixture clears traces around the test.)
     monkeypatch.setattr(select, "BLOCK_RANK_MIN_ROWS", 1 if by_blocks else None)
-    jax.clear_caches()
-    request.addfinalizer(jax.clear_caches)
     rng = np.random.default_rng(t)
     cap = candidate_capacity(2048, s)
     assert select.rank_selects(t, cap)
