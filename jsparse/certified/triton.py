@@ -91,7 +91,6 @@ class _Static:
     block_t: int  # BT of the scorer
     block_q: int  # BQ: queries per screening program (multiple of BT)
     n_blocks: int  # scorer blocks ceil(T / BT)
-    cap: int  # survivor list capacity per scorer block
     splits: int
     screen_dtype: str
     cfg: ScreenConfig
@@ -99,9 +98,11 @@ class _Static:
 
 def _screen_kernel(
     tile_ref, rows_ref, omega_ref, ecoef_ref, cabs_ref, tau_ref, prune_ref, start_ref,
-    end_ref, k_ref, knorm_ref, scale_ref, _list_in, _count_in, _surv_in,
-    list_ref, count_ref, surv_ref, *, p: _Static,
+    end_ref, k_ref, knorm_ref, scale_ref, *refs, p: _Static,
 ):  # fmt: skip
+    # Outputs: the keep bytes [n_blocks, S] and per-(query, split) survivor counts. The
+    # first launch creates the bytes; later width classes write theirs into the same.
+    keep_ref, surv_ref = refs[-2:]
     bq, bt, w, bs = p.block_q, p.block_t, p.width, p.cfg.block_s
     nsub = bq // bt
     i = pl.program_id(0)
@@ -121,13 +122,18 @@ def _screen_kernel(
     cabs = plt.load(cabs_ref.at[q_safe], mask=q_in, other=0.0)
     wi = jnp.arange(w, dtype=jnp.int32)
     dims = jnp.arange(p.dim, dtype=jnp.int32)
+    # Rows row-major by width slot: column w·BQ + q of the logits. In the MMA's
+    # accumulator layout a query's W columns (BQ apart) then sit in one thread, so the
+    # sums over W need no exchange; query-major columns (q·W + w) made the [BS, BQ, W]
+    # view an exchange through shared memory every tile (WORKSPACE.md, run 199: the
+    # kernel 11.7 → 6.3 ms at 8192 × 128K).
     rows = plt.load(
-        rows_ref.at[q_safe[:, None, None], wi[None, :, None], dims[None, None, :]],
-        mask=q_ok[:, None, None],
+        rows_ref.at[q_safe[None, :, None], wi[:, None, None], dims[None, None, :]],
+        mask=q_ok[None, :, None],
         other=0,
-    )  # [BQ, W, D]
-    rows2 = rows.reshape(bq * w, p.dim)
-    omega = plt.load(omega_ref.at[q_safe[:, None], wi[None, :]], mask=q_ok[:, None], other=0.0)
+    )  # [W, BQ, D]
+    rows2 = rows.reshape(w * bq, p.dim)
+    omega = plt.load(omega_ref.at[q_safe[None, :], wi[:, None]], mask=q_ok[None, :], other=0.0)
     # A cast, not where(p, 1.0, 0.0): Pallas Triton lowers a select between two Python
     # literals as an i1 select (see the path flags in jsparse/ops/topk/triton.py).
     aux_mask = (wi < planner.AUX_ROWS).astype(jnp.float32)  # rows hi, lo
@@ -143,10 +149,8 @@ def _screen_kernel(
     begin = first + split * per_split
     stop = jnp.minimum(begin + per_split, last)
     precision = jax.lax.Precision.HIGHEST if p.screen_dtype == "float32" else None
-    trash = p.n_blocks * p.cap  # one past the last slot: never a live index
 
-    def body(j, carry):
-        n_q, filled = carry
+    def body(j, kept_count):
         ids = j * bs + jnp.arange(bs, dtype=jnp.int32)
         ok = ids < p.s
         safe = jnp.where(ok, ids, 0)
@@ -159,63 +163,100 @@ def _screen_kernel(
             k_tile.astype(rows2.dtype), rows2, (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32, precision=precision,
         )  # fmt: skip
-        l3 = logits.reshape(bs, bq, w)
-        kept = jnp.sum(jnp.where(l3 < 0, 0.0, l3) * omega[None, :, :], axis=2)  # [BS, BQ]
-        aux = jnp.sum(l3 * aux_mask[None, None, :], axis=2)
+        l3 = logits.reshape(bs, w, bq)
+        kept = jnp.sum(jnp.where(l3 < 0, 0.0, l3) * omega[None, :, :], axis=1)  # [BS, BQ]
+        aux = jnp.sum(l3 * aux_mask[None, :, None], axis=1)
         bound = kept - jnp.where(aux < 0, 0.0, aux)
         bound = (bound + ecoef[None, :] * knorm[:, None] + cabs[None, :]) * scale[:, None]
         reject = (score_code(bound) < tau[None, :]) & (knorm[:, None] < jnp.inf)
         visible = ok[:, None] & (ids[:, None] >= start[None, :]) & (ids[:, None] < end[None, :])
-        keep = (visible & ~reject).astype(jnp.int32).T  # [BQ, BS]
-        n_q = n_q + jnp.sum(keep, axis=1)
-        union = jnp.sum(keep.reshape(nsub, bt, bs), axis=1) > 0  # [nsub, BS]
-        union_i = union.astype(jnp.int32)
-        n_new = jnp.sum(union_i, axis=1)  # [nsub]
-        if p.splits == 1:
-            base = filled
-        else:
-            # Several programs fill one list: reserve room with scalar fetch-and-add
-            # (vector int atomics are unreliable on this backend).
-            base = jnp.zeros((nsub,), jnp.int32)
-            for r in range(nsub):
-                n_r = jnp.sum(jnp.where(sub == r, n_new, 0))
-                b_r = jnp.maximum(jnp.sum(jnp.where(sub == r, blk, 0)), 0)
-                old = plt.atomic_add(count_ref, (b_r.astype(jnp.int32),), n_r)
-                base = jnp.where(sub == r, old, base)
-        pos = base[:, None] + jnp.cumsum(union_i, axis=1) - 1
-        store = union & (pos < p.cap) & blk_ok[:, None]
-        dst = jnp.where(store, blk[:, None] * p.cap + pos, trash)
-        plt.store(list_ref.at[dst], jnp.broadcast_to(ids[None, :], (nsub, bs)), mask=store)
-        return n_q, filled + n_new
+        keep = (visible & ~reject).astype(jnp.int32)  # [BS, BQ]
+        # One byte a key and scorer block, stored where it lies: no per-tile prefix sum,
+        # no scattered list store, no count reduced across warps (run 198: those cost
+        # 5.4 and ~1.4 of the kernel's 18.3 ms). `expand_keep` lists them afterwards.
+        union = jnp.sum(keep.reshape(bs, nsub, bt), axis=2) > 0  # [BS, nsub]
+        live = blk_ok[None, :] & ok[:, None]
+        # Dead lanes aim one past the end (never a live index): interpreted, a masked
+        # lane writes back the old value, which must not land on a live one.
+        dst = jnp.where(live, blk[None, :] * p.s + safe[:, None], p.n_blocks * p.s)
+        plt.store(keep_ref.at[dst], union.astype(jnp.int8), mask=live)
+        return kept_count + keep
 
-    init = (jnp.zeros((bq,), jnp.int32), jnp.zeros((nsub,), jnp.int32))
-    n_q, filled = jax.lax.fori_loop(begin, stop, body, init)
-    if p.splits == 1:
-        plt.store(count_ref.at[jnp.where(blk_ok, blk, p.n_blocks)], filled, mask=blk_ok)
+    kept_count = jax.lax.fori_loop(begin, stop, body, jnp.zeros((bs, bq), jnp.int32))
     dst = jnp.where(q_in, qid * p.splits + split, p.t * p.splits)
-    plt.store(surv_ref.at[dst], n_q, mask=q_in)
+    plt.store(surv_ref.at[dst], jnp.sum(kept_count, axis=0), mask=q_in)
 
 
-def _screen_launch(tiles, plan, start, end, k, knorm, scale, lists, counts, surv, p: _Static):
+def _screen_launch(tiles, plan, start, end, k, knorm, scale, keep, surv, p: _Static):
+    """One width class's screening launch. ``keep`` None: this launch creates the keep
+    bytes (their unwritten bytes are never read); else it writes into them."""
     prune = plan.prune.astype(jnp.int32)
     inputs = (
         tiles, plan.rows, plan.row_weights, plan.e_coef, plan.c_abs, plan.tau_code, prune,
         start, end, k, knorm, scale,
     )  # fmt: skip
     n_in = len(inputs)
+    aliased = (surv,) if keep is None else (keep, surv)
+    keep_shape = jax.ShapeDtypeStruct((p.n_blocks * p.s,), jnp.int8)
+    aliases = {n_in + a: 2 - len(aliased) + a for a in range(len(aliased))}
     return pl.pallas_call(
         functools.partial(_screen_kernel, p=p),
         grid=(tiles.shape[0], p.splits),
-        out_shape=(
-            jax.ShapeDtypeStruct(lists.shape, jnp.int32),
-            jax.ShapeDtypeStruct(counts.shape, jnp.int32),
-            jax.ShapeDtypeStruct(surv.shape, jnp.int32),
-        ),
-        input_output_aliases={n_in: 0, n_in + 1: 1, n_in + 2: 2},
+        out_shape=(keep_shape, jax.ShapeDtypeStruct(surv.shape, jnp.int32)),
+        input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=p.cfg.num_warps, num_stages=p.cfg.num_stages),
         interpret=backend.is_interpret(),
         name=f"jsparse_dosa_screen_w{p.width}",
-    )(*inputs, lists, counts, surv)
+    )(*inputs, *aliased)
+
+
+EXPAND_CHUNK = 2048  # keep bytes a block's expansion reads a step
+
+
+def _expand_kernel(lo_ref, hi_ref, keep_ref, _lists_in, lists_ref, count_ref, *, s, cap):
+    b = pl.program_id(0)
+    n_blocks = pl.num_programs(0)
+    lo, hi = plt.load(lo_ref.at[b]), plt.load(hi_ref.at[b])
+    first = lo // EXPAND_CHUNK
+    last = jnp.where(hi > lo, (hi + EXPAND_CHUNK - 1) // EXPAND_CHUNK, first)
+
+    def body(c, filled):
+        ids = c * EXPAND_CHUNK + jnp.arange(EXPAND_CHUNK, dtype=jnp.int32)
+        inside = (ids >= lo) & (ids < hi)  # only bytes the screening wrote
+        byte = plt.load(
+            keep_ref.at[b * s + jnp.where(inside, ids, 0)],
+            mask=inside,
+            other=jnp.zeros((), jnp.int8),
+        )
+        kept = (byte != 0).astype(jnp.int32)
+        pos = filled + jnp.cumsum(kept) - 1
+        store = (kept != 0) & (pos < cap)
+        plt.store(lists_ref.at[jnp.where(store, b * cap + pos, n_blocks * cap)], ids, mask=store)
+        return filled + jnp.sum(kept)
+
+    plt.store(count_ref.at[b], jax.lax.fori_loop(first, last, body, jnp.int32(0)))
+
+
+def expand_keep(keep, lo, hi, cap):
+    """Survivor lists from keep bytes [n_blocks · S] (block-major): block b's kept ids in
+    [lo[b], hi[b]), ascending, in ``cap`` slots (-1 after them), and its count (> cap:
+    overflow; the ids past cap are not listed). Returns lists [n_blocks, cap], counts."""
+    n_blocks = lo.shape[0]
+    s = keep.shape[0] // n_blocks
+    lists = jnp.full((n_blocks * cap,), -1, jnp.int32)
+    lists, counts = pl.pallas_call(
+        functools.partial(_expand_kernel, s=s, cap=cap),
+        grid=(n_blocks,),
+        out_shape=(
+            jax.ShapeDtypeStruct(lists.shape, jnp.int32),
+            jax.ShapeDtypeStruct((n_blocks,), jnp.int32),
+        ),
+        input_output_aliases={3: 0},
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        interpret=backend.is_interpret(),
+        name="jsparse_dosa_expand",
+    )(lo, hi, keep, lists)
+    return lists.reshape(n_blocks, cap), counts
 
 
 PROBE_QUERIES = 64  # queries planned first to decide whether screening can pay (policy auto)
@@ -286,9 +327,11 @@ def _screen_widens_in_memory(num_queries: int) -> bool:
 def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, splits=None):
     """Survivor lists per scorer block (union over its queries) and counts.
 
-    Returns (lists [n_blocks, cap] int32 with -1 in unused slots, counts [n_blocks] (may
-    exceed cap: overflow), survivors [T] (keys each query's own bound kept), whether
-    the lists are in ascending id order (no key range was split: static)).
+    Two steps: the screening launches (one per width class) store one keep byte per key
+    and scorer block, then :func:`expand_keep` lists each block's kept ids. Returns
+    (lists [n_blocks, cap] int32, ascending, -1 in unused slots; counts [n_blocks] (may
+    exceed cap: overflow); survivors [T] (keys each query's own bound kept); True: the
+    lists are in ascending id order, split key ranges included).
     """
     cfg = cfg or ScreenConfig()
     t, wmax, d = plan.rows.shape
@@ -310,22 +353,31 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
     if splits is None:
         # Decode-sized batches split the key range over programs; prefill does not.
         splits = int(max(1, min(-(-s // cfg.block_s), -(-4 * backend.sm_count() // n_blocks))))
+    # The queries' own chunking (jsparse._chunking) keeps T·S, hence the keep bytes,
+    # under 2^31 elements; refuse rather than wrap if a caller does not.
+    backend.check_triton_offsets(
+        "dosa screening", keep=jax.ShapeDtypeStruct((n_blocks * s + 1,), jnp.int8)
+    )
     scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale
-    lists = jnp.full((n_blocks * cap,), -1, jnp.int32)
-    counts = jnp.zeros((n_blocks,), jnp.int32)
+    keep = None
     surv = jnp.zeros((t * splits,), jnp.int32)
     for c, width in enumerate(plan.widths):
         block_q = max(block_t, cfg.tile_rows // width)
         p = _Static(
             t=t, s=s, dim=dp, width=width, wmax=wmax, block_t=block_t, block_q=block_q,
-            n_blocks=n_blocks, cap=cap, splits=splits,
+            n_blocks=n_blocks, splits=splits,
             screen_dtype=jnp.dtype(plan.rows.dtype).name, cfg=cfg,
         )  # fmt: skip
         tiles = _class_tiles(block_class, c, block_q // block_t)
-        lists, counts, surv = _screen_launch(
-            tiles, plan, start, end, k, knorm, scale, lists, counts, surv, p
-        )
-    return lists.reshape(n_blocks, cap), counts, surv.reshape(t, splits).sum(axis=1), splits == 1
+        keep, surv = _screen_launch(tiles, plan, start, end, k, knorm, scale, keep, surv, p)
+    # Each block's range as its programs scanned it: the union of its screened queries'.
+    screened = jnp.pad(plan.prune, (0, pad)).reshape(n_blocks, block_t)
+    b_start = jnp.pad(start, (0, pad)).reshape(n_blocks, block_t)
+    b_end = jnp.pad(end, (0, pad)).reshape(n_blocks, block_t)
+    lo = jnp.min(jnp.where(screened, b_start, s), axis=1).astype(jnp.int32)
+    hi = jnp.max(jnp.where(screened & (b_end > b_start), b_end, 0), axis=1).astype(jnp.int32)
+    lists, counts = expand_keep(keep, lo, hi, cap)
+    return lists, counts, surv.reshape(t, splits).sum(axis=1), True
 
 
 def default_list_capacity(top_k: int, num_keys: int) -> int:
@@ -466,8 +518,11 @@ def _certified(
     screened = plan.prune & ~list_overflow
 
     # Refinement over the survivor lists (screened queries only; others see nothing).
+    # A screened query's records are among its block's listed keys, so the list capacity
+    # bounds them: buffers of `full`'s record capacity (2.5× larger at 8192 × 128K)
+    # would only be filled and carried.
     dense = method == "dense"
-    rec_cap = list_capacity if dense else record_capacity
+    rec_cap = list_capacity if dense else min(list_capacity, record_capacity)
     tau_write = keep_all if dense else tau
     refine_end = jnp.where(screened, end, start)
     counts_in = jnp.where(block_overflow, 0, jnp.minimum(list_counts, list_capacity))
@@ -475,40 +530,36 @@ def _certified(
         q, weights, k, k_scale, start, refine_end, tau_write, rec_cap,
         key_ids=lists, key_counts=counts_in, cfg=cfg,
     )  # fmt: skip
+    indices, values = methods.select_records(
+        codes, ids, jnp.minimum(counts, rec_cap), top_k,
+        id_ordered=bool(lists_ordered and refine_ordered), sort=sort,
+    )  # fmt: skip
 
-    # Queries not screened: ``full`` (records ≥ τ over the whole visible range).
+    # Queries not screened: ``full`` (records ≥ τ over the whole visible range), selected
+    # on their own. Only [T, K] answers pass through the cond: record buffers returned
+    # unchanged by a cond branch are copied (8192 × 128K: 5.4 GB, 4.2 ms, run 198).
     full_q = ~screened
-    sel_cap = max(rec_cap, record_capacity)
-
-    def pad_to(x, value):
-        return jnp.pad(x, ((0, 0), (0, sel_cap - x.shape[1])), constant_values=value)
-
-    codes, ids = pad_to(codes, EMPTY_CODE), pad_to(ids, -1)
-
-    full_ordered = []  # set while tracing the branch below (a static fact of the launch)
 
     def with_full(args):
-        c0, i0, n0 = args
-        c1, i1, n1, ordered = scorer.score_records_triton(
+        i0, v0, n0 = args
+        c1, r1, n1, ordered = scorer.score_records_triton(
             q, weights, k, k_scale, start, jnp.where(full_q, end, start), tau,
             record_capacity, cfg=cfg,
         )  # fmt: skip
-        full_ordered.append(ordered)
-        c1, i1 = pad_to(c1, EMPTY_CODE), pad_to(i1, -1)
+        i1, v1 = methods.select_records(
+            c1, r1, jnp.minimum(n1, record_capacity), top_k, id_ordered=ordered, sort=sort
+        )
         return (
-            jnp.where(full_q[:, None], c1, c0),
             jnp.where(full_q[:, None], i1, i0),
+            jnp.where(full_q[:, None], v1, v0),
             jnp.where(full_q, n1, n0),
         )
 
-    codes, ids, counts = jax.lax.cond(jnp.any(full_q), with_full, lambda a: a, (codes, ids, counts))
+    indices, values, counts = jax.lax.cond(
+        jnp.any(full_q), with_full, lambda a: a, (indices, values, counts)
+    )
     cap_q = jnp.where(full_q, record_capacity, rec_cap)
     rec_overflow = counts > cap_q
-    # Records of each row are in ascending id order when no launch split a key range.
-    id_ordered = bool(lists_ordered and refine_ordered and all(full_ordered))
-    indices, values = methods.select_records(
-        codes, ids, jnp.minimum(counts, cap_q), top_k, id_ordered=id_ordered, sort=sort
-    )
 
     def recover(iv):
         # Records were dropped for these queries: only scoring everything is exact there.

@@ -120,6 +120,48 @@ def test_triton_planted_overflows_fall_back_exactly(kernel_impl):
     assert np.all(np.asarray(res.fallback))
 
 
+def test_triton_unscreened_queries_answered_by_full(kernel_impl):
+    # Query 0 sees fewer keys than K (too few seeds: not screened) and is answered by the
+    # `full` branch, selected on its own and merged into the screened queries' answers.
+    q, w, k, scale, start, end, seeds = make_inputs(CFG, 13)
+    start, end = start.at[0].set(10), end.at[0].set(10 + CFG.top_k - 2)
+    inputs = (q, w, k, scale, start, end, seeds)
+    base, _ = _base_and_full(inputs, CFG.top_k, kernel_impl)
+    for method in ("dosa", "dense"):
+        res, info = _dosa(inputs, CFG.top_k, kernel_impl, method=method)
+        _assert_same(base, res)
+        screened = np.asarray(info.screened)
+        assert not screened[0] and screened[1:].any(), screened
+        assert not np.asarray(info.record_overflow).any()
+        assert np.asarray(res.fallback)[0] and np.asarray(res.candidates)[0] == CFG.top_k - 2
+
+
+def test_expand_keep_lists_kept_ids_in_range():
+    # Keep bytes → survivor lists: only [lo, hi) of each block is read (bytes outside hold
+    # garbage, as the screening leaves them), ids ascending, counts past the capacity
+    # reported whole (overflow), -1 after the listed ids, an empty range lists nothing.
+    rng = np.random.default_rng(3)
+    n_blocks, s, cap = 5, 5000, 400
+    keep = rng.random((n_blocks, s)) < 0.1
+    lo = np.array([0, 17, 2047, 4000, 300], np.int32)
+    hi = np.array([5000, 2049, 4999, 4000, 4800], np.int32)  # block 3: empty range
+    garbage = np.where(keep, 1, 0).astype(np.int8)
+    for b in range(n_blocks):
+        garbage[b, : lo[b]] = garbage[b, hi[b] :] = -128  # never read
+    with jsparse.backend.interpret_mode(True):
+        lists, counts = ctriton.expand_keep(
+            jnp.asarray(garbage.reshape(-1)), jnp.asarray(lo), jnp.asarray(hi), cap
+        )
+    lists, counts = np.asarray(lists), np.asarray(counts)
+    for b in range(n_blocks):
+        want = lo[b] + np.flatnonzero(keep[b, lo[b] : hi[b]])
+        assert counts[b] == len(want)
+        n = min(len(want), cap)
+        np.testing.assert_array_equal(lists[b, :n], want[:n])
+        assert np.all(lists[b, n:] == -1)
+    assert counts[0] > cap and counts[3] == 0
+
+
 @pytest.mark.parametrize("k_dtype", ["float8_e4m3fn", "bfloat16", "float32"])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_screening_kernel_lowers_to_cuda(k_dtype, splits):
@@ -145,6 +187,7 @@ def test_screening_kernel_lowers_to_cuda(k_dtype, splits):
     text = lowered.as_text()
     for width in (8, 16, 32):
         assert f"jsparse_dosa_screen_w{width}" in text
+    assert "jsparse_dosa_expand" in text
 
 
 @pytest.mark.gpu
