@@ -211,6 +211,7 @@ def _screen_launch(tiles, plan, start, end, k, knorm, scale, keep, surv, p: _Sta
 
 
 EXPAND_CHUNK = 2048  # keep bytes a block's expansion reads a step
+EXPAND_NUM_WARPS = 4
 
 
 def _expand_kernel(lo_ref, hi_ref, keep_ref, _lists_in, lists_ref, count_ref, *, s, cap):
@@ -252,7 +253,7 @@ def expand_keep(keep, lo, hi, cap):
             jax.ShapeDtypeStruct((n_blocks,), jnp.int32),
         ),
         input_output_aliases={3: 0},
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=EXPAND_NUM_WARPS, num_stages=2),
         interpret=backend.is_interpret(),
         name="jsparse_dosa_expand",
     )(lo, hi, keep, lists)
@@ -262,19 +263,20 @@ def expand_keep(keep, lo, hi, cap):
 PROBE_QUERIES = 64  # queries planned first to decide whether screening can pay (policy auto)
 
 # The probe's cost model, in units of ``base``'s time per visible (query, key) pair.
-# Fitted to the H200 stage times at H = 64, D = 128, K = 2048, FP8 keys (WORKSPACE.md,
-# run 52, 8192 × ~127K pairs that ``base`` scores and selects in 41 ms): seeds + τ
-# 6.4 ms (6656 seeds a query), plan 5.8 + record selection 2.6, screening 20.1 at W = 8,
-# refinement 4.7 at 2.44% survival, ``full`` 92 ms.
-_SEED_UNITS = 3.0  # per seed key of a query: scored, then τ selected from them
-_QUERY_UNITS_PER_K = 12.7  # per query, times K: plan, selection of the records, glue
-_SCREEN_UNITS_PER_ROW = 0.06  # per visible pair and screening row (W = 8: 0.49)
-# Per visible pair, times the estimated survival: refinement measured 4.7 per survivor
+# Fitted to the H200's GPU busy times at H = 64, D = 128, K = 2048, FP8 keys
+# (WORKSPACE.md, run 200; 8192 × ~127K pairs that ``base`` scores and selects in 40.7
+# ms, 39 ps a pair): seeds + τ 2.6 ms (6689 seeds a query), plan, record selection and
+# glue ~6.9, screening 6.2 + expansion 1.1 at W = 8, refinement 5.1 at 2.44% survival;
+# every query left to ``full`` (iid): 108 ms.
+_SEED_UNITS = 1.2  # per seed key of a query: scored, then τ selected from them
+_QUERY_UNITS_PER_K = 10.5  # per query, times K: plan, selection of the records, glue
+_SCREEN_UNITS_PER_ROW = 0.023  # per visible pair and screening row (W = 8: 0.18)
+# Per visible pair, times the estimated survival: refinement measured 5.1 per survivor
 # (gathered keys, the block's union), plus a margin: the estimate counts the seeds'
 # recent window as kept and samples the rest (planner.plan_from_threshold), which
 # brackets the measured 2.44% at 8192 × 128K between 0.7% (sample) and 3.4%.
 _REFINE_UNITS = 5.5
-_FULL_UNITS = 2.25  # per visible pair of a query left to ``full`` (records ≥ τ)
+_FULL_UNITS = 2.4  # per visible pair of a query left to ``full`` (records ≥ τ)
 PROBE_GAIN = 0.9  # screen only when the estimate is at most this share of ``base``
 
 
