@@ -11,15 +11,17 @@ one scorer kernel of :mod:`jsparse.ops.indexer.triton` with one tile config per 
 2. plan (:mod:`jsparse.certified.planner`, XLA): rows, folded weights, guard, width.
 3. screen (this module's kernel): U^num for every visible key of the screened queries;
    a key survives for query t iff U^num ≥ τ_t (as score codes) or its norm is not
-   finite. The kernel writes, per scorer block, the union of its queries' survivors
-   (ids in increasing order when one program scans the block's keys) and the count.
+   finite. The kernel stores, per scorer block, one byte a key (the union of its
+   queries' survivors); :func:`expand_keep` turns the bytes into ascending id lists
+   and counts.
 4. refine: the scorer's key-list mode over each block's survivor list; each query keeps
    its records with code ≥ τ_t (``dosa``) or every listed visible key (``dense``).
    A key in the list because another query of the block kept it is scored for t too
    and is filtered by t's own τ: exact, since t's bound already proved it below τ_t.
    This is the paper's shared refinement stream (§1.9) at the granularity of the
    scorer's query block.
-5. select: the exact selection kernel over the records.
+5. select: the exact selection kernel over the records (those of unscreened queries,
+   from ``full``, selected separately and merged as [T, K] answers).
 
 No candidate is ever lost: a query that is not screened (plan.prune False) or whose
 block's survivor list overflows is scored in full (``full``: records ≥ τ over its whole
@@ -29,9 +31,10 @@ reported per query.
 Screening tile (one program, queries of one width class W):
 
     keys     [BS, D]          one key tile, BS = 64 (bf16; fp8 keys widen exactly)
-    rows     [BQ·W, D]        W rows per query: hi, lo, retained heads, zeros
-    logits   [BS, BQ·W]       one tensor-core dot, f32 accumulation
+    rows     [W·BQ, D]        W rows per query (hi, lo, retained heads, zeros), by slot
+    logits   [BS, W·BQ]       one tensor-core dot, f32 accumulation
     bound    [BS, BQ]         Σ ω relu − relu(hi + lo) + e·‖k‖ + c_abs, times α
+    keep     [N_blocks, S]    one byte a key: the union over each scorer block
 
 BQ·W = 128 by default (BQ = 16 queries at W = 8), so a key tile is loaded once per 16
 queries, against once per BT = 2 queries for the full scorer. Queries are grouped into
