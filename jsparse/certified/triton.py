@@ -127,9 +127,9 @@ def _screen_kernel(
     dims = jnp.arange(p.dim, dtype=jnp.int32)
     # Rows row-major by width slot: column w·BQ + q of the logits. In the MMA's
     # accumulator layout a query's W columns (BQ apart) then sit in one thread, so the
-    # sums over W need no exchange; query-major columns (q·W + w) made the [BS, BQ, W]
-    # view an exchange through shared memory every tile (WORKSPACE.md, run 199: the
-    # kernel 11.7 → 6.3 ms at 8192 × 128K).
+    # sums over W are register adds; query-major columns (q·W + w) spread each query
+    # over a quad of lanes, two shuffle rounds a sum (WORKSPACE.md, run 199: the kernel
+    # 11.7 → 6.3 ms at 8192 × 128K).
     rows = plt.load(
         rows_ref.at[q_safe[None, :, None], wi[:, None, None], dims[None, None, :]],
         mask=q_ok[None, :, None],
