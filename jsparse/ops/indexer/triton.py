@@ -266,10 +266,11 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             row = jnp.where(ok, page * p.page_size + safe % p.page_size, 0)
         else:
             row = safe
-        # Unmasked: lanes without a key read row 0 and are dropped by `visible` (every
-        # output row is its own key's dot). The masked gather cost the dense prefill
-        # loop 21% (WORKSPACE.md, run 206).
-        k_tile = plt.load(k_ref.at[row[:, None], dims[None, :]])
+        k_tile = plt.load(
+            k_ref.at[row[:, None], dims[None, :]],
+            mask=ok[:, None],
+            other=jnp.zeros((), k_ref.dtype),
+        )
         scale = plt.load(scale_ref.at[row], mask=ok, other=0.0) if p.has_scale else None
         scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
