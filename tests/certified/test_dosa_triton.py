@@ -136,6 +136,17 @@ def test_triton_unscreened_queries_answered_by_full(kernel_impl):
         assert np.asarray(res.fallback)[0] and np.asarray(res.candidates)[0] == CFG.top_k - 2
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_ragged_sizes_equal_base(kernel_impl, splits):
+    # S not a multiple of the 64-key screening tile (dead lanes in the last tile store
+    # nowhere) and T not a multiple of the scorer block; key ranges split or not.
+    cfg = Config(7, 8, 16, 150, 6, "bfloat16", "bfloat16")
+    inputs = make_inputs(cfg, 21)
+    base, full = _base_and_full(inputs, cfg.top_k, kernel_impl)
+    res, info = _dosa(inputs, cfg.top_k, kernel_impl, method="dosa", splits=splits)
+    _check_equals_base(base, full, res, info, "dosa", two_widths=False)
+
+
 def test_expand_keep_lists_kept_ids_in_range():
     # Keep bytes → survivor lists: only [lo, hi) of each block is read (bytes outside hold
     # garbage, as the screening leaves them), ids ascending, counts past the capacity
