@@ -200,8 +200,8 @@ def _screen_launch(tiles, plan, start, end, k, knorm, scale, keep, surv, p: _Sta
     )  # fmt: skip
     n_in = len(inputs)
     aliased = (surv,) if keep is None else (keep, surv)
+    aliases = {n_in: 1} if keep is None else {n_in: 0, n_in + 1: 1}  # → (keep, surv)
     keep_shape = jax.ShapeDtypeStruct((p.n_blocks * p.s,), jnp.int8)
-    aliases = {n_in + a: 2 - len(aliased) + a for a in range(len(aliased))}
     return pl.pallas_call(
         functools.partial(_screen_kernel, p=p),
         grid=(tiles.shape[0], p.splits),
@@ -214,7 +214,7 @@ def _screen_launch(tiles, plan, start, end, k, knorm, scale, keep, surv, p: _Sta
 
 
 EXPAND_CHUNK = 2048  # keep bytes a block's expansion reads a step
-EXPAND_NUM_WARPS = 4
+EXPAND_NUM_WARPS = 4  # 8 were slower at every chunk (WORKSPACE.md, run 201)
 
 
 def _expand_kernel(lo_ref, hi_ref, keep_ref, _lists_in, lists_ref, count_ref, *, s, cap):
@@ -334,9 +334,9 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
 
     Two steps: the screening launches (one per width class) store one keep byte per key
     and scorer block, then :func:`expand_keep` lists each block's kept ids. Returns
-    (lists [n_blocks, cap] int32, ascending, -1 in unused slots; counts [n_blocks] (may
-    exceed cap: overflow); survivors [T] (keys each query's own bound kept); True: the
-    lists are in ascending id order, split key ranges included).
+    (lists [n_blocks, cap] int32 in ascending id order, split key ranges included, -1
+    in unused slots; counts [n_blocks] (may exceed cap: overflow); survivors [T] (keys
+    each query's own bound kept)).
     """
     cfg = cfg or ScreenConfig()
     t, wmax, d = plan.rows.shape
@@ -375,14 +375,11 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
         )  # fmt: skip
         tiles = _class_tiles(block_class, c, block_q // block_t)
         keep, surv = _screen_launch(tiles, plan, start, end, k, knorm, scale, keep, surv, p)
-    # Each block's range as its programs scanned it: the union of its screened queries'.
-    screened = jnp.pad(plan.prune, (0, pad)).reshape(n_blocks, block_t)
-    b_start = jnp.pad(start, (0, pad)).reshape(n_blocks, block_t)
-    b_end = jnp.pad(end, (0, pad)).reshape(n_blocks, block_t)
-    lo = jnp.min(jnp.where(screened, b_start, s), axis=1).astype(jnp.int32)
-    hi = jnp.max(jnp.where(screened & (b_end > b_start), b_end, 0), axis=1).astype(jnp.int32)
-    lists, counts = expand_keep(keep, lo, hi, cap)
-    return lists, counts, surv.reshape(t, splits).sum(axis=1), True
+    # Each block's survivors lie in the span of its screened queries' ranges, inside the
+    # key tiles its programs scanned (and wrote bytes for).
+    lo, hi = methods.block_ranges(start, jnp.where(plan.prune, end, start), block_t, s)
+    lists, counts = expand_keep(keep, lo.astype(jnp.int32), hi.astype(jnp.int32), cap)
+    return lists, counts, surv.reshape(t, splits).sum(axis=1)
 
 
 def default_list_capacity(top_k: int, num_keys: int) -> int:
@@ -513,7 +510,7 @@ def _certified(
         widths=widths, policy=policy, n_seeds=n_seeds, list_capacity=list_capacity, cfg=cfg,
     )  # fmt: skip
     knorm = norms[0]
-    lists, list_counts, n_surv, lists_ordered = screen(
+    lists, list_counts, n_surv = screen(
         plan, start, end, k, k_scale, knorm, block_t=bt, cap=list_capacity, cfg=screen_cfg,
         splits=splits,
     )  # fmt: skip
@@ -537,7 +534,7 @@ def _certified(
     )  # fmt: skip
     indices, values = methods.select_records(
         codes, ids, jnp.minimum(counts, rec_cap), top_k,
-        id_ordered=bool(lists_ordered and refine_ordered), sort=sort,
+        id_ordered=refine_ordered, sort=sort,
     )  # fmt: skip
 
     # Queries not screened: ``full`` (records ≥ τ over the whole visible range), selected

@@ -67,13 +67,20 @@ def block_seed_ids(start, end, block_t, n_seeds, num_keys):
     keys score high on causal text). The kernel masks each seed by its query's own
     range, so every seed a query uses is visible to it, and the list is distinct.
     """
+    lo, hi = block_ranges(start, end, block_t, num_keys)
+    return recent_and_strided_ids(jnp.minimum(lo, hi), hi, n_seeds)
+
+
+def block_ranges(start, end, block_t, num_keys):
+    """Per query block of ``block_t`` queries, the range [lo, hi) spanning its queries'
+    non-empty ranges; a block with none gets lo = ``num_keys``, hi = 0."""
     t = start.shape[0]
     pad = (-t) % block_t
     s_blk = jnp.pad(start, (0, pad), constant_values=num_keys).reshape(-1, block_t)
     e_blk = jnp.pad(end, (0, pad), constant_values=0).reshape(-1, block_t)
     lo = jnp.min(jnp.where(e_blk > s_blk, s_blk, num_keys), axis=1)
     hi = jnp.max(jnp.where(e_blk > s_blk, e_blk, 0), axis=1)
-    return recent_and_strided_ids(jnp.minimum(lo, hi), hi, n_seeds)
+    return lo, hi
 
 
 def recent_and_strided_ids(lo, hi, n: int):
