@@ -59,7 +59,6 @@ from jsparse.certified.reference import CertifiedInfo
 from jsparse.ops.indexer import methods
 from jsparse.ops.indexer import triton as scorer
 from jsparse.ops.indexer.result import IndexerTopK
-from jsparse.ops.topk import triton as select
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 
 
@@ -468,7 +467,7 @@ def _seeds_and_plan(
     """Seeds per scorer block, τ per query (their K-th score) and the screening plan.
 
     ``norms``: :func:`planner.key_norms` of the keys (computed once per call)."""
-    t, _, d = q.shape
+    d = q.shape[2]
     s = k.shape[0]
     bt = cfg.block_t
     if seed_ids is None:
@@ -478,12 +477,7 @@ def _seeds_and_plan(
     else:
         seeds = methods.block_union_ids(seed_ids, bt)
         skip = 0
-    keep_all = jnp.full((t,), EMPTY_CODE, jnp.int32)
-    seed_cap = methods._round_up(seeds.shape[1], 128)
-    seed_codes, seed_rec, seed_counts, _ = scorer.score_records_triton(
-        q, weights, k, k_scale, start, end, keep_all, seed_cap, key_ids=seeds, cfg=cfg
-    )
-    _, _, tau = select.select_candidates(seed_codes, seed_rec, seed_counts, top_k)
+    tau = methods.seed_threshold(q, weights, k, k_scale, start, end, seeds, top_k, cfg=cfg)
 
     knorm, kmax, smax = norms
     cols = planner.sample_seed_columns(seeds.shape[1], skip)
@@ -519,23 +513,20 @@ def _certified(
     list_overflow = plan.prune & block_overflow[q_block]
     screened = plan.prune & ~list_overflow
 
-    # Refinement over the survivor lists (screened queries only; others see nothing).
-    # A screened query's records are among its block's listed keys, so the list capacity
-    # bounds them: buffers of `full`'s record capacity (2.5× larger at 8192 × 128K)
-    # would only be filled and carried.
-    dense = method == "dense"
-    rec_cap = list_capacity if dense else min(list_capacity, record_capacity)
-    tau_write = keep_all if dense else tau
+    # Refinement over the survivor lists (screened queries only; others see nothing):
+    # each query's scores by list position, then base's selection over the first
+    # list-count columns. The lists are in id order, so column order is the tie-break.
+    # Nothing can overflow: a screened query's block list fits its capacity.
+    tau_write = keep_all if method == "dense" else tau
     refine_end = jnp.where(screened, end, start)
     counts_in = jnp.where(block_overflow, 0, jnp.minimum(list_counts, list_capacity))
-    codes, ids, counts, refine_ordered = scorer.score_records_triton(
-        q, weights, k, k_scale, start, refine_end, tau_write, rec_cap,
-        key_ids=lists, key_counts=counts_in, cfg=cfg,
+    listed, counts = scorer.score_list_triton(
+        q, weights, k, k_scale, start, refine_end, lists, key_counts=counts_in,
+        tau_codes=tau_write, cfg=cfg,
     )  # fmt: skip
-    indices, values = methods.select_records(
-        codes, ids, jnp.minimum(counts, rec_cap), top_k,
-        id_ordered=refine_ordered, sort=sort,
-    )  # fmt: skip
+    indices, values = methods.select_listed(
+        listed, lists, q_block, jnp.where(screened, counts_in[q_block], 0), top_k, sort
+    )
 
     # Queries not screened: ``full`` (records ≥ τ over the whole visible range), selected
     # on their own. Only [T, K] answers pass through the cond: record buffers returned
@@ -560,8 +551,7 @@ def _certified(
     indices, values, counts = jax.lax.cond(
         jnp.any(full_q), with_full, lambda a: a, (indices, values, counts)
     )
-    cap_q = jnp.where(full_q, record_capacity, rec_cap)
-    rec_overflow = counts > cap_q
+    rec_overflow = full_q & (counts > record_capacity)
 
     def recover(iv):
         # Records were dropped for these queries: only scoring everything is exact there.

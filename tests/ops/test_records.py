@@ -1,5 +1,6 @@
 """The records pass of launches whose splits share a query: staged records (one
-reservation a query per stage flush) against a reservation per tile."""
+reservation a query per stage flush) against a reservation per tile; and the key-list
+launch that writes scores by list position instead of records."""
 
 from __future__ import annotations
 
@@ -62,6 +63,48 @@ def test_staged_split_records_equal_per_tile_reservation(monkeypatch, kernel_imp
                 assert got_set == want_set, (cap, r)
             # the slots past the stored ones keep their initial values
             assert np.all(got[0][r, n:] == codes_lib.EMPTY_CODE) and np.all(got[1][r, n:] == -1)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_list_scores_are_the_dense_scores_by_list_position(kernel_impl, splits):
+    # The certified methods' seeds and refinement: each query's scores of its block's
+    # listed keys, by list position, and its count of visible scores ≥ τ, which must be
+    # the records launch's count over the same lists.
+    q, w, k, start, end = _inputs()
+    s = k.shape[0]
+    cfg = scorer.ScorerConfig(block_t=2, block_s=16, num_warps=4, num_stages=1)
+    dense = np.asarray(scorer.indexer_scores_triton(q, w, k, None, start, end, cfg=cfg))
+    ids = np.full((2, 600), -1, np.int32)
+    ids[0, :500] = np.arange(0, s, 3)[:500]
+    ids[1, :470] = np.arange(1, s, 3)[:470]
+    counts = jnp.asarray([500, 470], jnp.int32)  # block 1: a partly filled last tile
+    # τ: each row's median listed visible score, so a key sits exactly at τ (kept).
+    tau = []
+    for r in range(q.shape[0]):
+        listed = ids[r // 2, : int(counts[r // 2])]
+        row = dense[r, listed[(listed >= int(start[r])) & (listed < int(end[r]))]]
+        tau.append(np.sort(row)[len(row) // 2])
+    tau = codes_lib.score_code(jnp.asarray(tau, jnp.float32))
+    kwargs = dict(key_ids=jnp.asarray(ids), key_counts=counts, cfg=cfg, splits=splits)
+    got, kept = scorer.score_list_triton(q, w, k, None, start, end, tau_codes=tau, **kwargs)
+    got = np.asarray(got)
+    assert got.shape == (3, 608)
+    for r in range(q.shape[0]):
+        n = int(counts[r // 2])
+        listed = ids[r // 2, :n]
+        seen = (listed >= int(start[r])) & (listed < int(end[r]))
+        want = np.where(seen, dense[r, np.maximum(listed, 0)], -np.inf)
+        np.testing.assert_array_equal(got[r, :n], want, err_msg=f"row {r}")
+    records = scorer.score_records_triton(q, w, k, None, start, end, tau, 2000, **kwargs)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(records[2]))
+    # Without τ every visible listed key counts.
+    _, seen_all = scorer.score_list_triton(q, w, k, None, start, end, **kwargs)
+    want_seen = [
+        int(np.sum((ids[r // 2, : int(counts[r // 2])] >= int(start[r]))
+                   & (ids[r // 2, : int(counts[r // 2])] < int(end[r]))))
+        for r in range(3)
+    ]  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(seen_all), want_seen)
 
 
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "per-tile"])

@@ -1,7 +1,7 @@
 """``base`` and ``full`` composed from the Triton scorer and selection kernels.
 
 base:  scorer → dense [T, S] scores → compact_rows (ids) → select_rows → order
-full:  scorer on seed keys → τ (K-th seed code) → scorer writes records ≥ τ
+full:  scorer on seed keys → τ (K-th seed score) → scorer writes records ≥ τ
        → select_candidates → order; a query whose records overflow the buffer is
        answered by ``base`` instead (reported in ``fallback``).
 """
@@ -151,6 +151,35 @@ def select_records(codes, ids, counts, top_k, *, id_ordered, sort=True):
     return select.order_topk(sel_codes, sel_ids, id_ordered=id_ordered)
 
 
+def seed_threshold(q, weights, k, k_scale, start, end, seeds, top_k, *, cfg):
+    """τ per query: the code of the K-th largest score among the seed keys it sees
+    (EMPTY_CODE, keeping everything, when it sees fewer than K). ``seeds`` [ceil(T/BT),
+    N] one list per query block (-1 = none). Scored by list position, not as records:
+    the same scores without records' per-tile compaction (see score_list_triton)."""
+    t = q.shape[0]
+    scores, seen = scorer.score_list_triton(q, weights, k, k_scale, start, end, seeds, cfg=cfg)
+    # Unseen seeds hold -inf, at or below every seen score: the K-th of the row is the
+    # K-th seen one whenever at least K are seen.
+    n = scores.shape[1]
+    zeros = jnp.zeros((t,), jnp.int32)
+    ids, count, _ = select.compact_rows(
+        scores, zeros, jnp.full((t,), n, jnp.int32), top_k, candidate_capacity(top_k, n)
+    )
+    kth = select.select_rows(scores, ids, count, top_k)[2]
+    return jnp.where(seen >= top_k, kth, EMPTY_CODE)
+
+
+def select_listed(scores, lists, block_of, counts, top_k, sort):
+    """Exact Top-K of rows scored by list position (:func:`scorer.score_list_triton`):
+    row t's first ``counts[t]`` columns are the keys ``lists[block_of[t]]``, which must
+    be in ascending id order (then column order is id order, the tie-break). Returns
+    (key ids [T, K], scores [T, K]) with -1 / -inf padding."""
+    t = scores.shape[0]
+    pos, values = select_dense(scores, jnp.zeros((t,), jnp.int32), counts, top_k, sort)
+    flat = block_of[:, None] * lists.shape[1] + jnp.maximum(pos, 0)
+    return jnp.where(pos >= 0, lists.reshape(-1)[flat], -1), values
+
+
 # The scorer launch writes base's report (one program per query block) instead of a
 # launch of its own: −0.9 to −1.6 µs a decode step at 1 and 8 queries (run 69).
 SCORER_WRITES_REPORT = True
@@ -187,13 +216,7 @@ def topk_full(
     else:
         n = seed_ids.shape[1]
         seeds = block_union_ids(seed_ids, cfg.block_t)
-    keep_all = jnp.full((t,), EMPTY_CODE, jnp.int32)
-    seed_cap = _round_up(seeds.shape[1], 128)
-    seed_codes, seed_rec_ids, seed_counts, _ = scorer.score_records_triton(
-        q, weights, k, k_scale, start, end, keep_all, seed_cap, key_ids=seeds, cfg=cfg
-    )
-    # τ: the K-th largest seed score (EMPTY_CODE, keeping everything, below K seeds).
-    _, _, tau = select.select_candidates(seed_codes, seed_rec_ids, seed_counts, top_k)
+    tau = seed_threshold(q, weights, k, k_scale, start, end, seeds, top_k, cfg=cfg)
     cap = capacity or default_record_capacity(top_k, s, max(n, 1))
     codes, ids, counts, id_ordered = scorer.score_records_triton(
         q, weights, k, k_scale, start, end, tau, cap, cfg=cfg

@@ -6,8 +6,9 @@ screening survivors (``dense``/``dosa``). It is specialised statically by
 
 * where its keys come from: a range (every key a query block can see) or a list of
   key ids per query block (seeds, survivors), and
-* where its scores go: a dense [T, S] matrix, or compacted records (score code, key
-  id) of the scores ≥ a per-query threshold τ.
+* where its scores go: a dense [T, S] matrix, compacted records (score code, key id)
+  of the scores ≥ a per-query threshold τ, or (key lists) a dense [T, N] matrix by
+  list position, with each query's count of scores ≥ τ.
 
 The arithmetic between loading a key tile and producing its scores is the same code
 with the same tile config in every case (:func:`_score_tile`), which is what makes the
@@ -203,6 +204,10 @@ class _Plan:
     # at column i - start[t]. A batch of sequences, each query over its own keys, then
     # writes [B, S_max] instead of a [B, B·S_max] matrix that is mostly never read.
     row_cols: int = 0
+    # Key lists: dense scores by list position, [T, list_len] (-inf where not visible),
+    # and per (split, query) the count of visible scores with code ≥ τ. No prefix sum and
+    # no scattered store a tile: the selection compacts afterwards (see score_list_triton).
+    list_scores: bool = False
 
 
 # Dense launches over a paged cache load each tile's page-table entries one tile ahead,
@@ -226,7 +231,8 @@ def _optional_inputs(p):
     """Names of the inputs a launch passes after (q, w, k, start, end), in order. Only
     those its plan reads: each absent one would be a broadcast launched every call
     (decode: up to 2 µs a step)."""
-    names = ("scale",) * p.has_scale + ("tau",) * p.records + ("ids", "n_ids") * p.key_list
+    thresholded = p.records or p.list_scores
+    names = ("scale",) * p.has_scale + ("tau",) * thresholded + ("ids", "n_ids") * p.key_list
     return names + ("pages",) * bool(p.page_size)
 
 
@@ -297,8 +303,29 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     begin = first + split * per_split
     stop = jnp.minimum(begin + per_split, last)
 
-    if p.records:
+    if p.records or p.list_scores:
         tau = jnp.where(row_ok, plt.load(tau_ref.at[row_safe]), codes_lib.EMPTY_CODE)
+    if p.list_scores:
+        out_ref, count_ref = refs
+
+        def list_body(j, kept):
+            ids = tile_ids(j)
+            scores, visible = tile_scores(ids)
+            keep = visible & (codes_lib.score_code(scores) >= tau[:, None])
+            pos = j * bs + jnp.arange(bs, dtype=jnp.int32)
+            plt.store(
+                out_ref.at[rows[:, None], pos[None, :]],
+                jnp.where(visible, scores, _NEG_INF),
+                mask=jnp.broadcast_to(row_ok[:, None], (bt, bs)),
+            )
+            return kept + jnp.sum(keep.astype(jnp.int32), axis=1)
+
+        kept = jax.lax.fori_loop(begin, stop, list_body, jnp.zeros((bt,), jnp.int32))
+        slot = jnp.where(row_ok, split * p.t + rows, p.splits * p.t)
+        plt.store(count_ref.at[slot], kept, mask=row_ok)
+        return
+
+    if p.records:
         if p.stage:
             _staged_records(tile_ids, tile_scores, refs[-5:], tau, begin, stop, p)
             return
@@ -545,6 +572,7 @@ def _launch(
     q, weights, k, k_scale, start, end, *,
     tau_codes=None, key_ids=None, key_counts=None, records_cap=None, fill=False, cfg=None,
     splits=None, page_table=None, page_size=0, shared_keys=True, report=False, row_cols=0,
+    list_scores=False,
 ):  # fmt: skip
     """One scorer launch. ``page_table`` [n_pages] int32 (-1: no page) with ``page_size``
     P: key ids run over n_pages·P virtual slots, id i stored at row
@@ -552,13 +580,16 @@ def _launch(
     each query sees keys of its own, which are then never widened in memory (see
     :func:`_widen_in_memory`); a paged pool is always so. ``report`` (dense, no fill):
     also returns the exhaustive report's five [T] rows after the scores. ``row_cols`` > 0
-    (dense, no fill): scores as [T, row_cols], query t's key i at column i - start[t]."""
+    (dense, no fill): scores as [T, row_cols], query t's key i at column i - start[t].
+    ``list_scores`` (key lists, no records): see :func:`score_list_triton`."""
     backend.check_triton_offsets("indexer scorer", k=k)
     t, _, _ = q.shape
     if report and (records_cap is not None or fill):
         raise ValueError("_launch: report is for a dense launch without fill")
     if row_cols and (records_cap is not None or fill):
         raise ValueError("_launch: row_cols is for a dense launch without fill")
+    if list_scores and (key_ids is None or records_cap is not None or fill or report or row_cols):
+        raise ValueError("_launch: list_scores is for a key-list launch of plain scores")
     s = _num_keys(k, page_table, page_size)
     cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
@@ -582,12 +613,17 @@ def _launch(
     splits = splits or _default_splits(n_tb, n_tiles)
     records = records_cap is not None
     stage = max(STAGE_SLOTS, cfg.block_s) if records and splits > 1 and STAGED_SPLIT_RECORDS else 0
-    tau = jnp.zeros((t,), jnp.int32) if records and tau_codes is None else tau_codes
+    tau = tau_codes
+    if list_scores and tau is None:
+        tau = jnp.full((t,), codes_lib.EMPTY_CODE, jnp.int32)  # count every visible key
+    elif records and tau is None:
+        tau = jnp.zeros((t,), jnp.int32)
     p = _Plan(
         t=t, s=s, heads=hp, dim=dp, cfg=cfg, compute=cdt, key_list=key_ids is not None,
         list_len=list_len, records=records, cap=records_cap or 0, splits=splits, fill_only=False,
         interpret=backend.is_interpret(), page_size=page_size if page_table is not None else 0,
         has_scale=k_scale is not None, report=report, stage=stage, row_cols=row_cols,
+        list_scores=list_scores,
     )  # fmt: skip
     pages = None if page_table is None else page_table.astype(jnp.int32)
     given = dict(scale=k_scale, tau=tau, ids=ids, n_ids=n_ids, pages=pages)
@@ -605,6 +641,12 @@ def _launch(
         if p.stage:  # the programs' stages: no init (nothing reads a slot it did not write)
             stage_slots = n_tb * splits * cfg.block_t * p.stage
             out_shape += (jax.ShapeDtypeStruct((stage_slots,), jnp.int32),) * 2
+    elif list_scores:
+        out_shape = (
+            jax.ShapeDtypeStruct((t, list_len), jnp.float32),
+            jax.ShapeDtypeStruct((splits * t,), jnp.int32),
+        )
+        initial = ()
     else:
         out_shape = (jax.ShapeDtypeStruct((t, row_cols or s), jnp.float32),)
         initial = ()
@@ -627,6 +669,8 @@ def _launch(
 
     if records:
         return call(p, initial, "jsparse_indexer_records")[:3]
+    if list_scores:
+        return call(p, (), "jsparse_indexer_list_scores")
     outs = call(p, (), "jsparse_indexer_scores")
     if fill:
         outs = call(dataclasses.replace(p, fill_only=True), outs, "jsparse_indexer_fill")
@@ -668,6 +712,31 @@ def score_records_triton(
     )  # fmt: skip
     t = q.shape[0]
     return codes.reshape(t, capacity), ids.reshape(t, capacity), counts, splits == 1
+
+
+def score_list_triton(
+    q, weights, k, k_scale, start, end, key_ids, *, key_counts=None, tau_codes=None, cfg=None,
+    splits=None,
+):  # fmt: skip
+    """Scores of listed keys by list position, and each query's count of them ≥ τ.
+
+    ``key_ids`` [ceil(T/BT), N]: one id list per query block (-1 = no key); with
+    ``key_counts``, block b's ids are its first ``key_counts[b]`` entries and only those
+    tiles are visited. Returns (scores [T, N'] f32 with N' = N rounded up to the key
+    tile: query t's score of its block's j-th listed key at column j, -inf where t does
+    not see that key; columns of tiles past a block's count are not written; kept [T]:
+    visible scores with code ≥ ``tau_codes[t]``, every visible one by default).
+
+    What the certified methods' refinement and seeds write instead of records: the same
+    scores (one scorer), without records' per-tile prefix sum and scattered store.
+    """
+    fp8_keys = k.dtype == jnp.float8_e4m3fn
+    splits = splits or _splits_for(q.shape[0], q.shape[1], k.shape[0], key_ids, cfg, fp8_keys)
+    scores, kept = _launch(
+        q, weights, k, k_scale, start, end, tau_codes=tau_codes, key_ids=key_ids,
+        key_counts=key_counts, cfg=cfg, splits=splits, list_scores=True,
+    )  # fmt: skip
+    return scores, kept.reshape(splits, q.shape[0]).sum(axis=0)
 
 
 def topk_base_triton(q, weights, k, top_k, k_scale, start, end, seeds, sort=True):
