@@ -14,14 +14,15 @@ one scorer kernel of :mod:`jsparse.ops.indexer.triton` with one tile config per 
    finite. The kernel stores, per scorer block, one byte a key (the union of its
    queries' survivors); :func:`expand_keep` turns the bytes into ascending id lists
    and counts.
-4. refine: the scorer's key-list mode over each block's survivor list; each query keeps
-   its records with code ≥ τ_t (``dosa``) or every listed visible key (``dense``).
-   A key in the list because another query of the block kept it is scored for t too
-   and is filtered by t's own τ: exact, since t's bound already proved it below τ_t.
-   This is the paper's shared refinement stream (§1.9) at the granularity of the
-   scorer's query block.
-5. select: the exact selection kernel over the records (those of unscreened queries,
-   from ``full``, selected separately and merged as [T, K] answers).
+4. refine: the scorer's key-list mode over each block's survivor list, plain scores by
+   list position; each query counts its scores with code ≥ τ_t (``dosa``) or its
+   visible listed keys (``dense``). A key in the list because another query of the
+   block kept it is scored for t too: exact, since t's bound already proved it below
+   τ_t, so it cannot enter t's Top-K. This is the paper's shared refinement stream
+   (§1.9) at the granularity of the scorer's query block.
+5. select: ``base``'s selection over each query's listed columns, mapped to ids through
+   the list (unscreened queries: ``full``'s records, selected separately and merged as
+   [T, K] answers).
 
 No candidate is ever lost: a query that is not screened (plan.prune False) or whose
 block's survivor list overflows is scored in full (``full``: records ≥ τ over its whole
@@ -266,18 +267,18 @@ PROBE_QUERIES = 64  # queries planned first to decide whether screening can pay 
 
 # The probe's cost model, in units of ``base``'s time per visible (query, key) pair.
 # Fitted to the H200's GPU busy times at H = 64, D = 128, K = 2048, FP8 keys
-# (WORKSPACE.md, run 200; 8192 × ~127K pairs that ``base`` scores and selects in 40.7
-# ms, 39 ps a pair): seeds + τ 2.6 ms (6689 seeds a query), plan, record selection and
-# glue ~6.9, screening 6.2 + expansion 1.1 at W = 8, refinement 5.1 at 2.44% survival;
-# every query left to ``full`` (iid): 108 ms.
-_SEED_UNITS = 1.2  # per seed key of a query: scored, then τ selected from them
-_QUERY_UNITS_PER_K = 10.5  # per query, times K: plan, selection of the records, glue
+# (WORKSPACE.md, run 208; 8192 × ~127K pairs that ``base`` scores and selects in 40.8
+# ms, 39 ps a pair): seeds 2.6 ms + their τ selection ~0.85 (6689 seeds a query), plan,
+# selection and glue ~6.5, screening 6.2 + expansion 1.1 at W = 8, refinement 1.17 at
+# 2.44% survival; every query left to ``full`` (iid): 105 ms.
+_SEED_UNITS = 1.6  # per seed key of a query: scored, then τ selected from them
+_QUERY_UNITS_PER_K = 10.0  # per query, times K: plan, selection, glue
 _SCREEN_UNITS_PER_ROW = 0.023  # per visible pair and screening row (W = 8: 0.18)
-# Per visible pair, times the estimated survival: refinement measured 5.1 per survivor
+# Per visible pair, times the estimated survival: refinement measured 1.18 per survivor
 # (gathered keys, the block's union), plus a margin: the estimate counts the seeds'
 # recent window as kept and samples the rest (planner.plan_from_threshold), which
 # brackets the measured 2.44% at 8192 × 128K between 0.7% (sample) and 3.4%.
-_REFINE_UNITS = 5.5
+_REFINE_UNITS = 1.3
 _FULL_UNITS = 2.4  # per visible pair of a query left to ``full`` (records ≥ τ)
 PROBE_GAIN = 0.9  # screen only when the estimate is at most this share of ``base``
 

@@ -325,11 +325,11 @@ def test_probe_skips_screening_where_it_cannot_pay(kernel_impl):
     "causal, visible_keys, est_survival, pays",
     [
         # 8192 × 128K chunk, low_survival, with the plan's estimates on the CPU (3.4%)
-        # and on the H200 (0.7%): dosa 1.85× of base measured (run 200)
+        # and on the H200 (0.7%): dosa 2.21× of base measured (run 208)
         (False, 127_000, 0.034, True),
         (False, 127_000, 0.0068, True),
-        # 64K causal prefill, low_survival: 0.81× measured before the screen's 3× (run
-        # 14); the model still prices seeds and plan over short early ranges above base
+        # 64K causal prefill, low_survival: 0.88× measured with policy always (run 210,
+        # 14% kept); seeds and plan over short early ranges cost more than they save
         (True, 65_536, 0.118, False),
         (False, 127_000, 0.5, False),  # the bound keeps half the keys
         # not measured, the model's scaling: a bound keeping 0.5% of 512K keys (seeds and

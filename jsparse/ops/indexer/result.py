@@ -16,7 +16,8 @@ class IndexerTopK:
         -1 for empty slots.
       scores: Float32[T, K] their scores; -inf for empty slots.
       visible: Int32[T] keys each query could see.
-      candidates: Int32[T] scores or records the final selection read per query.
+      candidates: Int32[T] scores or records the final selection read per query
+        (``dense``/``dosa``: the scored survivors at or above τ, what ``full`` records).
       survivors: Int32[T] keys the main pass scored with every head (all visible keys
         for xla/base/full; the screening survivors for dense/dosa).
       threshold: Float32[T] the seed threshold τ (-inf where none was used).
