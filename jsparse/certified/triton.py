@@ -35,7 +35,8 @@ Screening tile (one program, queries of one width class W):
     rows     [W·BQ, D]        W rows per query (hi, lo, retained heads, zeros), by slot
     logits   [BS, W·BQ]       one tensor-core dot, f32 accumulation
     bound    [BS, BQ]         Σ ω relu − relu(hi + lo) + e·‖k‖ + c_abs, times α
-    keep     [N_blocks, S]    one byte a key: the union over each scorer block
+    keep     [N_blocks, S']   one byte a key (S' = S in whole 4-byte words): the union
+                              over each scorer block
 
 BQ·W = 128 by default (BQ = 16 queries at W = 8), so a key tile is loaded once per 16
 queries, against once per BT = 2 queries for the full scorer. Queries are grouped into
@@ -94,6 +95,7 @@ class _Static:
     block_t: int  # BT of the scorer
     block_q: int  # BQ: queries per screening program (multiple of BT)
     n_blocks: int  # scorer blocks ceil(T / BT)
+    stride: int  # keep bytes a scorer block: S rounded up to whole 4-byte words
     splits: int
     screen_dtype: str
     cfg: ScreenConfig
@@ -181,7 +183,7 @@ def _screen_kernel(
         live = blk_ok[None, :] & ok[:, None]
         # Dead lanes aim one past the end (never a live index): interpreted, a masked
         # lane writes back the old value, which must not land on a live one.
-        dst = jnp.where(live, blk[None, :] * p.s + safe[:, None], p.n_blocks * p.s)
+        dst = jnp.where(live, blk[None, :] * p.stride + safe[:, None], p.n_blocks * p.stride)
         plt.store(keep_ref.at[dst], union.astype(jnp.int8), mask=live)
         return kept_count + keep
 
@@ -201,7 +203,7 @@ def _screen_launch(tiles, plan, start, end, k, knorm, scale, keep, surv, p: _Sta
     n_in = len(inputs)
     aliased = (surv,) if keep is None else (keep, surv)
     aliases = {n_in: 1} if keep is None else {n_in: 0, n_in + 1: 1}  # → (keep, surv)
-    keep_shape = jax.ShapeDtypeStruct((p.n_blocks * p.s,), jnp.int8)
+    keep_shape = jax.ShapeDtypeStruct((p.n_blocks * p.stride,), jnp.int8)
     return pl.pallas_call(
         functools.partial(_screen_kernel, p=p),
         grid=(tiles.shape[0], p.splits),
@@ -217,39 +219,57 @@ EXPAND_CHUNK = 2048  # keep bytes a block's expansion reads a step
 EXPAND_NUM_WARPS = 4  # 8 were slower at every chunk (WORKSPACE.md, run 201)
 
 
-def _expand_kernel(lo_ref, hi_ref, keep_ref, _lists_in, lists_ref, count_ref, *, s, cap):
+def _expand_kernel(lo_ref, hi_ref, words_ref, _lists_in, lists_ref, count_ref, *, stride, cap):
+    # Keep bytes read as 4-byte words, a word a lane: the chunk's prefix sum runs over
+    # EXPAND_CHUNK / 4 word counts instead of a byte a lane (the byte scan ran at 0.45
+    # TB/s: WORKSPACE.md, run 201). Byte j of word w is key 4w + j of the block.
     b = pl.program_id(0)
     n_blocks = pl.num_programs(0)
     lo, hi = plt.load(lo_ref.at[b]), plt.load(hi_ref.at[b])
     first = lo // EXPAND_CHUNK
     last = jnp.where(hi > lo, (hi + EXPAND_CHUNK - 1) // EXPAND_CHUNK, first)
+    n_words = EXPAND_CHUNK // 4
 
     def body(c, filled):
-        ids = c * EXPAND_CHUNK + jnp.arange(EXPAND_CHUNK, dtype=jnp.int32)
-        inside = (ids >= lo) & (ids < hi)  # only bytes the screening wrote
-        byte = plt.load(
-            keep_ref.at[b * s + jnp.where(inside, ids, 0)],
-            mask=inside,
-            other=jnp.zeros((), jnp.int8),
+        key0 = (c * n_words + jnp.arange(n_words, dtype=jnp.int32)) * 4
+        touches = (key0 + 3 >= lo) & (key0 < hi)  # words holding a byte the screening wrote
+        word = plt.load(
+            words_ref.at[(b * stride + jnp.where(touches, key0, 0)) // 4],
+            mask=touches,
+            other=jnp.zeros((), jnp.int32),
         )
-        kept = (byte != 0).astype(jnp.int32)
-        pos = filled + jnp.cumsum(kept) - 1
-        store = (kept != 0) & (pos < cap)
-        plt.store(lists_ref.at[jnp.where(store, b * cap + pos, n_blocks * cap)], ids, mask=store)
-        return filled + jnp.sum(kept)
+        # Bytes outside [lo, hi) are garbage: each byte is masked by its own key id.
+        kept = [
+            (((word >> (8 * j)) & 0xFF) != 0) & (key0 + j >= lo) & (key0 + j < hi) for j in range(4)
+        ]
+        per_word = sum(x.astype(jnp.int32) for x in kept)
+        pos = filled + jnp.cumsum(per_word) - per_word  # the word's first slot
+        for j in range(4):
+            store = kept[j] & (pos < cap)
+            dst = jnp.where(store, b * cap + pos, n_blocks * cap)
+            plt.store(lists_ref.at[dst], key0 + j, mask=store)
+            pos = pos + kept[j].astype(jnp.int32)
+        return filled + jnp.sum(per_word)
 
     plt.store(count_ref.at[b], jax.lax.fori_loop(first, last, body, jnp.int32(0)))
 
 
 def expand_keep(keep, lo, hi, cap):
-    """Survivor lists from keep bytes [n_blocks · S] (block-major): block b's kept ids in
-    [lo[b], hi[b]), ascending, in ``cap`` slots (-1 after them), and its count (> cap:
-    overflow; the ids past cap are not listed). Returns lists [n_blocks, cap], counts."""
+    """Survivor lists from keep bytes [n_blocks · stride] (block-major, ``stride`` a
+    multiple of 4, byte i of a block for key i): block b's kept ids in [lo[b], hi[b]),
+    ascending, in ``cap`` slots (-1 after them), and its count (> cap: overflow; the ids
+    past cap are not listed). Returns lists [n_blocks, cap], counts."""
     n_blocks = lo.shape[0]
-    s = keep.shape[0] // n_blocks
+    stride = keep.shape[0] // n_blocks
+    if stride % 4 or keep.shape[0] != n_blocks * stride:
+        raise ValueError(
+            f"keep: {keep.shape[0]} bytes for {n_blocks} blocks; expected whole blocks of a "
+            "multiple of 4 bytes"
+        )
+    words = jax.lax.bitcast_convert_type(keep.reshape(-1, 4), jnp.int32)
     lists = jnp.full((n_blocks * cap,), -1, jnp.int32)
     lists, counts = pl.pallas_call(
-        functools.partial(_expand_kernel, s=s, cap=cap),
+        functools.partial(_expand_kernel, stride=stride, cap=cap),
         grid=(n_blocks,),
         out_shape=(
             jax.ShapeDtypeStruct(lists.shape, jnp.int32),
@@ -259,7 +279,7 @@ def expand_keep(keep, lo, hi, cap):
         compiler_params=plt.CompilerParams(num_warps=EXPAND_NUM_WARPS, num_stages=2),
         interpret=backend.is_interpret(),
         name="jsparse_dosa_expand",
-    )(lo, hi, keep, lists)
+    )(lo, hi, words, lists)
     return lists.reshape(n_blocks, cap), counts
 
 
@@ -360,8 +380,9 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
         splits = int(max(1, min(-(-s // cfg.block_s), -(-4 * backend.sm_count() // n_blocks))))
     # The queries' own chunking (jsparse._chunking) keeps T·S, hence the keep bytes,
     # under 2^31 elements; refuse rather than wrap if a caller does not.
+    stride = -(-s // 4) * 4  # whole words a block: the expansion reads 4 bytes a lane
     backend.check_triton_offsets(
-        "dosa screening", keep=jax.ShapeDtypeStruct((n_blocks * s + 1,), jnp.int8)
+        "dosa screening", keep=jax.ShapeDtypeStruct((n_blocks * stride + 1,), jnp.int8)
     )
     scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale
     keep = None
@@ -370,7 +391,7 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
         block_q = max(block_t, cfg.tile_rows // width)
         p = _Static(
             t=t, s=s, dim=dp, width=width, wmax=wmax, block_t=block_t, block_q=block_q,
-            n_blocks=n_blocks, splits=splits,
+            n_blocks=n_blocks, stride=stride, splits=splits,
             screen_dtype=jnp.dtype(plan.rows.dtype).name, cfg=cfg,
         )  # fmt: skip
         tiles = _class_tiles(block_class, c, block_q // block_t)
