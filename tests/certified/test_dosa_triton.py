@@ -122,7 +122,8 @@ def test_triton_planted_overflows_fall_back_exactly(kernel_impl):
 
 def test_triton_unscreened_queries_answered_by_full(kernel_impl):
     # Query 0 sees fewer keys than K (too few seeds: not screened) and is answered by the
-    # `full` branch, selected on its own and merged into the screened queries' answers.
+    # `full` branch, selected on its own and merged into the screened queries' answers;
+    # sorted and unsorted.
     q, w, k, scale, start, end, seeds = make_inputs(CFG, 13)
     start, end = start.at[0].set(10), end.at[0].set(10 + CFG.top_k - 2)
     inputs = (q, w, k, scale, start, end, seeds)
@@ -133,6 +134,14 @@ def test_triton_unscreened_queries_answered_by_full(kernel_impl):
     assert not screened[0] and screened[1:].any(), screened
     assert not np.asarray(info.record_overflow).any()
     assert np.asarray(res.fallback)[0] and np.asarray(res.candidates)[0] == CFG.top_k - 2
+    # Unsorted: the same set per query (screened ones map list columns back to ids), each
+    # id with its score.
+    loose, _ = _dosa(inputs, CFG.top_k, kernel_impl, method="dosa", sorted=False)
+    for t in range(q.shape[0]):
+        want, got = np.asarray(base.indices[t]), np.asarray(loose.indices[t])
+        assert sorted(got.tolist()) == sorted(want.tolist()), t
+        score_of = dict(zip(got.tolist(), np.asarray(loose.scores[t]).tolist(), strict=True))
+        np.testing.assert_array_equal([score_of[i] for i in want], np.asarray(base.scores[t]))
 
 
 def test_triton_ragged_sizes_equal_base(kernel_impl):
