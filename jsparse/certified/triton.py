@@ -91,7 +91,6 @@ class _Static:
     s: int
     dim: int  # padded to a power of two
     width: int  # W of this launch
-    wmax: int
     block_t: int  # BT of the scorer
     block_q: int  # BQ: queries per screening program (multiple of BT)
     n_blocks: int  # scorer blocks ceil(T / BT)
@@ -359,7 +358,7 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
     each query's own bound kept)).
     """
     cfg = cfg or ScreenConfig()
-    t, wmax, d = plan.rows.shape
+    t, _, d = plan.rows.shape
     s = k.shape[0]
     if k.dtype == jnp.float8_e4m3fn and _screen_widens_in_memory(t):
         k = k.astype(plan.rows.dtype)
@@ -390,7 +389,7 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
     for c, width in enumerate(plan.widths):
         block_q = max(block_t, cfg.tile_rows // width)
         p = _Static(
-            t=t, s=s, dim=dp, width=width, wmax=wmax, block_t=block_t, block_q=block_q,
+            t=t, s=s, dim=dp, width=width, block_t=block_t, block_q=block_q,
             n_blocks=n_blocks, stride=stride, splits=splits,
             screen_dtype=jnp.dtype(plan.rows.dtype).name, cfg=cfg,
         )  # fmt: skip
