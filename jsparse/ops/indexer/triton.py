@@ -311,7 +311,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         def list_body(j, kept):
             ids = tile_ids(j)
             scores, visible = tile_scores(ids)
-            keep = visible & (codes_lib.score_code(scores) >= tau[:, None])
+            _, keep = _at_least(scores, visible, tau)
             pos = j * bs + jnp.arange(bs, dtype=jnp.int32)
             plt.store(
                 out_ref.at[rows[:, None], pos[None, :]],
@@ -429,12 +429,17 @@ def _reserve(count_ref, t, n):
     )
 
 
+def _at_least(scores, visible, tau):
+    """Score codes [BT, BS] and which scores count against τ (visible, code ≥ τ): the
+    records a records launch writes, the count a list-scores launch reports."""
+    code = codes_lib.score_code(scores)
+    return code, visible & (code >= tau[:, None])
+
+
 def _tile_records(tile_ids, tile_scores, tau, j):
     """Key tile j's ids, score codes and which of them are records (≥ τ, visible)."""
     ids = tile_ids(j)
-    scores, visible = tile_scores(ids)
-    code = codes_lib.score_code(scores)
-    keep = visible & (code >= tau[:, None])  # [BT, BS]
+    code, keep = _at_least(*tile_scores(ids), tau)
     return ids, code, keep
 
 
