@@ -280,7 +280,7 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     omega_by_head = jnp.where(retained, omega_by_head, 0.0)
 
     # E_P: groups of JOINT_GROUP omitted positive heads, min(triangle, joint) per group.
-    e_pos = _positive_allowance(w_pos, d_vec, dn_up, d_err, omitted_pos)
+    e_pos = _positive_allowance(w_pos, dn_up, gram, qn_up, anchor, beta, omitted_pos, d)
 
     # §1.5 negative aggregate A and v_A = Σ_A |w_h| q_h.
     majority = omitted_neg & (p >= 0.5)
@@ -373,14 +373,23 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     )
 
 
-def _positive_allowance(w_pos, d_vec, dn_up, d_err, omitted_pos):
+def _positive_allowance(w_pos, dn_up, gram, qn_up, anchor, beta, omitted_pos, dim):
     """E_P = Σ_g min(triangle_g, joint_g) over groups of JOINT_GROUP omitted heads (§1.4).
 
-    joint_g = max_{T ⊆ g} ‖Σ_{h∈T} u_h‖, u_h = w_h d_h, from the Gram matrix of the group,
-    enclosed upwards: the Gram entries and quadratic forms carry their f32 error, and the
-    computed u_h differ from the exact w_h·(q_h − β q_a) by at most ``u_err``.
+    joint_g = max_{T ⊆ g} ‖Σ_{h∈T} u_h‖ with the exact u_h = w_h (q_h − β_h q_a(h)). Its
+    Gram matrix comes from the queries' Gram matrix ``gram`` (f32, G_ij = q_i·q_j):
+
+        u_a·u_b = w_a w_b (G_hh' − β_b G_hc' − β_a G_ch' + β_a β_b G_cc')
+
+    for heads h, h' with anchors c, c'. No [T, H, D] product or D-long dot is formed
+    (the per-group Gram of the computed u was a SIMT GEMM of 0.26 ms at 8192 queries,
+    WORKSPACE.md run 214). Enclosure: |G − G*| ≤ γ ‖q_i‖‖q_j‖ per entry (γ = γ_{2D+2},
+    the library's f32 dot), so with m_a = w_a (‖q_h‖ + β_a ‖q_c‖) every entry errs by at
+    most (γ + γ_6(1 + γ)) m_a m_b
+    (the four products and three sums), and a subset's quadratic form by that times
+    (Σ m)² plus its own γ_{g²+2} (Σ m)².
     """
-    t, h, d = d_vec.shape
+    t, h = w_pos.shape
     g = JOINT_GROUP
     n_groups = -(-h // g)
     tri = w_pos * dn_up  # [T, H]
@@ -397,21 +406,31 @@ def _positive_allowance(w_pos, d_vec, dn_up, d_err, omitted_pos):
         return jnp.where(slot_ok, jnp.take_along_axis(x, head_of_slot, axis=1), 0.0)
 
     tri_s = by_slot(tri).reshape(t, n_groups, g)
-    u = w_pos[:, :, None] * d_vec
-    u_s = jnp.take_along_axis(u, head_of_slot[:, :, None], axis=1)
-    u_s = jnp.where(slot_ok[:, :, None], u_s, 0.0).reshape(t, n_groups, g, d)
-    # ‖u_computed‖ ≤ w (‖d_exact‖ + d_err)(1 + u), with ‖d_exact‖ ≤ dn_up.
-    un_s = by_slot(w_pos * (dn_up + d_err) * jnp.float32(1 + 2 * _U32)).reshape(t, n_groups, g)
-    u_err = by_slot(w_pos * (d_err + jnp.float32(1.1 * _U32) * dn_up)).reshape(t, n_groups, g)
-    hp = jax.lax.Precision.HIGHEST
-    gram = jnp.einsum("tgad,tgbd->tgab", u_s, u_s, precision=hp)
+    w_s = by_slot(w_pos).reshape(t, n_groups, g)
+    b_s = by_slot(beta).reshape(t, n_groups, g)
+    heads = head_of_slot.reshape(t, n_groups, g)
+    anchors = jnp.take_along_axis(anchor, head_of_slot, axis=1).reshape(t, n_groups, g)
+    rows = jnp.arange(t)[:, None, None, None]
+
+    def entries(a, b):  # G[a_i, b_j] within each group: [T, n_groups, g, g]
+        return gram[rows, a[:, :, :, None], b[:, :, None, :]]
+
+    bi, bj = b_s[:, :, :, None], b_s[:, :, None, :]
+    u_gram = (w_s[:, :, :, None] * w_s[:, :, None, :]) * (
+        entries(heads, heads) - bj * entries(heads, anchors) - bi * entries(anchors, heads)
+        + (bi * bj) * entries(anchors, anchors)
+    )  # fmt: skip
+    qn_anchor = jnp.take_along_axis(qn_up, anchor, axis=1)
+    m_s = by_slot(_up(w_pos * (qn_up + beta * qn_anchor), 3)).reshape(t, n_groups, g)
     subsets = jnp.asarray(
         ((np.arange(2**g)[:, None] >> np.arange(g)[None, :]) & 1).astype(np.float32)
     )  # [2^g, g]
-    quad = jnp.einsum("ma,tgab,mb->tgm", subsets, gram, subsets, precision=hp)
-    slack = jnp.float32(gamma(d + 2) + gamma(g * g + 2)) * jnp.sum(un_s, axis=2) ** 2
-    joint = jnp.sqrt(jnp.max(quad, axis=2) + slack) * jnp.float32(1 + 4 * _U32)
-    joint = _up(joint + jnp.sum(u_err, axis=2), g)
+    hp = jax.lax.Precision.HIGHEST
+    quad = jnp.einsum("ma,tgab,mb->tgm", subsets, u_gram, subsets, precision=hp)
+    dot_err = gamma(2 * dim + 2)
+    entry_err = dot_err + gamma(6) * (1 + dot_err)
+    slack = jnp.float32(entry_err + gamma(g * g + 2)) * _up(jnp.sum(m_s, axis=2), g) ** 2
+    joint = _up(jnp.sqrt(jnp.max(quad, axis=2) + slack) * jnp.float32(1 + 4 * _U32), 2)
     tri_g = _up(jnp.sum(tri_s, axis=2), g)
     per_group = jnp.where(jnp.sum(tri_s, axis=2) > 0, jnp.minimum(tri_g, joint), 0.0)
     return _up(jnp.sum(per_group, axis=1), n_groups)
@@ -434,18 +453,19 @@ def sample_seed_columns(n_seeds: int, skip: int, n_sample: int = SAMPLE_KEYS) ->
 
 
 def _sample_dots(q, k, sample_ids, group):
-    """Dots [T, H, n] of each query with its group's sampled keys (-1: none), f32."""
+    """Dots [T, H, n] of each query with its group's sampled keys (-1: none): bf16, or
+    f32 when a side is f32."""
     t, h, d = q.shape
     n_g, n = sample_ids.shape
     safe = jnp.clip(sample_ids, 0, k.shape[0] - 1)
     ks = k[safe]  # [n_g, n, D]
     pad = n_g * group - t
     qg = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n_g, group, h, d)
-    # An estimate only: bf16 unless a side is f32 (XLA has no generic fp8 einsum).
+    # An estimate only: bf16 unless a side is f32 (XLA has no generic fp8 einsum), and
+    # kept in that dtype: [T, H, n] is read three times after the dots (p, and the
+    # bound of the sampled keys for the survival estimate).
     ct = jnp.float32 if jnp.float32 in (q.dtype, k.dtype) else jnp.bfloat16
-    x = jnp.einsum(
-        "bghd,bnd->bghn", qg.astype(ct), ks.astype(ct), preferred_element_type=jnp.float32
-    )
+    x = jnp.einsum("bghd,bnd->bghn", qg.astype(ct), ks.astype(ct), preferred_element_type=ct)
     return x.reshape(n_g * group, h, n)[:t]
 
 

@@ -54,6 +54,63 @@ def test_joint_allowance_bound():
         assert joint <= np.linalg.norm(u, axis=1).sum() + 1e-12
 
 
+def _exact_allowance(q, w_pos, anchor, beta, omitted):
+    """E_P of one query in float64: Σ_g min(Σ_g w‖d‖, max_T ‖Σ_T w d‖), d = q_h − β q_a."""
+    heads = np.flatnonzero(omitted)
+    u = w_pos[heads, None] * (q[heads] - beta[heads, None] * q[anchor[heads]])
+    total = 0.0
+    for g0 in range(0, len(heads), planner.JOINT_GROUP):
+        ug = u[g0 : g0 + planner.JOINT_GROUP]
+        tri = np.linalg.norm(ug, axis=1).sum()
+        joint = max(
+            np.linalg.norm(ug[list(c)].sum(0))
+            for m in range(1, len(ug) + 1)
+            for c in itertools.combinations(range(len(ug)), m)
+        )
+        total += min(tri, joint)
+    return total
+
+
+@pytest.mark.parametrize("near_anchor", [False, True])
+def test_positive_allowance_encloses_the_exact_allowance(near_anchor):
+    # E_P from the queries' f32 Gram matrix must be ≥ its float64 value and close to it.
+    # near_anchor: each omitted head is its anchor times β plus a 1e-4 residual, so the
+    # Gram entries cancel to ~1e-8 of their size: the slack keeps E_P above the exact
+    # value, and the group falls back to the triangle form.
+    t, h, d = 3, 20, 32
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((t, h, d)).astype(np.float32)
+    w = rng.standard_normal((t, h)).astype(np.float32)
+    omitted = (w > 0) & (np.arange(h)[None, :] >= 4)
+    anchor = np.tile(np.arange(h) % 4, (t, 1)).astype(np.int32)
+    beta = np.where(omitted, rng.uniform(0.2, 2.0, (t, h)), 0.0).astype(np.float32)
+    if near_anchor:
+        resid = 1e-4 * rng.standard_normal((t, h, d))
+        q_an = np.take_along_axis(q, anchor[:, :, None], axis=1)
+        q = np.where(omitted[:, :, None], beta[:, :, None] * q_an + resid, q).astype(np.float32)
+    q32 = jnp.asarray(q)
+    gram = jnp.einsum("thd,tjd->thj", q32, q32, precision="highest")
+    qn_up = planner._norm_up(q32)
+    w_pos = np.where(omitted, w, 0.0).astype(np.float32)
+    q64 = q.astype(np.float64)
+    d_exact = q64 - beta[:, :, None] * np.take_along_axis(q64, anchor[:, :, None], axis=1)
+    dn_up = jnp.asarray(np.linalg.norm(d_exact, axis=2) * (1 + 1e-6), jnp.float32)
+    e_pos = planner._positive_allowance(
+        jnp.asarray(w_pos), dn_up, gram, qn_up, jnp.asarray(anchor), jnp.asarray(beta),
+        jnp.asarray(omitted), d,
+    )  # fmt: skip
+    for i in range(t):
+        wi = w_pos[i].astype(np.float64)
+        want = _exact_allowance(q64[i], wi, anchor[i], beta[i], omitted[i])
+        got = float(e_pos[i])
+        assert want <= got, (i, want, got)
+        if near_anchor:  # the Gram's slack exceeds ‖Σ u‖²: the triangle form, never worse
+            triangle = (wi * np.linalg.norm(d_exact[i], axis=1)).sum()
+            assert got <= triangle * (1 + 1e-3), (i, got, triangle)
+        else:
+            assert got <= want * (1 + 1e-3), (i, want, got)
+
+
 def _plan(inputs, top_k, variant="dosa", r="auto"):
     q, w, k, scale, start, end, _ = inputs
     seeds = default_seed_ids(start, end, top_k, num_keys=k.shape[0])
