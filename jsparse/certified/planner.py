@@ -385,9 +385,9 @@ def _positive_allowance(w_pos, dn_up, gram, qn_up, anchor, beta, omitted_pos, di
     (the per-group Gram of the computed u was a SIMT GEMM of 0.26 ms at 8192 queries,
     WORKSPACE.md run 214). Enclosure: |G − G*| ≤ γ ‖q_i‖‖q_j‖ per entry (γ = γ_{2D+2},
     the library's f32 dot), so with m_a = w_a (‖q_h‖ + β_a ‖q_c‖) every entry errs by at
-    most (γ + γ_6(1 + γ)) m_a m_b
-    (the four products and three sums), and a subset's quadratic form by that times
-    (Σ m)² plus its own γ_{g²+2} (Σ m)².
+    most (γ + γ_8(1 + γ)) m_a m_b (γ_8: no term of the four-term form passes more than
+    eight roundings, six in the order written), and a subset's quadratic form by that
+    times (Σ m)², plus its own γ_{g²+2} (Σ m)².
     """
     t, h = w_pos.shape
     g = JOINT_GROUP
@@ -428,7 +428,7 @@ def _positive_allowance(w_pos, dn_up, gram, qn_up, anchor, beta, omitted_pos, di
     hp = jax.lax.Precision.HIGHEST
     quad = jnp.einsum("ma,tgab,mb->tgm", subsets, u_gram, subsets, precision=hp)
     dot_err = gamma(2 * dim + 2)
-    entry_err = dot_err + gamma(6) * (1 + dot_err)
+    entry_err = dot_err + gamma(8) * (1 + dot_err)
     slack = jnp.float32(entry_err + gamma(g * g + 2)) * _up(jnp.sum(m_s, axis=2), g) ** 2
     joint = _up(jnp.sqrt(jnp.max(quad, axis=2) + slack) * jnp.float32(1 + 4 * _U32), 2)
     tri_g = _up(jnp.sum(tri_s, axis=2), g)
