@@ -266,9 +266,10 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     beta = jnp.where(use_proj, beta, 0.0)
     q_anchor = jnp.take_along_axis(q32, anchor[:, :, None], axis=1)  # [T, H, D]
     d_vec = q32 - beta[:, :, None] * q_anchor
-    qn_anchor = jnp.take_along_axis(qn_up, anchor, axis=1)
+    # ‖q_h‖ + β‖q_a‖ ≥ ‖d_h‖: the scale of d's rounding here and of E_P's Gram entries.
+    reach = qn_up + beta * jnp.take_along_axis(qn_up, anchor, axis=1)
     # ‖d_exact‖ ≤ ‖d_computed‖ + 2.01u(‖q_h‖ + β‖q_a‖): two roundings per coordinate.
-    d_err = jnp.float32(2.01 * _U32) * (qn_up + beta * qn_anchor)
+    d_err = jnp.float32(2.01 * _U32) * reach
     dn_up = _up(_norm_up(d_vec) + d_err, 2)
     w_pos = jnp.where(omitted_pos, w, 0.0)
 
@@ -280,7 +281,7 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     omega_by_head = jnp.where(retained, omega_by_head, 0.0)
 
     # E_P: groups of JOINT_GROUP omitted positive heads, min(triangle, joint) per group.
-    e_pos = _positive_allowance(w_pos, dn_up, gram, qn_up, anchor, beta, omitted_pos, d)
+    e_pos = _positive_allowance(w_pos, dn_up, gram, reach, anchor, beta, omitted_pos, d)
 
     # §1.5 negative aggregate A and v_A = Σ_A |w_h| q_h.
     majority = omitted_neg & (p >= 0.5)
@@ -373,7 +374,7 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     )
 
 
-def _positive_allowance(w_pos, dn_up, gram, qn_up, anchor, beta, omitted_pos, dim):
+def _positive_allowance(w_pos, dn_up, gram, reach, anchor, beta, omitted_pos, dim):
     """E_P = Σ_g min(triangle_g, joint_g) over groups of JOINT_GROUP omitted heads (§1.4).
 
     joint_g = max_{T ⊆ g} ‖Σ_{h∈T} u_h‖ with the exact u_h = w_h (q_h − β_h q_a(h)). Its
@@ -384,10 +385,10 @@ def _positive_allowance(w_pos, dn_up, gram, qn_up, anchor, beta, omitted_pos, di
     for heads h, h' with anchors c, c'. No [T, H, D] product or D-long dot is formed
     (the per-group Gram of the computed u was a SIMT GEMM of 0.26 ms at 8192 queries,
     WORKSPACE.md run 214). Enclosure: |G − G*| ≤ γ ‖q_i‖‖q_j‖ per entry (γ = γ_{2D+2},
-    the library's f32 dot), so with m_a = w_a (‖q_h‖ + β_a ‖q_c‖) every entry errs by at
-    most (γ + γ_8(1 + γ)) m_a m_b (γ_8: no term of the four-term form passes more than
-    eight roundings, six in the order written), and a subset's quadratic form by that
-    times (Σ m)², plus its own γ_{g²+2} (Σ m)².
+    the library's f32 dot), so with m_a = w_a·``reach`` = w_a (‖q_h‖↑ + β_a ‖q_c‖↑) every
+    entry errs by at most (γ + γ_8(1 + γ)) m_a m_b (γ_8: no term of the four-term form
+    passes more than eight roundings, six in the order written), and a subset's
+    quadratic form by that times (Σ m)², plus its own γ_{g²+2} (Σ m)².
     """
     t, h = w_pos.shape
     g = JOINT_GROUP
@@ -420,8 +421,7 @@ def _positive_allowance(w_pos, dn_up, gram, qn_up, anchor, beta, omitted_pos, di
         entries(heads, heads) - bj * entries(heads, anchors) - bi * entries(anchors, heads)
         + (bi * bj) * entries(anchors, anchors)
     )  # fmt: skip
-    qn_anchor = jnp.take_along_axis(qn_up, anchor, axis=1)
-    m_s = by_slot(_up(w_pos * (qn_up + beta * qn_anchor), 3)).reshape(t, n_groups, g)
+    m_s = by_slot(_up(w_pos * reach, 3)).reshape(t, n_groups, g)
     subsets = jnp.asarray(
         ((np.arange(2**g)[:, None] >> np.arange(g)[None, :]) & 1).astype(np.float32)
     )  # [2^g, g]

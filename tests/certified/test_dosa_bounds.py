@@ -95,8 +95,9 @@ def test_positive_allowance_encloses_the_exact_allowance(near_anchor):
     q64 = q.astype(np.float64)
     d_exact = q64 - beta[:, :, None] * np.take_along_axis(q64, anchor[:, :, None], axis=1)
     dn_up = jnp.asarray(np.linalg.norm(d_exact, axis=2) * (1 + 1e-6), jnp.float32)
+    reach = qn_up + jnp.asarray(beta) * jnp.take_along_axis(qn_up, jnp.asarray(anchor), axis=1)
     e_pos = planner._positive_allowance(
-        jnp.asarray(w_pos), dn_up, gram, qn_up, jnp.asarray(anchor), jnp.asarray(beta),
+        jnp.asarray(w_pos), dn_up, gram, reach, jnp.asarray(anchor), jnp.asarray(beta),
         jnp.asarray(omitted), d,
     )  # fmt: skip
     for i in range(t):
