@@ -180,6 +180,13 @@ class Plan:
 # Upward rounding helpers. Every quantity that enters the bound additively is enclosed
 # from above: a value computed with n roundings is multiplied by (1 + γ_n) and then moved
 # one ulp up (the multiplication itself rounds).
+#
+# Underflow: an f32 operation errs by at most u·|result| + TINY (TINY = 2^-126, a result
+# flushed to zero). The relative factors above do not cover the absolute part, so each
+# enclosure below adds TINY once per operation that could lose it, times whatever
+# multiplies that operation's result afterwards. Only squares make this matter at
+# ordinary magnitudes: ‖q‖ < 2^-63 has q_d² < TINY, and without these terms the bound
+# fell below the scorer's score (tests/certified: extreme magnitudes).
 
 
 def _up(x, n: int):
@@ -188,9 +195,13 @@ def _up(x, n: int):
 
 
 def _norm_up(x, axis=-1):
-    """‖x‖ along ``axis`` (f32), rounded so that it is ≥ the exact norm of x."""
+    """‖x‖ along ``axis`` (f32), rounded so that it is ≥ the exact norm of x.
+
+    The n squares and n − 1 adds each lose at most TINY to underflow, so Σx² ≤
+    (computed + 2n·TINY)(1 + γ_n); the floor this puts under every norm,
+    sqrt(2n·TINY) ≈ 2^-59 at n = 128, is what keeps tiny queries and keys exact."""
     n = x.shape[axis]
-    return _up(jnp.sqrt(jnp.sum(x * x, axis=axis)), n + 2)
+    return _up(jnp.sqrt(jnp.sum(x * x, axis=axis) + jnp.float32(2 * n * _TINY)), n + 3)
 
 
 def key_norms(
@@ -266,10 +277,12 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     beta = jnp.where(use_proj, beta, 0.0)
     q_anchor = jnp.take_along_axis(q32, anchor[:, :, None], axis=1)  # [T, H, D]
     d_vec = q32 - beta[:, :, None] * q_anchor
-    # ‖q_h‖ + β‖q_a‖ ≥ ‖d_h‖: the scale of d's rounding here and of E_P's Gram entries.
-    reach = qn_up + beta * jnp.take_along_axis(qn_up, anchor, axis=1)
-    # ‖d_exact‖ ≤ ‖d_computed‖ + 2.01u(‖q_h‖ + β‖q_a‖): two roundings per coordinate.
-    d_err = jnp.float32(2.01 * _U32) * reach
+    # ‖q_h‖ + β‖q_a‖ ≥ ‖d_h‖: the scale of d's rounding here and of E_P's Gram entries
+    # (+ 2 TINY: its product and add may underflow).
+    reach = qn_up + beta * jnp.take_along_axis(qn_up, anchor, axis=1) + jnp.float32(2 * _TINY)
+    # ‖d_exact‖ ≤ ‖d_computed‖ + 2.01u(‖q_h‖ + β‖q_a‖) + 2√D·TINY: two roundings per
+    # coordinate, each of which may underflow.
+    d_err = jnp.float32(2.01 * _U32) * reach + jnp.float32(2 * np.sqrt(d) * _TINY)
     dn_up = _up(_norm_up(d_vec) + d_err, 2)
     w_pos = jnp.where(omitted_pos, w, 0.0)
 
@@ -288,7 +301,10 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
     neg_set = jnp.where(neg_mode == 1, omitted_neg, majority) & (neg_mode != 2)
     a_w = jnp.where(neg_set, jnp.abs(w), 0.0)
     v = jnp.einsum("th,thd->td", a_w, q32, precision=jax.lax.Precision.HIGHEST)
-    v_err = jnp.float32(gamma(h + 1)) * jnp.sum(a_w * qn_up, axis=1)
+    # H products and H - 1 adds a coordinate, each of which may underflow.
+    v_err = jnp.float32(gamma(h + 1)) * jnp.sum(a_w * qn_up, axis=1) + jnp.float32(
+        2 * h * np.sqrt(d) * _TINY
+    )
     # round_to: the error terms below are exact only if the rounding really happens.
     hi = round_to(v, screen_dtype)
     if screen_dtype == jnp.float32:
@@ -334,13 +350,17 @@ def _certificate(q32, w, qn_up, gram, p, r, flags, st: _Static):
         # rows rounded to the screening dtype (ReLU is 1-Lipschitz), aux reconstruction
         + jnp.sum(abs_omega * rep_err, axis=1)
         + aux_err
-        # folded weights formed in f32: |ω_j − w̃_j| ≤ γ_{H+1}(|w_j| + Σ|w_h β_h|)
+        # folded weights formed in f32: |ω_j − w̃_j| ≤ γ_{H+1}(|w_j| + Σ|w_h β_h|) + 2H·TINY
         + gamma(h + 1) * jnp.sum(omega_mag_s * qn_s, axis=1)
+        + jnp.float32(2 * h * _TINY) * jnp.sum(qn_s, axis=1)
     )
     # The kernel's epilogue: W products and sums, the aux add, (E_P + C)·‖k‖, c_abs.
     epi = gamma(st.wmax + 6)
     terms = terms + epi * (1 + num.screen_rel) * (b_rows + aux_norm) + epi * e_pos
-    guard = _up(jnp.float32(_SAFETY) * terms / jnp.float32(1 - 2 * _SAFETY * epi), 8)
+    # Underflow in forming the terms: fewer than 4H + 6W + 32 operations, each losing at
+    # most TINY, scaled by at most the doubling below.
+    lost = jnp.float32(2.01 * (4 * h + 6 * st.wmax + 32) * _TINY)
+    guard = _up(jnp.float32(_SAFETY) * terms / jnp.float32(1 - 2 * _SAFETY * epi) + lost, 9)
     e_coef = _up(e_pos + guard, 1)
     sum_w = jnp.sum(jnp.abs(w), axis=1) + jnp.sum(abs_omega, axis=1) + 2.0
     c_abs = jnp.float32(_SAFETY * _TINY) * ((d + 2) * sum_w + 4 * (h + st.wmax) + 16)
@@ -388,7 +408,10 @@ def _positive_allowance(w_pos, dn_up, gram, reach, anchor, beta, omitted_pos, di
     the library's f32 dot), so with m_a = w_a·``reach`` = w_a (‖q_h‖↑ + β_a ‖q_c‖↑) every
     entry errs by at most (γ + γ_8(1 + γ)) m_a m_b (γ_8: no term of the four-term form
     passes more than eight roundings, six in the order written), and a subset's
-    quadratic form by that times (Σ m)², plus its own γ_{g²+2} (Σ m)².
+    quadratic form by that times (Σ m)², plus its own γ_{g²+2} (Σ m)². Underflow adds an
+    absolute part: 2D·TINY a G entry and TINY for each of the nine operations forming a
+    u entry, scaled by at most W_a W_b (W = w(1 + β)), and g² + 4 TINY for the form's adds
+    and the slack's own products; bounded by (2D + 9)·TINY·(Σ W + g)² + (g² + 4)·TINY.
     """
     t, h = w_pos.shape
     g = JOINT_GROUP
@@ -417,11 +440,15 @@ def _positive_allowance(w_pos, dn_up, gram, reach, anchor, beta, omitted_pos, di
         return gram[rows, a[:, :, :, None], b[:, :, None, :]]
 
     bi, bj = b_s[:, :, :, None], b_s[:, :, None, :]
-    u_gram = (w_s[:, :, :, None] * w_s[:, :, None, :]) * (
+    wi, wj = w_s[:, :, :, None], w_s[:, :, None, :]
+    # Ordered so that an operation's underflow is scaled by at most W_a·W_b afterwards
+    # (W = w(1 + β)): the slack's absolute part below.
+    u_gram = wi * (wj * (
         entries(heads, heads) - bj * entries(heads, anchors) - bi * entries(anchors, heads)
-        + (bi * bj) * entries(anchors, anchors)
-    )  # fmt: skip
-    m_s = by_slot(_up(w_pos * reach, 3)).reshape(t, n_groups, g)
+        + bi * (bj * entries(anchors, anchors))
+    ))  # fmt: skip
+    m_s = by_slot(_up(w_pos * reach + jnp.float32(_TINY), 5)).reshape(t, n_groups, g)
+    big_w = by_slot(_up(w_pos * (1.0 + beta), 2)).reshape(t, n_groups, g)
     subsets = jnp.asarray(
         ((np.arange(2**g)[:, None] >> np.arange(g)[None, :]) & 1).astype(np.float32)
     )  # [2^g, g]
@@ -429,11 +456,17 @@ def _positive_allowance(w_pos, dn_up, gram, reach, anchor, beta, omitted_pos, di
     quad = jnp.einsum("ma,tgab,mb->tgm", subsets, u_gram, subsets, precision=hp)
     dot_err = gamma(2 * dim + 2)
     entry_err = dot_err + gamma(8) * (1 + dot_err)
-    slack = jnp.float32(entry_err + gamma(g * g + 2)) * _up(jnp.sum(m_s, axis=2), g) ** 2
-    joint = _up(jnp.sqrt(jnp.max(quad, axis=2) + slack) * jnp.float32(1 + 4 * _U32), 2)
-    tri_g = _up(jnp.sum(tri_s, axis=2), g)
+    sum_m = _up(jnp.sum(m_s, axis=2) + jnp.float32(g * _TINY), g + 1)
+    slack = jnp.float32(entry_err + gamma(g * g + 2)) * sum_m**2
+    # Underflow: a G entry may lose 2D·TINY, an entry of u's Gram 9 more operations'
+    # (each scaled by ≤ W_a W_b, W_a or 1), the quadratic form ≤ g² adds, the slack 2.
+    sum_w = _up(jnp.sum(big_w, axis=2) + g, g + 1)  # ≥ g: the square cannot underflow
+    slack_abs = jnp.float32((2 * dim + 9) * _TINY) * sum_w**2 + jnp.float32((g * g + 4) * _TINY)
+    joint_sq = jnp.max(quad, axis=2) + slack + slack_abs
+    joint = _up(jnp.sqrt(joint_sq) * jnp.float32(1 + 5 * _U32), 2)
+    tri_g = _up(jnp.sum(tri_s, axis=2) + jnp.float32(2 * g * _TINY), g + 1)
     per_group = jnp.where(jnp.sum(tri_s, axis=2) > 0, jnp.minimum(tri_g, joint), 0.0)
-    return _up(jnp.sum(per_group, axis=1), n_groups)
+    return _up(jnp.sum(per_group, axis=1) + jnp.float32(n_groups * _TINY), n_groups + 1)
 
 
 # ---------------------------------------------------------------------------------------

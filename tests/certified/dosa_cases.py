@@ -57,6 +57,7 @@ ADVERSARIAL = (
     "norm_spread",
     "fp8_extremes",
     "nonfinite",
+    "extreme_magnitudes",
 )
 
 
@@ -111,6 +112,22 @@ def make_inputs(cfg: Config, seed: int, adversarial: str = "none"):
             k[rng.integers(0, s), rng.integers(0, d)] = np.inf
         else:
             q[rng.integers(0, t), rng.integers(0, h), rng.integers(0, d)] = np.nan
+    elif adversarial == "extreme_magnitudes":
+        # Squares of these underflow f32 (|x| < 2^-63): norms, Gram entries and folded
+        # weights must still enclose. FP8 cannot hold such payloads: weights carry them.
+        which = rng.integers(0, 4)
+        e = int(rng.integers(64, 111))
+        if which == 0 and cfg.q_dtype != "float8_e4m3fn":
+            q *= 2.0**-e
+        elif which == 1 and cfg.k_dtype != "float8_e4m3fn":
+            k *= 2.0**-e
+        elif which == 2 and cfg.q_dtype != "float8_e4m3fn":
+            # heads of very different scale, each head's share of the score kept
+            e_h = rng.integers(0, 81, h)
+            q *= 2.0 ** -e_h[None, :, None]
+            w *= 2.0 ** e_h[None, :]
+        else:
+            w *= 2.0 ** -rng.integers(60, 121)
     seeds = None
     if cfg.n_seeds:
         seeds = np.full((t, cfg.n_seeds), -1, np.int32)

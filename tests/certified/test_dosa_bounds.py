@@ -71,12 +71,14 @@ def _exact_allowance(q, w_pos, anchor, beta, omitted):
     return total
 
 
-@pytest.mark.parametrize("near_anchor", [False, True])
-def test_positive_allowance_encloses_the_exact_allowance(near_anchor):
+@pytest.mark.parametrize("case", ["random", "near_anchor", "tiny"])
+def test_positive_allowance_encloses_the_exact_allowance(case):
     # E_P from the queries' f32 Gram matrix must be ≥ its float64 value and close to it.
     # near_anchor: each omitted head is its anchor times β plus a 1e-4 residual, so the
     # Gram entries cancel to ~1e-8 of their size: the slack keeps E_P above the exact
-    # value, and the group falls back to the triangle form.
+    # value, and the group falls back to the triangle form. tiny: queries times 2^-80 and
+    # weights times 2^80, so u is as before but the Gram entries underflow to 0; the
+    # norms' underflow floor keeps E_P above the exact value (the triangle form again).
     t, h, d = 3, 20, 32
     rng = np.random.default_rng(7)
     q = rng.standard_normal((t, h, d)).astype(np.float32)
@@ -84,10 +86,12 @@ def test_positive_allowance_encloses_the_exact_allowance(near_anchor):
     omitted = (w > 0) & (np.arange(h)[None, :] >= 4)
     anchor = np.tile(np.arange(h) % 4, (t, 1)).astype(np.int32)
     beta = np.where(omitted, rng.uniform(0.2, 2.0, (t, h)), 0.0).astype(np.float32)
-    if near_anchor:
+    if case == "near_anchor":
         resid = 1e-4 * rng.standard_normal((t, h, d))
         q_an = np.take_along_axis(q, anchor[:, :, None], axis=1)
         q = np.where(omitted[:, :, None], beta[:, :, None] * q_an + resid, q).astype(np.float32)
+    elif case == "tiny":
+        q, w = q * np.float32(2.0**-80), w * np.float32(2.0**80)
     q32 = jnp.asarray(q)
     gram = jnp.einsum("thd,tjd->thj", q32, q32, precision="highest")
     qn_up = planner._norm_up(q32)
@@ -105,11 +109,11 @@ def test_positive_allowance_encloses_the_exact_allowance(near_anchor):
         want = _exact_allowance(q64[i], wi, anchor[i], beta[i], omitted[i])
         got = float(e_pos[i])
         assert want <= got, (i, want, got)
-        if near_anchor:  # the Gram's slack exceeds ‖Σ u‖²: the triangle form, never worse
+        if case == "random":
+            assert got <= want * (1 + 1e-3), (i, want, got)
+        else:  # the Gram's slack exceeds ‖Σ u‖²: the triangle form, never worse
             triangle = (wi * np.linalg.norm(d_exact[i], axis=1)).sum()
             assert got <= triangle * (1 + 1e-3), (i, got, triangle)
-        else:
-            assert got <= want * (1 + 1e-3), (i, want, got)
 
 
 def _plan(inputs, top_k, variant="dosa", r="auto"):

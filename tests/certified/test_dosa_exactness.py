@@ -127,3 +127,32 @@ def test_nonfinite_query_disables_pruning():
     assert not bool(info.plan.prune[2])
     assert int(info.plan.reason[2]) & planner.REASON_NONFINITE
     assert bool(res.fallback[2])
+
+
+def _scaled(x, exponents):
+    return (x.astype(jnp.float32) * jnp.asarray(2.0**exponents, jnp.float32)).astype(x.dtype)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=lambda c: c.id)
+@pytest.mark.parametrize("kind", ["tiny_queries", "tiny_keys", "mixed_heads", "tiny_weights"])
+def test_extreme_magnitudes_stay_exact(cfg, kind):
+    # Queries or keys below 2^-63 have squares that underflow f32: every norm, Gram entry
+    # and folded weight of the plan must still enclose (they once came out 0, and the
+    # bound fell below the score: keys lost for 34 of 120 such inputs).
+    q, w, k, scale, start, end, seeds = make_inputs(cfg, 3)
+    h = q.shape[1]
+    if kind == "tiny_queries":
+        q = _scaled(q, np.float32(-75))
+    elif kind == "tiny_keys":
+        k = _scaled(k, np.float32(-70))
+    elif kind == "mixed_heads":  # each head's share of the score kept comparable
+        e_h = -np.arange(h, dtype=np.float32) * (90 / max(h - 1, 1)) - (90 if h == 1 else 0)
+        q = _scaled(q, e_h[None, :, None])
+        w = _scaled(w, -e_h[None, :])
+    else:
+        w = _scaled(w, np.float32(-110))
+    inputs = (q, w, k, scale, start, end, seeds)
+    base, res, info = _run(cfg, inputs)
+    _check_equal(base, res)
+    _check_certificate(inputs, info)
+    assert np.asarray(info.plan.prune).all()  # screened, not waved through unscreened
