@@ -20,6 +20,51 @@ METHODS = ("dense", "dosa")
 POLICIES = ("auto", "always")
 
 
+# Implementation options (``**options`` of :func:`dosa_topk`) and who takes them.
+OPTIONS = {
+    "list_capacity": "triton",  # survivor slots per scorer block
+    "record_capacity": "triton",  # records per query of the unscreened queries
+    "refine_block": "triton",  # queries per scorer block
+    "screen_cfg": "triton",  # ScreenConfig of the screening kernel
+    "splits": "triton",  # programs per screening tile along the keys
+    "survivor_capacity": "reference",  # a modelled survivor buffer
+}
+
+
+def _check_options(options: dict) -> None:
+    """ValueError naming an option that no implementation takes or a value out of range
+    (before any tracing: a negative capacity used to fail deep inside a kernel)."""
+    for name, value in options.items():
+        if name not in OPTIONS:
+            raise ValueError(
+                f"{name}: not an option of the certified methods; expected one of {sorted(OPTIONS)}"
+            )
+        if value is None or name == "screen_cfg":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive Python int or None, got {value!r}")
+        if name == "refine_block" and value & (value - 1):
+            raise ValueError(f"refine_block: expected a power of two, got {value}")
+
+
+def _taking_options(name, fn):
+    """``fn`` of implementation ``name``, refusing another implementation's options by
+    name (rather than a TypeError, or one silently ignored)."""
+
+    def call(*args, **kwargs):
+        for option in kwargs.keys() & OPTIONS.keys():
+            if OPTIONS[option] != name and kwargs[option] is not None:
+                own = sorted(o for o, impl in OPTIONS.items() if impl == name)
+                raise ValueError(
+                    f"{option}: an option of implementation {OPTIONS[option]!r}; "
+                    f"{name!r} (the one running) takes {own}"
+                )
+        own_kwargs = {o: v for o, v in kwargs.items() if OPTIONS.get(o, name) == name}
+        return fn(*args, **own_kwargs)
+
+    return call
+
+
 def _triton(*args, **kwargs):
     from jsparse.certified import triton as triton_impl  # Pallas imports only when used
 
@@ -27,7 +72,10 @@ def _triton(*args, **kwargs):
 
 
 def _implementations():
-    return {"triton": _triton, "reference": ref_impl.certified_topk_reference}
+    return {
+        "triton": _taking_options("triton", _triton),
+        "reference": _taking_options("reference", ref_impl.certified_topk_reference),
+    }
 
 
 def certified_topk(
@@ -50,6 +98,7 @@ def certified_topk(
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
     planner.check_variant(variant)
+    _check_options(options)
     if policy not in POLICIES:
         raise ValueError(f"policy: got {policy!r}; expected one of {POLICIES}")
     result, info = backend.dispatch(
@@ -96,8 +145,10 @@ def dosa_topk(
         reference always sorts).
       return_info: also return :class:`~jsparse.certified.reference.CertifiedInfo`
         (the plan, which queries were screened, overflows).
-      options: implementation options (Triton: ``list_capacity``, ``record_capacity``,
-        ``refine_block``; reference: ``survivor_capacity``).
+      options: implementation options (:data:`OPTIONS`; Triton: ``list_capacity``,
+        ``record_capacity``, ``refine_block``, ``screen_cfg``, ``splits``; reference:
+        ``survivor_capacity``). A bad value, or an option of an implementation other than
+        the one running, raises ValueError naming it.
     """
     from jsparse.ops.indexer import api
 

@@ -156,3 +156,22 @@ def test_extreme_magnitudes_stay_exact(cfg, kind):
     _check_equal(base, res)
     _check_certificate(inputs, info)
     assert np.asarray(info.plan.prune).all()  # screened, not waved through unscreened
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(survivor_capacity=-1), "survivor_capacity: expected a positive Python int"),
+        (dict(survivor_capacity=2.5), "survivor_capacity: expected a positive Python int"),
+        (dict(list_capacity=0), "list_capacity: expected a positive Python int"),
+        (dict(splits=True), "splits: expected a positive Python int"),
+        (dict(refine_block=3), "refine_block: expected a power of two, got 3"),
+        (dict(capacity=4), r"capacity: not an option of the certified methods; expected one of"),
+        # an option of the Triton kernels, on the reference: named, not a TypeError
+        (dict(list_capacity=8), r"list_capacity: an option of implementation 'triton'"),
+    ],
+)
+def test_bad_implementation_options_name_the_option(options, message):
+    q, w, k, _, start, end, _ = make_inputs(CONFIGS[0], 0)
+    with pytest.raises(ValueError, match=message):
+        dosa_topk(q, w, k, 4, kv_start=start, kv_end=end, implementation="reference", **options)
