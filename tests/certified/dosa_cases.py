@@ -115,7 +115,8 @@ def make_inputs(cfg: Config, seed: int, adversarial: str = "none"):
     elif adversarial == "extreme_magnitudes":
         # Squares of these underflow f32 (|x| < 2^-63): norms, Gram entries and folded
         # weights must still enclose. FP8 cannot hold such payloads: weights carry them.
-        which = rng.integers(0, 4)
+        # The last branch is large: squares and bounds overflow, the query falls back.
+        which = rng.integers(0, 5)
         e = int(rng.integers(64, 111))
         if which == 0 and cfg.q_dtype != "float8_e4m3fn":
             q *= 2.0**-e
@@ -126,8 +127,12 @@ def make_inputs(cfg: Config, seed: int, adversarial: str = "none"):
             e_h = rng.integers(0, 81, h)
             q *= 2.0 ** -e_h[None, :, None]
             w *= 2.0 ** e_h[None, :]
-        else:
+        elif which == 3:
             w *= 2.0 ** -rng.integers(60, 121)
+        elif cfg.q_dtype != "float8_e4m3fn" and rng.random() < 0.5:
+            q *= 2.0 ** rng.integers(40, 71)
+        else:
+            w *= 2.0 ** rng.integers(60, 127)
     seeds = None
     if cfg.n_seeds:
         seeds = np.full((t, cfg.n_seeds), -1, np.int32)
