@@ -19,7 +19,7 @@ from jsparse.certified import VARIANTS, dosa_topk, planner
 from jsparse.certified import reference as cref
 from jsparse.ops.indexer import reference as scorer
 from jsparse.ops.topk.codes import score_code
-from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, METHODS, R_CHOICES, make_inputs
+from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, METHODS, R_CHOICES, Config, make_inputs
 
 
 def _run(cfg, inputs, method="dosa", variant="dosa", r="auto", **options):
@@ -175,3 +175,24 @@ def test_bad_implementation_options_name_the_option(options, message):
     q, w, k, _, start, end, _ = make_inputs(CONFIGS[0], 0)
     with pytest.raises(ValueError, match=message):
         dosa_topk(q, w, k, 4, kv_start=start, kv_end=end, implementation="reference", **options)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_joint_allowance_covers_flushed_gram_entries(seed):
+    # Eight parallel positive heads of components ~2^-64 (each square flushes to zero, so
+    # the queries' Gram matrix comes out 0) and keys parallel to them: the bound is tight,
+    # and without the Gram slack's underflow term E_P's joint form was ~64× too small
+    # (keys lost on XLA's CPU, which flushes subnormals as a GPU may).
+    cfg = Config(6, 8, 16, 80, 8)
+    rng = np.random.default_rng(seed)
+    v = rng.uniform(1.0, 1.4, cfg.d) * rng.choice([-1, 1], cfg.d)
+    c = rng.uniform(0.5, 1.5, (cfg.t, cfg.h))
+    q = jnp.asarray(c[:, :, None] * v[None, None, :] * 2.0**-64, jnp.float32)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, (cfg.t, cfg.h)) * 2.0**58, jnp.float32)
+    k = jnp.asarray(rng.uniform(0.1, 2.0, (cfg.s, 1)) * v[None, :], jnp.float32)
+    start, end = jnp.zeros((cfg.t,), jnp.int32), jnp.full((cfg.t,), cfg.s, jnp.int32)
+    inputs = (q, w, k, None, start, end, None)
+    base, res, info = _run(cfg, inputs, r=1)
+    _check_equal(base, res)
+    _check_certificate(inputs, info)
+    assert np.asarray(info.plan.prune).all()
