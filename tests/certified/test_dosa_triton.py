@@ -101,6 +101,17 @@ def test_triton_certified_equals_base(kernel_impl, monkeypatch):
     np.testing.assert_array_equal(np.asarray(info_m.list_length), np.asarray(info_r.list_length))
 
 
+def test_triton_tiny_queries_equal_base(kernel_impl):
+    # Queries × 2^-80 (their squares flush to zero) through the kernels: the plan's
+    # norms carry their underflow floor, so the screen keeps every key that reaches τ.
+    q, w, k, scale, start, end, seeds = make_inputs(CFG, 1)  # keys were lost at this seed
+    q = (q.astype(jnp.float32) * jnp.float32(2.0**-80)).astype(q.dtype)
+    inputs = (q, w, k, scale, start, end, seeds)
+    base, full = _base_and_full(inputs, CFG.top_k, kernel_impl)
+    res, info = _dosa(inputs, CFG.top_k, kernel_impl, method="dosa")
+    _check_equals_base(base, full, res, info, "dosa", two_widths=False)
+
+
 def test_triton_planted_overflows_fall_back_exactly(kernel_impl):
     inputs = make_inputs(CFG, 12)
     q, w, k, scale, start, end, _ = inputs
