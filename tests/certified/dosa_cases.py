@@ -7,11 +7,22 @@ Static configs are few on purpose: each one compiles the pipeline once (seconds 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
 
 FP8_MAX = 448.0
+
+# The property test's examples: 30 fixed ones in CI; JSPARSE_PROPERTY_EXAMPLES=N draws N
+# fresh random ones instead, for a long exactness campaign (e.g. 5000, a few minutes
+# once compiled). A failure prints the example to reproduce.
+_CAMPAIGN = int(os.environ.get("JSPARSE_PROPERTY_EXAMPLES", "0"))
+PROPERTY_SETTINGS = (
+    dict(max_examples=_CAMPAIGN, derandomize=False, database=None, deadline=None)
+    if _CAMPAIGN > 0
+    else dict(max_examples=30, derandomize=True, deadline=None)
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,15 @@ from jsparse.certified import VARIANTS, dosa_topk, planner
 from jsparse.certified import reference as cref
 from jsparse.ops.indexer import reference as scorer
 from jsparse.ops.topk.codes import score_code
-from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, METHODS, R_CHOICES, Config, make_inputs
+from tests.certified.dosa_cases import (
+    ADVERSARIAL,
+    CONFIGS,
+    METHODS,
+    PROPERTY_SETTINGS,
+    R_CHOICES,
+    Config,
+    make_inputs,
+)
 
 
 def _run(cfg, inputs, method="dosa", variant="dosa", r="auto", **options):
@@ -65,7 +73,7 @@ def _check_equal(base, res):
     np.testing.assert_array_equal(b[~np.isnan(b)], r[~np.isnan(r)])
 
 
-@settings(derandomize=True, max_examples=30, deadline=None)
+@settings(**PROPERTY_SETTINGS)
 @given(
     cfg=st.sampled_from(CONFIGS),
     seed=st.integers(0, 2**31 - 1),
