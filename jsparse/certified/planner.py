@@ -199,7 +199,9 @@ def _norm_up(x, axis=-1):
 
     The n squares and n − 1 adds each lose at most TINY to underflow, so Σx² ≤
     (computed + 2n·TINY)(1 + γ_n); the floor this puts under every norm,
-    sqrt(2n·TINY) ≈ 2^-59 at n = 128, is what keeps tiny queries and keys exact."""
+    sqrt(2n·TINY) ≈ 2^-59 at n = 128, is what keeps tiny queries and keys exact. It
+    also makes the relative error terms (γ‖q‖‖k‖) cover subnormal inputs that a dot
+    reads as zero: such a component moves a dot by < 2^-126 times the other norm."""
     n = x.shape[axis]
     return _up(jnp.sqrt(jnp.sum(x * x, axis=axis) + jnp.float32(2 * n * _TINY)), n + 3)
 
@@ -491,8 +493,8 @@ def _query_gram(q: Float[Array, "T H D"]) -> Float[Array, "T H H"]:
     BF16 and FP8 queries widen exactly to bf16, whose products are exact in f32: bf16
     operands with f32 accumulation, i.e. the tensor cores on a GPU, whose possibly
     truncating adds the doubled u = 2^-23 covers as it does for the scorer. As an f32
-    product (HIGHEST) this was a SIMT GEMM of 8.6 GFLOP at ~19 TFLOP/s, 0.44 ms at
-    8192 queries (WORKSPACE.md, runs 217 and session 40). f32 queries: IEEE f32."""
+    product (HIGHEST) it was, by its HLO name, run 217's 0.44 ms GEMM at 8192 queries
+    (8.6 GFLOP on the f32 FMA units; WORKSPACE.md, session 40). f32 queries: IEEE f32."""
     if q.dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
         qb = q.astype(jnp.bfloat16)
         return jnp.einsum("thd,tjd->thj", qb, qb, preferred_element_type=jnp.float32)
