@@ -22,15 +22,19 @@ EMPTY_CODE = np.int32(np.iinfo(np.int32).min)
 
 _CANONICAL_NAN_BITS = np.int32(0x7FC00000)
 _LOW31 = np.int32(0x7FFFFFFF)
+_INF_BITS = np.int32(0x7F800000)
+_NEG_ZERO_BITS = np.int32(np.iinfo(np.int32).min)  # 0x80000000
 
 
 def score_code(scores: jax.Array) -> jax.Array:
-    """int32 codes with ``code(a) < code(b)`` iff ``a < b`` (NaN highest, -0 == +0)."""
-    x = scores.astype(jnp.float32)
-    # -0.0 becomes +0.0 (not via `x + 0.0`: compilers may fold that away).
-    x = jnp.where(x == 0, jnp.float32(0.0), x)
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    bits = jnp.where(jnp.isnan(x), _CANONICAL_NAN_BITS, bits)
+    """int32 codes with ``code(a) < code(b)`` iff ``a < b`` (NaN highest, -0 == +0).
+
+    Integer operations only: a float test such as ``x == 0`` reads subnormals as zero
+    where the runtime flushes them (XLA's CPU does, a GPU by default does not), which
+    gave subnormal scores different codes, and a different Top-K, on the two."""
+    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    bits = jnp.where(bits == _NEG_ZERO_BITS, 0, bits)  # -0.0 is +0.0
+    bits = jnp.where((bits & _LOW31) > _INF_BITS, _CANONICAL_NAN_BITS, bits)  # any NaN
     # Non-negative floats already order as int32; negative ones order in reverse, so
     # flip their 31 magnitude bits (the arithmetic shift yields the all-ones mask).
     return bits ^ ((bits >> 31) & _LOW31)
