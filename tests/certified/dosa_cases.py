@@ -125,8 +125,9 @@ def make_inputs(cfg: Config, seed: int, adversarial: str = "none"):
             q[rng.integers(0, t), rng.integers(0, h), rng.integers(0, d)] = np.nan
     elif adversarial == "extreme_magnitudes":
         # Squares of these underflow f32 (|x| < 2^-63): norms, Gram entries and folded
-        # weights must still enclose. FP8 cannot hold such payloads: weights carry them.
-        # The last branch is large: squares and bounds overflow, the query falls back.
+        # weights must still enclose. FP8 payloads cannot be that small: such draws fall
+        # through to the weights or to the last branch, which is large (squares and
+        # bounds overflow, and the query falls back).
         which = rng.integers(0, 5)
         e = int(rng.integers(64, 111))
         if which == 0 and cfg.q_dtype != "float8_e4m3fn":
