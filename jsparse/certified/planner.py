@@ -502,10 +502,10 @@ def _query_gram(q: Float[Array, "T H D"]) -> Float[Array, "T H H"]:
     return jnp.einsum("thd,tjd->thj", q32, q32, precision=jax.lax.Precision.HIGHEST)
 
 
-def _sample_bound_sums(omega_by_head, a_w, x):
-    """Σ_h ω_h [x_h]_+ and Σ_h a_h x_h over the sampled keys' dots x [T, H, n] (an
-    estimate: survival, not the certificate)."""
-    ret = jnp.einsum("th,thn->tn", omega_by_head, jnp.where(x < 0, 0.0, x))
+def _sample_bound_sums(omega_by_head, a_w, x, relu_x):
+    """Σ_h ω_h [x_h]_+ and Σ_h a_h x_h over the sampled keys' dots x [T, H, n] and
+    their ReLU (formed once for every width); an estimate: survival, not the certificate."""
+    ret = jnp.einsum("th,thn->tn", omega_by_head, relu_x)
     agg = jnp.einsum("th,thn->tn", a_w, x)
     return ret, agg
 
@@ -599,13 +599,14 @@ def plan_from_threshold(
     n_valid = jnp.sum(valid, axis=1)
     active = jnp.sum(jnp.where(valid[:, None, :], x > 0, False), axis=2)
     p = jnp.where(n_valid[:, None] > 0, active / jnp.maximum(n_valid, 1)[:, None], 0.5)
+    relu_x = jnp.where(x < 0, 0.0, x)
 
     visible = (end - start).astype(jnp.float32)
     recent = jnp.minimum(jnp.float32(recent_keys), visible) / jnp.maximum(visible, 1.0)
 
     def sample_survival(c):
         # The bound of the sampled seed keys, as the kernel forms it (in f32).
-        ret, agg = _sample_bound_sums(c["omega_by_head"], c["a_w"], x)
+        ret, agg = _sample_bound_sums(c["omega_by_head"], c["a_w"], x, relu_x)
         u_est = (ret - jnp.where(agg < 0, 0.0, agg) + c["e_coef"][:, None] * s_norm) * s_scale
         keep = valid & (score_code(u_est) >= tau_code[:, None])
         sampled = jnp.sum(keep, axis=1) / jnp.maximum(n_valid, 1)
