@@ -72,6 +72,11 @@ ADVERSARIAL = (
 )
 
 
+def times_pow2(x, exponents):
+    """``x`` times 2^exponents (broadcast), computed in f32 and cast back to x's dtype."""
+    return (x.astype(jnp.float32) * jnp.asarray(2.0**exponents, jnp.float32)).astype(x.dtype)
+
+
 def _cast(x, dtype):
     if dtype == "float8_e4m3fn":
         x = np.clip(x, -FP8_MAX, FP8_MAX)

@@ -27,6 +27,7 @@ from tests.certified.dosa_cases import (
     R_CHOICES,
     Config,
     make_inputs,
+    times_pow2,
 )
 
 
@@ -137,10 +138,6 @@ def test_nonfinite_query_disables_pruning():
     assert bool(res.fallback[2])
 
 
-def _scaled(x, exponents):
-    return (x.astype(jnp.float32) * jnp.asarray(2.0**exponents, jnp.float32)).astype(x.dtype)
-
-
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=lambda c: c.id)
 @pytest.mark.parametrize("kind", ["tiny_queries", "tiny_keys", "mixed_heads", "tiny_weights"])
 def test_extreme_magnitudes_stay_exact(cfg, kind):
@@ -150,15 +147,15 @@ def test_extreme_magnitudes_stay_exact(cfg, kind):
     q, w, k, scale, start, end, seeds = make_inputs(cfg, 3)
     h = q.shape[1]
     if kind == "tiny_queries":
-        q = _scaled(q, np.float32(-75))
+        q = times_pow2(q, np.float32(-75))
     elif kind == "tiny_keys":
-        k = _scaled(k, np.float32(-70))
+        k = times_pow2(k, np.float32(-70))
     elif kind == "mixed_heads":  # each head's share of the score kept comparable
         e_h = -np.arange(h, dtype=np.float32) * (90 / max(h - 1, 1)) - (90 if h == 1 else 0)
-        q = _scaled(q, e_h[None, :, None])
-        w = _scaled(w, -e_h[None, :])
+        q = times_pow2(q, e_h[None, :, None])
+        w = times_pow2(w, -e_h[None, :])
     else:
-        w = _scaled(w, np.float32(-110))
+        w = times_pow2(w, np.float32(-110))
     inputs = (q, w, k, scale, start, end, seeds)
     base, res, info = _run(cfg, inputs)
     _check_equal(base, res)

@@ -14,7 +14,7 @@ import pytest
 import jsparse
 from jsparse.certified import dosa_topk, planner
 from jsparse.certified import triton as ctriton
-from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, Config, make_inputs
+from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, Config, make_inputs, times_pow2
 from tests.lowering import lower_for_h200
 
 CFG = Config(5, 8, 16, 192, 8, "bfloat16", "float8_e4m3fn", scaled=True)
@@ -105,7 +105,7 @@ def test_triton_tiny_queries_equal_base(kernel_impl):
     # Queries × 2^-80 (their squares flush to zero) through the kernels: the plan's
     # norms carry their underflow floor, so the screen keeps every key that reaches τ.
     q, w, k, scale, start, end, seeds = make_inputs(CFG, 1)  # keys were lost at this seed
-    q = (q.astype(jnp.float32) * jnp.float32(2.0**-80)).astype(q.dtype)
+    q = times_pow2(q, np.float32(-80))
     inputs = (q, w, k, scale, start, end, seeds)
     base, full = _base_and_full(inputs, CFG.top_k, kernel_impl)
     res, info = _dosa(inputs, CFG.top_k, kernel_impl, method="dosa")
