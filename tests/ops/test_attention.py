@@ -203,6 +203,35 @@ def test_out_of_range_entries_under_jit_are_never_read(kernel_impl):
     np.testing.assert_array_equal(np.asarray(run(bad)), np.asarray(run(cleaned)))
 
 
+@pytest.mark.parametrize("path", ["reference", "kernel", "kernel-merged"])
+def test_non_finite_rows_reach_only_the_lists_naming_them(path, kernel_impl):
+    """Row 0 (where empty slots point) is NaN/inf and listed by no one: lists with empty
+    slots stay finite and empty lists stay zeros / -inf. A listed NaN key makes its
+    heads' output and lse NaN (not zeros and -inf); a listed inf value makes the output
+    non-finite and leaves lse finite. The float64 oracle reads only the listed rows."""
+    q, k, v, _ = make(2, 4, 2, 16, 8, 20, 1, seed=9)
+    k, v = k.at[:, 0].set(jnp.nan), v.at[:, 0].set(jnp.inf)
+    k, v = k.at[0, 5, 1].set(jnp.nan), v.at[1, 8, 0].set(jnp.inf)
+    idx = jnp.asarray(
+        [[[3, -1, 7, -1, 9, 2], [5, 4, -1, 6, -1, -1]],  # clean with empties; NaN key
+         [[8, 1, -1, 2, -1, -1], [-1] * 6]],  # inf value; nothing listed
+        jnp.int32,
+    )  # fmt: skip
+    if path == "reference":
+        out, lse = jsparse.indexed_attention(
+            q, k, v, idx, scale=0.3, return_lse=True, implementation="reference"
+        )
+    else:
+        splits = 3 if path == "kernel-merged" else 1
+        out, lse = attention_triton.indexed_attention_triton(
+            q, k, v, idx, None, None, scale=0.3, splits=splits
+        )
+    want_out, want_lse = oracle(q, k, v, idx, 0.3)
+    assert np.isnan(want_lse[0, 2:]).all() and np.isinf(want_out[1, :2]).all()
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("n, s", [(0, 10), (5, 0)], ids=["no-entries", "no-cache"])
 def test_nothing_to_attend_gives_zeros(n, s):
     q, k, v, _ = make(2, 4, 2, 16, 8, max(s, 1), 1)

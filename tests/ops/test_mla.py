@@ -197,6 +197,29 @@ def test_out_of_range_entries_under_jit_are_never_read(kernel_impl):
     np.testing.assert_array_equal(np.asarray(run(bad)), np.asarray(run(cleaned)))
 
 
+@pytest.mark.parametrize("path", ["reference", "kernel", "kernel-merged"])
+def test_non_finite_rows_reach_only_the_lists_naming_them(path, kernel_impl):
+    """Row 0 (where empty slots point) is NaN and listed by no one: a list with empty
+    slots stays finite and an empty list zeros / -inf; a listed row with a NaN RoPE key
+    makes its sequence's outputs and lse NaN (not zeros and -inf)."""
+    q, cache, _ = make(3, 4, 16, 8, 20, 1, seed=9)
+    cache = cache.at[:, 0].set(jnp.nan).at[1, 5, 20].set(jnp.nan)
+    idx = jnp.asarray([[3, -1, 7, -1, 9, 2], [5, 4, -1, 6, -1, -1], [-1] * 6], jnp.int32)
+    if path == "reference":
+        out, lse = jsparse.indexed_mla_attention(
+            q, cache, idx, scale=0.3, latent_dim=16, return_lse=True, implementation="reference"
+        )
+    else:
+        splits = 3 if path == "kernel-merged" else 1
+        out, lse = mla_triton.indexed_mla_attention_triton(
+            q, cache, idx, None, latent_dim=16, scale=0.3, splits=splits
+        )
+    want_out, want_lse = oracle(q, cache, idx, 16, 0.3)
+    assert np.isnan(want_lse[1]).all() and np.isfinite(want_out[0]).all()
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("n, s", [(0, 10), (5, 0)], ids=["no-entries", "no-cache"])
 def test_nothing_to_attend_gives_zeros(n, s):
     q, cache, _ = make(2, 4, 16, 8, max(s, 1), 1)

@@ -58,8 +58,10 @@ def indexed_attention(
       ``return_lse`` also lse [B, H] float32 (-inf for an empty list).
 
     Index values are checked when they are concrete; under ``jit`` an entry outside
-    [0, S) is treated as empty (never read). Non-finite values in q, k or v give
-    non-finite outputs, as the arithmetic makes them.
+    [0, S) is treated as empty (never read). Only listed rows are read, so a non-finite
+    row that no list names changes nothing. A NaN logit (a NaN in q or in a listed key)
+    makes its head's output and lse NaN; an inf in a listed value row makes the output
+    non-finite, as the arithmetic does.
     """
     _checks.check_rank("q", q, 3, "[B, H, D]")
     _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")

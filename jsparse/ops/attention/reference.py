@@ -39,7 +39,8 @@ def indexed_attention_reference(
     def rows(cache):  # -> [B, Hkv, N, X], the listed rows of each KV head
         return cache[first, second, heads].astype(jnp.float32)
 
-    kr, vr = rows(k), rows(v)
+    # An empty slot points at row 0; zeroed, so a non-finite row 0 cannot leak in (0·inf).
+    kr, vr = (jnp.where(valid[..., None], rows(c), 0.0) for c in (k, v))
     if k_scale is not None:
         kr = kr * k_scale[:, :, None, None]
     if v_scale is not None:
@@ -47,15 +48,30 @@ def indexed_attention_reference(
     qg = q.astype(jnp.float32).reshape(b, hkv, g, d)
     hi = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("bkgd,bknd->bkgn", qg, kr, precision=hi) * scale
-    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # an empty row: no max to subtract
-    p = jnp.exp(logits - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bkgn,bknd->bkgd", p, vr, precision=hi)
-    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
-    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(denom[..., 0]), -jnp.inf)
+    p, m, denom = softmax_terms(jnp.where(valid[:, :, None, :], logits, -jnp.inf))
+    out, lse = normalized(jnp.einsum("bkgn,bknd->bkgd", p, vr, precision=hi), m, denom)
     return out.reshape(b, h, -1), lse.reshape(b, h)
+
+
+def softmax_terms(logits):
+    """(p, m, Σp) over the last axis of ``logits`` (-inf where nothing is listed): the
+    weights exp(logits - m) under the row's max m, which is 0 for a row with no finite
+    or +inf logit (nothing to subtract). A NaN or +inf logit makes p and Σp NaN."""
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp(logits - m)
+    return p, m, jnp.sum(p, axis=-1, keepdims=True)
+
+
+def normalized(weighted, m, denom):
+    """(out, lse) from Σ p·v, m and Σp of :func:`softmax_terms`: zeros and -inf where
+    nothing was attended (Σp = 0); a NaN Σp stays NaN in both, as the kernels leave it."""
+    some = denom != 0
+    out = jnp.where(some, weighted / jnp.where(some, denom, 1.0), 0.0)
+    lse = jnp.where(
+        some[..., 0], m[..., 0] + jnp.log(jnp.where(some, denom, 1.0)[..., 0]), -jnp.inf
+    )
+    return out, lse
 
 
 def listed_rows(cache: Float[Array, "B S Hkv X"], at: Int[Array, "B Hkv N"]):

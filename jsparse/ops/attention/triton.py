@@ -263,7 +263,7 @@ def store_normalized(outs, pair, m, l, planes, v_scale, real, width: int):
     log l, for the ``real`` head rows: the output's ``planes`` (``width`` real dims each,
     stored interleaved by :func:`store_planes`; the MLA kernel's too)."""
     out_ref, lse_ref = outs
-    some = l > 0
+    some = l != 0  # l is 0 only where nothing was attended; a NaN l stays NaN
     safe = jnp.where(some, l, 1.0)
     factor = jnp.where(some, 1.0 / safe, 0.0)
     if v_scale is not None:
@@ -355,7 +355,7 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *refs, p, vdim_block):
     w = jnp.exp(m - base)  # 0 for a split that saw nothing, and for the padding
     total = jnp.sum(w * l)
     out = jnp.sum(w[:, None] * acc, axis=0)  # [Dvp]
-    some = total > 0
+    some = total != 0  # as in store_normalized
     safe = jnp.where(some, total, 1.0)
     out = jnp.where(some, out / safe, 0.0)
     if p.has_v_scale:

@@ -64,7 +64,8 @@ def indexed_mla_attention(
       applied by the caller), and with ``return_lse`` also lse [B, H] float32.
 
     Index values are checked when concrete; under ``jit`` an entry outside [0, S) is
-    treated as empty (never read).
+    treated as empty (never read). Only listed rows are read; a NaN logit (a NaN in q
+    or in a listed row) makes its head's output and lse NaN.
     """
     _checks.check_rank("q", q, 3, "[B, H, D]")
     _checks.check_rank("cache", cache, 3, "[B, S, D]")

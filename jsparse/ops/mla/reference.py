@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jsparse.ops.attention.reference import listed_locations
+from jsparse.ops.attention.reference import listed_locations, normalized, softmax_terms
 
 
 def indexed_mla_attention_reference(
@@ -34,17 +34,13 @@ def indexed_mla_attention_reference(
     """(out [B, H, latent_dim] float32, lse [B, H] float32); arguments as
     :func:`jsparse.indexed_mla_attention` (already validated)."""
     valid, first, second = listed_locations(indices, cache, page_table)  # [B, N]
-    rows = cache[first, second].astype(jnp.float32)  # [B, N, D]
+    # An empty slot points at row 0; zeroed, so a non-finite row 0 cannot leak in (0·inf).
+    rows = jnp.where(valid[..., None], cache[first, second].astype(jnp.float32), 0.0)  # [B, N, D]
     if cache_scale is not None:
         rows = rows * cache_scale[:, None, None]
     hi = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("bhd,bnd->bhn", q.astype(jnp.float32), rows, precision=hi) * scale
-    logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # an empty list: no max to subtract
-    p = jnp.exp(logits - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhn,bnc->bhc", p, rows[:, :, :latent_dim], precision=hi)
-    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
-    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(denom[..., 0]), -jnp.inf)
-    return out, lse
+    p, m, denom = softmax_terms(jnp.where(valid[:, None, :], logits, -jnp.inf))
+    return normalized(
+        jnp.einsum("bhn,bnc->bhc", p, rows[:, :, :latent_dim], precision=hi), m, denom
+    )
