@@ -59,6 +59,7 @@ from jsparse.calibration.moments import (
 )
 from jsparse.ops.projected import projected_scores, projected_step
 from jsparse.ops.projected.reference import key_projection, query_projection
+from jsparse.ops.topk.codes import canonical_scores
 
 __all__ = [
     "CACHE_DTYPES",
@@ -160,7 +161,8 @@ def top_budget(
     :func:`jsparse.ops.topk.topk_prefix`, the indexer's exact selection kernels, which
     keep that order; elsewhere
     ``jax.lax.top_k``, which returns equal scores lowest index first. Both give the same
-    positions for finite scores; ``lax.top_k`` sorts every row, the kernels do not.
+    positions (scores ranked as the kernels rank them: -0 as +0, every NaN above +inf);
+    ``lax.top_k`` sorts every row, the kernels do not.
     ``ordered=False``: the same positions in the kernels' own order (mostly ascending
     position), without their final sort: for a consumer that does not care, such as
     attention over the lists.
@@ -175,7 +177,7 @@ def top_budget(
         return idx.reshape(b, hkv, budget)
     pos = jnp.arange(s, dtype=jnp.int32)
     visible = pos[None, None, :] < lengths[:, None, None]
-    masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    masked = jnp.where(visible, canonical_scores(scores), -jnp.inf)
     kk = min(budget, s)
     _, idx = jax.lax.top_k(masked, kk)
     idx = idx.astype(jnp.int32)

@@ -11,6 +11,7 @@ import pytest
 
 import jsparse
 from jsparse import backend
+from jsparse.ops.indexer import reference as indexer_reference
 from jsparse.testing import topk_mismatches
 
 FP8 = jnp.float8_e4m3fn
@@ -461,6 +462,36 @@ class TestNonFinite:
         # keys whose dot with the inf head is +inf (no NaN from inf·0) score +inf or NaN
         top = np.asarray(r.scores[0])
         assert np.all(~np.isfinite(top[: int(np.sum(~np.isfinite(ref[0])))]))
+
+    @pytest.mark.parametrize("bits", [0xFFC00000, 0x7FC00000, 0xFF800001, 0x80000000])
+    def test_xla_ranks_scores_as_the_kernels_do(self, bits):
+        """``xla`` selects with ``lax.top_k``, which orders by the sign bit too (-0
+        below +0, a NaN with its sign bit set below -inf; XLA's CPU makes inf - inf
+        such a NaN): its ranking must still be the kernels' one, NaN first, -0 as +0."""
+        scores = np.random.default_rng(3).standard_normal((2, 40)).astype(np.float32)
+        scores[:, [5, 17, 30]] = np.array(bits, np.uint32).view(np.float32)
+        scores[:, 8] = 0.0
+        scores = jnp.asarray(scores)
+        visible = jnp.asarray([40, 20], jnp.int32)
+        ids, values = indexer_reference.lax_topk(
+            jnp.where(jnp.arange(40) < visible[:, None], scores, -jnp.inf), visible, 12
+        )
+        want_ids, want_values = jsparse.topk(
+            scores, 12, kv_end=visible, sorted=True, implementation="reference"
+        )
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(values, want_values)
+
+    def test_xla_keeps_a_nan_score_from_inf_minus_inf(self, interpret):
+        """A key at +inf under heads of both signs scores inf - inf = NaN."""
+        inputs = self.inputs()
+        inputs["k"] = inputs["k"].at[42, :].set(jnp.inf)
+        inputs["weights"] = inputs["weights"].at[:, :2].set(jnp.asarray([1.0, -1.0]))
+        inputs["q"] = jnp.abs(inputs["q"])  # every head's dot with key 42 is +inf
+        base = jsparse.indexer_topk(**inputs, top_k=8, method="base", implementation="triton")
+        xla = jsparse.indexer_topk(**inputs, top_k=8, method="xla")
+        assert np.all(np.asarray(base.indices[:, 0]) == 42)
+        np.testing.assert_array_equal(xla.indices, base.indices)
 
 
 class TestBadInput:

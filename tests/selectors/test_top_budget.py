@@ -52,6 +52,27 @@ def test_unordered_lists_hold_the_same_positions(monkeypatch, interpret, s, budg
         assert not np.array_equal(got, want)
 
 
+def test_signed_zeros_nans_and_subnormals_rank_as_in_the_kernels(monkeypatch, interpret):
+    """``lax.top_k`` orders by the sign bit as well: -0 below +0, and a NaN with its
+    sign bit set (what XLA's CPU makes of inf - inf) below -inf. The kernels rank -0
+    as +0 and every NaN above +inf; the fallback must pick the same positions."""
+    bits = np.array(
+        [0x80000000, 0, 0x80000000, 0xFFC00000, 0x3F800000, 0, 0x7FC00000, 0xFF800000,
+         0x00000001, 0x80000001, 0xFFFFFFFF, 0x7F800000, 0x80000000, 0x007FFFFF],
+        np.uint32,
+    )  # fmt: skip
+    row = bits.view(np.float32)
+    scores = jnp.asarray(np.stack([row, row[::-1]])[:, None, :])  # [2, 1, 14]
+    lengths = jnp.asarray([14, 11], jnp.int32)
+    for budget in (3, 8, 14):
+        monkeypatch.setattr(base, "_selection_kernels", lambda: False)
+        want = np.asarray(top_budget(scores, lengths, budget))
+        monkeypatch.setattr(base, "_selection_kernels", lambda: True)
+        got = np.asarray(top_budget(scores, lengths, budget))
+        np.testing.assert_array_equal(got, want)
+    assert list(got[0, 0, :5]) == [3, 6, 10, 11, 4]  # the NaNs by position, +inf, 1.0
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_and_lax_top_k_agree(monkeypatch):
     scores = _scores(8, 8, 131072, seed=1)

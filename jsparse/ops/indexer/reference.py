@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jsparse.ops.topk.codes import canonical_scores
 from jsparse.ops.topk.reference import visible_key_ids  # also imported from here
 
 
@@ -154,11 +155,12 @@ def indexer_scores_einsum(
 
 def lax_topk(scores: Float[Array, "T S"], visible: Int[Array, " T"], top_k: int):
     """The ``xla`` baseline's selection: ``lax.top_k`` of score rows (-inf where not
-    visible), padded to K columns, -1 / -inf past each row's ``visible`` count.
+    visible), padded to K columns, -1 / -inf past each row's ``visible`` count. Scores
+    are ranked as the kernels rank them (-0 as +0, every NaN above +inf).
     Returns (indices [T, K] int32, values [T, K])."""
     pad = max(0, top_k - scores.shape[1])
     if pad:
         scores = jnp.pad(scores, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-    values, idx = jax.lax.top_k(scores, top_k)
+    values, idx = jax.lax.top_k(canonical_scores(scores), top_k)  # the kernels' order
     empty = jnp.arange(top_k)[None, :] >= visible[:, None]
     return jnp.where(empty, -1, idx).astype(jnp.int32), jnp.where(empty, -jnp.inf, values)

@@ -32,12 +32,24 @@ def score_code(scores: jax.Array) -> jax.Array:
     Integer operations only: a float test such as ``x == 0`` reads subnormals as zero
     where the runtime flushes them (XLA's CPU does, a GPU by default does not), which
     gave subnormal scores different codes, and a different Top-K, on the two."""
-    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
-    bits = jnp.where(bits == _NEG_ZERO_BITS, 0, bits)  # -0.0 is +0.0
-    bits = jnp.where((bits & _LOW31) > _INF_BITS, _CANONICAL_NAN_BITS, bits)  # any NaN
+    bits = _canonical_bits(scores)
     # Non-negative floats already order as int32; negative ones order in reverse, so
     # flip their 31 magnitude bits (the arithmetic shift yields the all-ones mask).
     return bits ^ ((bits >> 31) & _LOW31)
+
+
+def canonical_scores(scores: jax.Array) -> jax.Array:
+    """float32 ``scores`` with -0 as +0 and every NaN as the one positive NaN: the
+    scores as :func:`score_code` ranks them, for a selection that compares floats.
+    ``lax.top_k`` orders by the sign bit too, so it puts -0 below +0 and a NaN with its
+    sign bit set below -inf, and XLA's CPU makes inf - inf such a NaN."""
+    return jax.lax.bitcast_convert_type(_canonical_bits(scores), jnp.float32)
+
+
+def _canonical_bits(scores: jax.Array) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    bits = jnp.where(bits == _NEG_ZERO_BITS, 0, bits)  # -0.0 is +0.0
+    return jnp.where((bits & _LOW31) > _INF_BITS, _CANONICAL_NAN_BITS, bits)  # any NaN
 
 
 def code_to_score(codes: jax.Array) -> jax.Array:
