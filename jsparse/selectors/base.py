@@ -440,12 +440,24 @@ def quantize_cache(
 
 
 def fp8_scale(proj: Float[Array, "B S Hkv R"], headroom: float = 1.0) -> Float[Array, "B Hkv"]:
-    """One FP8 scale per (sequence, KV head): the amax of ``proj`` times ``headroom`` over
-    448 (1 where the amax is 0)."""
+    """One FP8 scale per (sequence, KV head): the finite amax of ``proj`` times
+    ``headroom`` over 448 (1 where it is 0). An inf then saturates at ±448 instead of
+    making the scale inf, which would store every other key of the head as 0."""
     _check_headroom(headroom)
     fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
-    amax = jnp.max(jnp.abs(proj), axis=(1, 3), initial=0.0) * headroom
-    return jnp.where(amax > 0, amax / fmax, 1.0)
+    return amax_scale(finite_amax(proj, axis=(1, 3)) * headroom, fmax)
+
+
+def finite_amax(x: Array, axis) -> Array:
+    """max |x| over ``axis`` among the finite entries (0 where there is none)."""
+    return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axis, initial=0.0)
+
+
+def amax_scale(amax: Array, levels: float) -> Array:
+    """``amax / levels``, a normal float32 at least (an underflow to 0 would divide the
+    keys by 0); 1 where ``amax`` is 0 or not finite."""
+    ok = (amax > 0) & jnp.isfinite(amax)
+    return jnp.where(ok, jnp.maximum(amax / levels, jnp.finfo(jnp.float32).tiny), 1.0)
 
 
 def _check_headroom(headroom: float) -> None:

@@ -40,6 +40,8 @@ from jsparse.calibration.moments import Moments
 from jsparse.selectors.base import (
     HIGHEST,
     ProjectedSelector,
+    amax_scale,
+    finite_amax,
     fp8_scale,
     quantize_with_scale,
     register,
@@ -194,8 +196,7 @@ class JSSARDSelector(ProjectedSelector):
         x = self._centred(params, k)
         hi, lo = x[..., : self.fp8_dims], x[..., self.fp8_dims :]
         hi_scale = fp8_scale(hi, headroom)  # [B, Hkv]
-        lo_amax = jnp.max(jnp.abs(lo), axis=1, initial=0.0)  # [B, Hkv, R4]
-        lo_scale = jnp.where(lo_amax > 0, lo_amax / _INT4_MAX, 1.0)
+        lo_scale = amax_scale(finite_amax(lo, axis=1), _INT4_MAX)  # [B, Hkv, R4]
         return self._quantize(x, hi_scale, lo_scale)
 
     def _centred(self, params, k):

@@ -8,7 +8,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jsparse.selectors.base import CACHE_DTYPES, Selector, register
+from jsparse.selectors.base import CACHE_DTYPES, Selector, amax_scale, finite_amax, register
 
 __all__ = ["QuestSelector", "page_bounds", "page_metadata"]
 
@@ -55,11 +55,8 @@ def page_metadata(
     margin = 0.0
     if dtype == "float8_e4m3fn":
         fmax = float(jnp.finfo(store).max)
-        amax = jnp.max(jnp.where(jnp.isfinite(hi), jnp.abs(hi), 0.0), axis=(1, 3), keepdims=True)
-        amax = jnp.maximum(
-            amax, jnp.max(jnp.where(jnp.isfinite(lo), jnp.abs(lo), 0.0), axis=(1, 3), keepdims=True)
-        )
-        scale = jnp.where(amax > 0, amax / (0.5 * fmax), 1.0)  # headroom for the widening
+        amax = jnp.maximum(finite_amax(hi, axis=(1, 3)), finite_amax(lo, axis=(1, 3)))
+        scale = amax_scale(amax, 0.5 * fmax)[:, None, :, None]  # headroom for the widening
         margin = 2.0**-9  # the smallest e4m3fn subnormal
 
     def widen(x, direction):

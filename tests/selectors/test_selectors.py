@@ -228,6 +228,24 @@ def test_projected_cache_dtype_and_bytes(dtype):
     )
 
 
+@pytest.mark.parametrize(
+    "name, extra", [("jssa", {"cache_dtype": "float8_e4m3fn"}), ("jssa_rd", {})]
+)
+def test_an_infinite_key_leaves_the_other_keys_cache_as_it_was(name, extra):
+    """The FP8 and int4 scales come from the finite amax: one inf key saturates (or
+    stores NaN) where it was an inf scale that stored every other key of its head as 0."""
+    sel, params = _calibrated(name, **extra)
+    _, _, _, k = _data()
+    bad = k.at[0, 5, 0, 0].set(jnp.inf)
+    got = jax.tree.leaves(sel.project_keys(params, bad))
+    want = jax.tree.leaves(sel.project_keys(params, jnp.delete(k, 5, axis=1)))
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if g.ndim == 4:  # [B, S, Hkv, R] values: the other keys
+            g = np.delete(g, 5, axis=1)
+        np.testing.assert_array_equal(g, w)
+
+
 def test_equal_memory_bookkeeping():
     assert make_selector("jssa", rank=16).bytes_per_token(64) == 16
     assert make_selector("quest", page_size=16, cache_dtype="bfloat16").bytes_per_token(64) == 16
