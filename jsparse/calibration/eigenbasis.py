@@ -32,6 +32,7 @@ def top_eigenvectors(
     """Top-``rank`` eigenvectors (as rows) and eigenvalues of symmetric matrices.
 
     Descending eigenvalue order; signs fixed (largest-magnitude entry of each row > 0).
+    A matrix with a NaN or inf entry gives NaN vectors and values.
     """
     d = sym.shape[-1]
     if not 1 <= rank <= d:
@@ -40,7 +41,10 @@ def top_eigenvectors(
     values, vectors = jnp.linalg.eigh(sym)  # ascending; vectors are columns
     values = values[..., ::-1][..., :rank]
     rows = jnp.swapaxes(vectors[..., :, ::-1][..., :, :rank], -1, -2)
-    return _fix_signs(rows), values
+    # eigh of a non-finite matrix may return finite garbage: make it NaN, visibly
+    finite = jnp.isfinite(sym).all(axis=(-2, -1))
+    rows = jnp.where(finite[..., None, None], _fix_signs(rows), jnp.nan)
+    return rows, jnp.where(finite[..., None], values, jnp.nan)
 
 
 def jssa_basis(

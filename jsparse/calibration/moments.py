@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jsparse import _checks
@@ -171,6 +172,8 @@ def finalize_moments(state: MomentState) -> Moments:
     count = _checks.concrete(state.count)
     if count is not None and (count <= 0).any():
         raise ValueError("finalize_moments: no calibration token was accumulated (count is 0)")
+    _check_finite_sums("queries", state.gram_q, state.sum_q)
+    _check_finite_sums("keys", state.gram_k, state.sum_k)
     n = state.count
     return Moments(
         gram_q=state.gram_q / n[..., None, None, None],
@@ -179,6 +182,22 @@ def finalize_moments(state: MomentState) -> Moments:
         mean_k=state.sum_k / n[..., None, None],
         n_tokens=n,
     )
+
+
+def _check_finite_sums(who: str, gram, total) -> None:
+    """A non-finite moment would give a basis of NaN, or of arbitrary finite numbers
+    (``eigh`` of a NaN matrix): refused when the sums are concrete."""
+    gram, total = _checks.concrete(gram), _checks.concrete(total)
+    if gram is None or total is None:
+        return
+    bad = ~(np.isfinite(gram).all(axis=(-2, -1)) & np.isfinite(total).all(axis=-1))
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"finalize_moments: the {who}' moments at [*layers, KV head] = {list(at)} are "
+            "not finite: a NaN or inf in the calibration "
+            f"{who}, or values beyond ~1.8e19 whose squares overflow float32"
+        )
 
 
 def compute_moments(q: Float[Array, "*L N H D"], k: Float[Array, "*L N Hkv D"]) -> Moments:

@@ -29,7 +29,9 @@ def psd_sqrt(gram: jnp.ndarray, rcond: float) -> tuple[jnp.ndarray, jnp.ndarray]
             vectors * diag[..., None, :], jnp.swapaxes(vectors, -1, -2), precision=_HIGHEST
         )
 
-    return rebuild(root), rebuild(inv_root)
+    # eigh of a non-finite matrix may return finite garbage: make it NaN, visibly
+    finite = jnp.isfinite(gram).all(axis=(-2, -1))[..., None, None]
+    return tuple(jnp.where(finite, rebuild(d), jnp.nan) for d in (root, inv_root))
 
 
 @register

@@ -73,3 +73,15 @@ def test_deterministic_signs_and_batching():
 def test_rank_out_of_range():
     with pytest.raises(ValueError, match="rank"):
         top_eigenvectors(np.eye(4, dtype=np.float32), 5)
+
+
+def test_non_finite_matrices_give_nan_not_an_arbitrary_basis():
+    """Under jit nothing can raise: a matrix with a NaN or inf gives a NaN basis (eigh
+    may return finite vectors for it); its batch neighbours are unaffected."""
+    sym = np.stack([np.eye(4), np.eye(4), np.diag([4.0, 3, 2, 1])]).astype(np.float32)
+    sym[0, 2, 2] = np.nan  # on the diagonal: eigh returns finite vectors
+    sym[1, 3, 3] = np.inf
+    rows, values = top_eigenvectors(sym, 2)
+    assert np.isnan(rows[:2]).all() and np.isnan(values[:2]).all()
+    np.testing.assert_allclose(np.abs(rows[2]), np.eye(4)[:2], atol=1e-6)
+    np.testing.assert_allclose(values[2], [4.0, 3.0])

@@ -103,3 +103,22 @@ def test_jit_update_inside_scan():
     m = run(q, k)
     ref = compute_moments(q.reshape(40, 4, 8), k.reshape(40, 2, 8))
     np.testing.assert_allclose(m.gram_k, ref.gram_k, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "who, change",
+    [
+        ("queries", lambda q, k: (q.at[3, 5, 2].set(np.nan), k)),  # layer-free; KV head 1
+        ("keys", lambda q, k: (q, k.at[7, 1, 0].set(np.inf))),
+        ("queries", lambda q, k: (q.at[:, 4:].multiply(1e20), k)),  # squares overflow
+    ],
+    ids=["nan-query", "inf-key", "overflowing-squares"],
+)
+def test_non_finite_moments_are_refused(who, change):
+    """eigh of a NaN matrix can return finite numbers: a basis calibrated on them
+    would look fine and select at random, so finalize_moments refuses them."""
+    rng = np.random.default_rng(4)
+    q = jax.numpy.asarray(rng.standard_normal((20, 8, 6)), np.float32)
+    k = jax.numpy.asarray(rng.standard_normal((20, 2, 6)), np.float32)
+    with pytest.raises(ValueError, match=rf"the {who}' moments at .* = \[1\] are not finite"):
+        compute_moments(*change(q, k))

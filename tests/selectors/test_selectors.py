@@ -246,6 +246,19 @@ def test_an_infinite_key_leaves_the_other_keys_cache_as_it_was(name, extra):
         np.testing.assert_array_equal(g, w)
 
 
+def test_psd_sqrt_of_a_non_finite_matrix_is_nan():
+    """kq_svd's G^{1/2} and G^{-1/2} from eigh: NaN for a non-finite matrix (eigh may
+    return finite vectors for it), the exact roots for its finite batch neighbour."""
+    from jsparse.selectors.kq_svd import psd_sqrt
+
+    gram = np.stack([np.diag([4.0, 1, 9]), np.diag([4.0, 1, 9])]).astype(np.float32)
+    gram[0, 2, 2] = np.nan  # on the diagonal: eigh returns finite vectors
+    root, inv_root = psd_sqrt(jnp.asarray(gram), 1e-6)
+    assert np.isnan(root[0]).all() and np.isnan(inv_root[0]).all()
+    np.testing.assert_allclose(root[1], np.diag([2.0, 1, 3]), atol=1e-6)
+    np.testing.assert_allclose(inv_root[1], np.diag([0.5, 1, 1 / 3]), atol=1e-6)
+
+
 def test_equal_memory_bookkeeping():
     assert make_selector("jssa", rank=16).bytes_per_token(64) == 16
     assert make_selector("quest", page_size=16, cache_dtype="bfloat16").bytes_per_token(64) == 16
