@@ -42,7 +42,8 @@ from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 from jsparse.ops.topk.reference import select_topk_reference
 
 
-def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table):
+def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table) -> int:
+    """Checks every argument; returns ``top_k`` as an int."""
     batch.validate_cache(q, weights, k_cache, k_scale, lengths, page_table)
     b = q.shape[0]
     if witnesses is not None:
@@ -50,8 +51,7 @@ def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_tabl
         _checks.check_dtype("witnesses", witnesses, (jnp.int32,))
         if witnesses.shape[0] != b:
             raise ValueError(f"witnesses: shape {tuple(witnesses.shape)}; expected [B, W]")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k: expected a positive Python int, got {top_k!r}")
+    return _checks.check_top_k(top_k)
 
 
 def indexer_topk_decode(
@@ -95,7 +95,7 @@ def indexer_topk_decode(
       step's Top-K first, then the previous witnesses scoring best now, in no fixed
       order (the GPU writes records in arbitrary order), -1 padded).
     """
-    _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table)
+    top_k = _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table)
     # Traced lengths cannot be checked: clamped, no sequence reads another's keys.
     lengths = jnp.clip(lengths, 0, batch.s_max_of(k_cache, page_table))
     b = q.shape[0]

@@ -80,6 +80,11 @@ def test_decode_validates_inputs():
         )
     with pytest.raises(ValueError, match="k_cache"):
         indexer_topk_decode(qs[0], ws[0], k_cache[:2], K, lengths=jnp.asarray(lengths0))
+    for bad, message in ((0, "top_k ≥ 1, got 0"), (2.0, "a positive Python int, got 2.0")):
+        with pytest.raises(ValueError, match=f"top_k: expected {message}"):
+            indexer_topk_decode(qs[0], ws[0], k_cache, bad, lengths=jnp.asarray(lengths0))
+    res, _ = indexer_topk_decode(qs[0], ws[0], k_cache, np.int32(K), lengths=jnp.asarray(lengths0))
+    assert res.indices.shape == (B, K)  # a numpy integer is an int, as everywhere else
 
 
 P = 16  # page size of the paged tests (S_MAX = 10 pages)
