@@ -12,11 +12,18 @@ FLOAT8 = jnp.float8_e4m3fn
 INPUT_FLOATS = (jnp.float32, jnp.bfloat16, FLOAT8)
 
 
+INT32_MAX = 2**31 - 1
+
+
 def dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
 def check_rank(name: str, x, rank: int, layout: str) -> None:
+    if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+        raise ValueError(
+            f"{name}: got a {type(x).__name__}; expected an array of rank {rank} {layout}"
+        )
     if x.ndim != rank:
         raise ValueError(f"{name}: expected rank {rank} {layout}, got shape {tuple(x.shape)}")
 
@@ -26,6 +33,13 @@ def check_dtype(name: str, x, allowed: Iterable) -> None:
     if jnp.dtype(x.dtype) not in allowed:
         names = ", ".join(d.name for d in allowed)
         raise ValueError(f"{name}: dtype {dtype_name(x.dtype)} is not supported; expected {names}")
+
+
+def check_floating(name: str, x) -> None:
+    """A real floating dtype (FP8, bf16, f16, f32, f64); an integer, bool or complex
+    array would be converted silently, or give complex scores."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name}: dtype {dtype_name(x.dtype)}; expected a floating-point array")
 
 
 def check_dim(name: str, x, axis: int, expected: int, what: str) -> None:
@@ -83,6 +97,8 @@ def check_top_k(top_k) -> int:
         raise ValueError(f"top_k: expected a positive Python int, got {top_k!r}")
     if top_k <= 0:
         raise ValueError(f"top_k: expected top_k ≥ 1, got {top_k}")
+    if top_k > INT32_MAX:
+        raise ValueError(f"top_k: got {top_k}; expected at most 2^31 - 1 (ids are int32)")
     return int(top_k)
 
 

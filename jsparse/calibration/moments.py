@@ -119,6 +119,8 @@ def _check_update_inputs(state: MomentState, q, k, mask) -> None:
     lead = state.count.shape
     _checks.check_rank("q", q, len(lead) + 3, f"[*L={lead}, N, H, D]")
     _checks.check_rank("k", k, len(lead) + 3, f"[*L={lead}, N, Hkv, D]")
+    _checks.check_floating("q", q)
+    _checks.check_floating("k", k)
     if tuple(q.shape[: len(lead)]) != lead or tuple(k.shape[: len(lead)]) != lead:
         raise ValueError(
             f"update_moments: leading axes of q {tuple(q.shape)} / k {tuple(k.shape)} must be "

@@ -192,6 +192,8 @@ def check_select_inputs(q, k, lengths, budget, *, head_dim: int | None = None) -
     _checks.check_rank("q", q, 3, "[B, H, D]")
     _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")
     _checks.check_rank("lengths", lengths, 1, "[B]")
+    _checks.check_floating("q", q)
+    _checks.check_floating("k", k)
     _checks.check_dim("k", k, 0, q.shape[0], "batch B of q")
     _checks.check_dim("k", k, 3, q.shape[2], "head_dim D of q")
     _checks.check_dim("lengths", lengths, 0, q.shape[0], "batch B of q")
@@ -204,8 +206,11 @@ def check_select_inputs(q, k, lengths, budget, *, head_dim: int | None = None) -
         )
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths: expected an integer dtype, got {lengths.dtype}")
-    if not isinstance(budget, (int, np.integer)) or budget < 1:
-        raise ValueError(f"budget: expected a static int >= 1, got {budget!r}")
+    if (
+        isinstance(budget, bool) or not isinstance(budget, (int, np.integer))
+        or not 1 <= budget <= _checks.INT32_MAX
+    ):  # fmt: skip
+        raise ValueError(f"budget: expected a static int in [1, 2^31 - 1], got {budget!r}")
     values = _checks.concrete(lengths)
     if values is not None and ((values < 0).any() or (values > k.shape[1]).any()):
         raise ValueError(f"lengths: every entry must be in [0, S={k.shape[1]}], got {values}")

@@ -121,6 +121,8 @@ def test_topk_prefix_bad_lengths(lengths, message):
         (lambda x: jsparse.topk(x.astype(jnp.bfloat16), 3), "scores: dtype bfloat16"),
         (lambda x: jsparse.topk(x, 0), "top_k: expected top_k ≥ 1"),
         (lambda x: jsparse.topk(x, 2.0), "top_k: expected a positive Python int"),
+        (lambda x: jsparse.topk(x, 2**31), r"top_k: got 2147483648; expected at most 2\^31 - 1"),
+        (lambda x: jsparse.topk(x.tolist(), 3), "scores: got a list; expected an array"),
         (lambda x: jsparse.topk(x, 3, kv_end=jnp.array([9, 41], jnp.int32)), r"kv_end\[1\] = 41"),
         (lambda x: jsparse.topk(x, 3, kv_start=jnp.array([5, 0], jnp.int32),
                                 kv_end=jnp.array([4, 9], jnp.int32)), "kv_start > kv_end"),

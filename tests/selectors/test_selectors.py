@@ -276,6 +276,17 @@ def test_bad_select_inputs():
         sel.select(params, q, k, jnp.array([71, 1, 1]), 4)
     with pytest.raises(ValueError, match="budget"):
         sel.select(params, q, k, ok, 0)
+    for budget in (True, 2**31):  # a bool is not a count; ids are int32
+        with pytest.raises(ValueError, match=r"budget: expected a static int in \[1, 2\^31 - 1\]"):
+            sel.select(params, q, k, ok, budget)
+    with pytest.raises(ValueError, match="q: dtype complex64; expected a floating-point array"):
+        sel.select(params, q.astype(jnp.complex64), k, ok, 4)
+    with pytest.raises(ValueError, match="k: dtype int32; expected a floating-point array"):
+        sel.select(params, q, k.astype(jnp.int32), ok, 4)
+    with pytest.raises(ValueError, match="q: got a list; expected an array"):
+        sel.select(params, q.tolist(), k, ok, 4)
+    with pytest.raises(ValueError, match="k: dtype int32; expected a floating-point array"):
+        sel.calibrate(q, k[0, :3].astype(jnp.int32))
     with pytest.raises(ValueError, match="multiple"):
         sel.select(params, q[:, :5], k, ok, 4)
     with pytest.raises(ValueError, match="head_dim"):

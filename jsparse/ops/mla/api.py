@@ -83,7 +83,11 @@ def indexed_mla_attention(
     if paged:
         s, table = check_page_table(page_table, b, cache.shape[0], cache.shape[1], q.shape)
     _checks.check_dim("indices", indices, 0, b, f"B of q {tuple(q.shape)}")
-    if not isinstance(latent_dim, (int, np.integer)) or not 1 <= latent_dim <= d:
+    if (
+        isinstance(latent_dim, bool)
+        or not isinstance(latent_dim, (int, np.integer))
+        or not (1 <= latent_dim <= d)
+    ):
         raise ValueError(f"latent_dim: got {latent_dim!r}; expected an int in [1, D = {d}]")
     if cache_scale is not None:
         _checks.check_rank("cache_scale", cache_scale, 1, "[B]")

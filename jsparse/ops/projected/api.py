@@ -89,8 +89,7 @@ def projected_step(
     _checks.check_dtype("slots", slots, (jnp.int32,))
     floats = ("q", q), ("k_new", k_new), ("query_map", query_map), ("key_map", key_map)
     for name, x in (*floats, ("scale", scale)):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name}: dtype {x.dtype}; expected a floating-point array")
+        _checks.check_floating(name, x)
     b, _, hkv, r = values.shape
     d = q.shape[2]
     for name, x, want in (
