@@ -60,7 +60,9 @@ def concrete(x):
 
 def check_ranges(kv_start, kv_end, t: int, s: int, rows: str):
     """Validated [T] int32 visible ranges kv_start ≤ i < kv_end within [0, S] (defaults:
-    every key); ``rows`` names what fixes T in the messages (e.g. "q (8, 64, 128)")."""
+    every key); ``rows`` names what fixes T in the messages (e.g. "q (8, 64, 128)").
+    Traced ranges (under ``jit``) are clamped instead: kv_start to [0, S], kv_end to
+    [kv_start, S]."""
     ranges = []
     for name, value, default in (("kv_start", kv_start, 0), ("kv_end", kv_end, s)):
         if value is None:
@@ -75,20 +77,25 @@ def check_ranges(kv_start, kv_end, t: int, s: int, rows: str):
         ranges.append(value)
     start, end = ranges
     start_np, end_np = concrete(start), concrete(end)
-    if start_np is not None and end_np is not None:
-        for name, v in (("kv_start", start_np), ("kv_end", end_np)):
-            bad = (v < 0) | (v > s)
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise ValueError(f"{name}: {name}[{i}] = {v[i]} is outside [0, S] = [0, {s}]")
-        bad = start_np > end_np
+    if start_np is None or end_np is None:
+        # Traced values cannot be checked: clamped to [0, S], an end below its start
+        # being an empty range, so that no kernel reads outside the keys or returns an
+        # id outside [start, end).
+        start = jnp.clip(start, 0, s)
+        return start, jnp.clip(end, start, s)
+    for name, v in (("kv_start", start_np), ("kv_end", end_np)):
+        bad = (v < 0) | (v > s)
         if bad.any():
             i = int(np.argmax(bad))
-            raise ValueError(
-                f"kv_start > kv_end at query {i}: kv_start[{i}] = {start_np[i]}, "
-                f"kv_end[{i}] = {end_np[i]}; a query's visible range must be "
-                "[kv_start, kv_end) with kv_start ≤ kv_end"
-            )
+            raise ValueError(f"{name}: {name}[{i}] = {v[i]} is outside [0, S] = [0, {s}]")
+    bad = start_np > end_np
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"kv_start > kv_end at query {i}: kv_start[{i}] = {start_np[i]}, "
+            f"kv_end[{i}] = {end_np[i]}; a query's visible range must be "
+            "[kv_start, kv_end) with kv_start ≤ kv_end"
+        )
     return start, end
 
 

@@ -568,6 +568,27 @@ def test_jit_compatible():
     )
 
 
+@pytest.mark.parametrize(
+    "impl, method",
+    [("reference", "base"), ("reference", "xla"), ("triton", "base"), ("triton", "full"),
+     ("reference", "dosa")],
+)  # fmt: skip
+def test_traced_ranges_outside_the_keys_are_clamped(impl, method, interpret):
+    """Under jit the ranges cannot be checked: kv_start is clamped to [0, S] and kv_end
+    to [kv_start, S], in every method (the Triton base returned ids -5..-2 for a
+    negative start, and xla ids past a range's end)."""
+    inputs = make_inputs(CASES[0], jnp.bfloat16)  # S = 300, K = 17
+    start = jnp.asarray([-5, 10, 299, 0, 40], jnp.int32)
+    end = jnp.asarray([3, 400, 299, -7, 30], jnp.int32)
+    clamped = dict(inputs, kv_start=jnp.clip(start, 0, 300))
+    clamped["kv_end"] = jnp.clip(end, clamped["kv_start"], 300)
+    run = jax.jit(lambda a: jsparse.indexer_topk(**a, top_k=17, method=method, implementation=impl))
+    got = run(dict(inputs, kv_start=start, kv_end=end))
+    want = jsparse.indexer_topk(**clamped, top_k=17, method=method, implementation=impl)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    assert np.all(np.asarray(got.indices)[0, 3:] == -1) and np.all(got.indices[2:] == -1)
+
+
 def test_query_chunks_keep_launches_within_two_to_the_30_once_split():
     # The 64K causal prefill (65,536 × 65,792 slots) must split; its launches stay at
     # ≤ 2^30 elements (run 55: 139 → 128 registers, 139.5 → 91.2 ms). Calls under the

@@ -114,6 +114,18 @@ def test_topk_prefix_bad_lengths(lengths, message):
         jsparse.ops.topk.topk_prefix(jnp.zeros((6, 40), jnp.float32), lengths, 3)
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_traced_ranges_are_clamped(impl, interpret):
+    """Under jit: kv_start clamped to [0, S], kv_end to [kv_start, S]."""
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 40)), jnp.float32)
+    start, end = jnp.asarray([-3, 38, 5], jnp.int32), jnp.asarray([2, 99, -1], jnp.int32)
+    got = jax.jit(lambda s, e: jsparse.topk(x, 4, kv_start=s, kv_end=e, implementation=impl))
+    ids, _ = got(start, end)
+    clamped = jnp.asarray([0, 38, 5], jnp.int32), jnp.asarray([2, 40, 5], jnp.int32)
+    want, _ = jsparse.topk(x, 4, kv_start=clamped[0], kv_end=clamped[1], implementation=impl)
+    np.testing.assert_array_equal(ids, want)
+
+
 @pytest.mark.parametrize(
     "call, message",
     [

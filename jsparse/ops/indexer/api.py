@@ -101,7 +101,8 @@ def indexer_scores(
       k: [S, D] keys (float32, bfloat16 or float8_e4m3fn).
       k_scale: optional [S] float32 > 0 multiplying key i (FP8 dequantisation scale).
       kv_start, kv_end: optional [T] int32; query t sees keys kv_start[t] ≤ i < kv_end[t]
-        (default: all S keys).
+        (default: all S keys). Checked when concrete; under ``jit`` kv_start is clamped
+        to [0, S] and kv_end to [kv_start, S].
       implementation: see :mod:`jsparse.backend`.
     """
     start, end = _validate(q, weights, k, k_scale, kv_start, kv_end)

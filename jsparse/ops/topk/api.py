@@ -34,7 +34,8 @@ def topk(
       scores: [T, S] float32.
       top_k: K ≥ 1.
       kv_start, kv_end: optional [T] int32; row t selects among keys kv_start[t] ≤ i <
-        kv_end[t] (default: all S).
+        kv_end[t] (default: all S). Checked when concrete; under ``jit`` kv_start is
+        clamped to [0, S] and kv_end to [kv_start, S].
       sorted: order each row by score descending, then id ascending (default); False
         returns the same exact set in the implementation's order (the Triton kernels:
         ascending id, except few rows, which come out ordered anyway), saving a sort of
