@@ -126,3 +126,12 @@ def check_logit_scale(scale) -> float:
     if not (real and math.isfinite(scale)):
         raise ValueError(f"scale: got {scale!r}; expected a finite real number")
     return float(scale)
+
+
+def usable_pages(page_table, n_pages: int):
+    """A page table as the kernels read it. A concrete table is checked by the caller
+    (entries in [-1, n_pages)); under ``jit`` an entry outside that range becomes -1, no
+    page, so that nothing is read outside the pool: a token on no page is never read."""
+    if page_table is None or concrete(page_table) is not None:
+        return page_table
+    return jnp.where((page_table >= 0) & (page_table < n_pages), page_table, -1)

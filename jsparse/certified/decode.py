@@ -96,6 +96,7 @@ def indexer_topk_decode(
       order (the GPU writes records in arbitrary order), -1 padded).
     """
     top_k = _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_table)
+    page_table = _checks.usable_pages(page_table, k_cache.shape[0])
     # Traced lengths cannot be checked: clamped, no sequence reads another's keys.
     lengths = jnp.clip(lengths, 0, batch.s_max_of(k_cache, page_table))
     b = q.shape[0]
@@ -197,16 +198,18 @@ def _decode_reference(
 ):
     from jsparse.ops.indexer.api import seed_threshold_code
 
-    k_cache, k_scale = batch.dense_view(k_cache, k_scale, page_table)
+    k_cache, k_scale, on_page = batch.dense_view(k_cache, k_scale, page_table)
     k, scale, start, end, wit = _flat(k_cache, k_scale, lengths, witnesses, k_cache.shape[1])
     seeds = _seeds(wit, start, end, top_k, k.shape[0])
     seed_scores = scorer.score_keys_reference(q, weights, k, seeds, scale)
+    if on_page is not None:  # a key on no page is never read: -inf, as in the kernels
+        seed_scores = jnp.where(on_page.reshape(-1)[jnp.maximum(seeds, 0)], seed_scores, -jnp.inf)
     tau = seed_threshold_code(seed_scores, seeds, top_k)
     # Only the sequence's own keys: ids relative to its block of the flat cache.
     s_max = k_cache.shape[1]
     rel = jnp.arange(s_max, dtype=jnp.int32)[None, :]
     ids = jnp.where(rel < lengths[:, None], rel + start[:, None], -1)
-    scores = scorer.score_keys_reference(q, weights, k, ids, scale)
+    scores = batch.off_page_unread(scorer.score_keys_reference(q, weights, k, ids, scale), on_page)
     keep = (ids >= 0) & (score_code(scores) >= tau[:, None])
     candidates = jnp.sum(keep, axis=1).astype(jnp.int32)
     # Fewer candidates than min(K, visible): τ lies above the K-th score (seeds that

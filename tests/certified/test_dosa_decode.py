@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,6 +137,27 @@ def _check_paged_equals_dense(impl):
         )
         ids, _ = _base(q, w, k_cache, scale, lengths, impl)
         np.testing.assert_array_equal(np.asarray(paged.indices), np.asarray(ids))
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_traced_pages_outside_the_pool_are_never_read(impl, request):
+    """Under jit: an entry outside [-1, n_pages) is no page; keys on no page are never
+    read, and the decode still equals ``base`` over the same table."""
+    if impl == "triton":
+        request.getfixturevalue("interpret")
+    k_cache, scale, qs, ws, lengths0 = _sequence(steps=1)
+    lengths = jnp.asarray(lengths0, jnp.int32)
+    pool, pool_scale, table = shuffled_pages(k_cache, scale, lengths0, 16, spare_pages=2)
+    bad = table.at[0, 1].set(pool.shape[0] + 3).at[2, 0].set(-6)
+
+    @jax.jit
+    def both(t):
+        args = dict(k_scale=pool_scale, lengths=lengths, page_table=t, implementation=impl)
+        res, _ = indexer_topk_decode(qs[0], ws[0], pool, K, **args)
+        return res.indices, jsparse.indexer_topk_batch(qs[0], ws[0], pool, K, **args).indices
+
+    got, want = both(bad)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_paged_decode_validates_the_page_table():

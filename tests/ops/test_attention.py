@@ -461,6 +461,26 @@ def test_unallocated_pages_are_refused_or_never_read(kernel_impl, page_lookup):
     )
 
 
+@pytest.mark.parametrize("impl", ["reference", "kernel"])
+def test_traced_pages_outside_the_pool_are_never_read(impl, kernel_impl, page_lookup):
+    """Under jit a page table cannot be checked: an entry outside [-1, n_pages) is no
+    page (a kernel would read outside the pool), the same answer as -1 there."""
+    q, k, v, idx = make(2, 4, 2, 16, 16, 64, 40, seed=11)
+    (kp, table), (vp, _) = paged(k, 16), paged(v, 16)
+    n_pages = kp.shape[0]
+    bad = table.at[1, 3].set(n_pages + 4).at[0, 1].set(-9)
+    missing = table.at[1, 3].set(-1).at[0, 1].set(-1)
+    name = "reference" if impl == "reference" else kernel_impl
+    run = jax.jit(
+        lambda t: jsparse.indexed_attention(
+            q, kp, vp, idx, page_table=t, return_lse=True, implementation=name
+        )
+    )
+    got, want = run(bad), run(missing)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 def test_paged_lowers_to_cuda(page_lookup):
     sds = jax.ShapeDtypeStruct
     pool = sds((4096, 16, 8, 128), jnp.bfloat16)

@@ -259,6 +259,30 @@ def test_traced_lengths_past_s_max_are_clamped(kernel_impl):
     assert int(run(over).visible[0]) == S_MAX
 
 
+def test_traced_pages_outside_the_pool_or_missing_are_never_read(kernel_impl):
+    """Under jit a page table cannot be checked: an entry outside [-1, n_pages) is no
+    page, and a key on no page (even below its sequence's length) is never read: it
+    scores -inf, in the kernels and the references alike."""
+    batch = paged(make_batch(jnp.bfloat16, seed=3))
+    table, n_pages = batch["page_table"], batch["k_cache"].shape[0]
+    bad = table.at[0, 2].set(n_pages + 7).at[3, 0].set(-4).at[2, 0].set(-1)
+    run = {
+        (impl, method): jax.jit(lambda t, impl=impl, method=method: jsparse.indexer_topk_batch(
+            top_k=K, method=method, implementation=impl, **dict(batch, page_table=t)))
+        for impl, method in [(kernel_impl, "base"), ("reference", "base"), ("reference", "xla")]
+    }  # fmt: skip
+    results = {key: f(bad) for key, f in run.items()}
+    first = results[(kernel_impl, "base")]
+    for key, r in results.items():
+        np.testing.assert_array_equal(np.asarray(r.indices), np.asarray(first.indices), str(key))
+    ids, scores = np.asarray(first.indices), np.asarray(first.scores)
+    on_no_page = np.zeros(ids.shape, bool)
+    on_no_page[0] = (ids[0] >= 2 * P) & (ids[0] < 3 * P)
+    on_no_page[2:] = (ids[2:] >= 0) & (ids[2:] < P)
+    assert np.all(scores[on_no_page] == -np.inf) and on_no_page[2, :5].all()  # length 5
+    assert np.isfinite(scores[0]).all()  # sequence 0 has K keys on its other pages
+
+
 def test_batch_splits_follow_the_measured_rule(monkeypatch):
     monkeypatch.setattr(backend, "sm_count", lambda: 132)
     cfg = scorer.batch_config(64)

@@ -408,6 +408,22 @@ def test_unallocated_pages_are_refused_or_never_read(kernel_impl, page_lookup):
     )
 
 
+@pytest.mark.parametrize("impl", ["reference", "kernel"])
+def test_traced_pages_outside_the_pool_are_never_read(impl, kernel_impl, page_lookup):
+    """Under jit: a page table entry outside [-1, n_pages) is no page, as -1 is."""
+    q, cache, idx = make(2, 16, 32, 8, 64, 40, seed=9)
+    pool, table = paged(cache, 16)
+    bad = table.at[1, 3].set(pool.shape[0] + 4).at[0, 1].set(-9)
+    missing = table.at[1, 3].set(-1).at[0, 1].set(-1)
+    name = "reference" if impl == "reference" else kernel_impl
+    run = jax.jit(lambda t: jsparse.indexed_mla_attention(
+        q, pool, idx, scale=0.2, latent_dim=32, page_table=t, return_lse=True,
+        implementation=name))  # fmt: skip
+    got, want = run(bad), run(missing)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 def test_paged_lowers_to_cuda(page_lookup):
     sds = jax.ShapeDtypeStruct
     args = [sds((8, 128, 576), jnp.bfloat16), sds((4096, 64, 576), F8), sds((8, 2048), jnp.int32),

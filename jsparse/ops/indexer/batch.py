@@ -144,15 +144,25 @@ def key_layout(k_cache, page_table) -> dict:
 
 
 def dense_view(k_cache, k_scale, page_table):
-    """The paged cache gathered into [B, S_max, D] (the reference's clarity over speed)."""
+    """(keys [B, S_max, D], their scales, on_page [B, S_max] or None): the paged cache
+    gathered into a dense one (the reference's clarity over speed); ``on_page`` is False
+    for positions on no page (-1), which the kernels never read (see
+    :func:`off_page_unread`)."""
     if page_table is None:
-        return k_cache, k_scale
+        return k_cache, k_scale, None
     b, m = page_table.shape
     n, p, d = k_cache.shape
-    pages = jnp.clip(page_table, 0, n - 1)  # unallocated pages lie past every length
+    pages = jnp.clip(page_table, 0, n - 1)  # a missing page reads page 0, masked by on_page
     dense = k_cache[pages].reshape(b, m * p, d)
     scale = None if k_scale is None else k_scale[pages].reshape(b, m * p)
-    return dense, scale
+    return dense, scale, jnp.repeat(page_table >= 0, p, axis=1)
+
+
+def off_page_unread(scores, on_page):
+    """``scores`` [B, S_max] with -inf at positions on no page: what the kernels give a
+    key they never read (still in its sequence's range, so selected only after every
+    real score)."""
+    return scores if on_page is None else jnp.where(on_page, scores, -jnp.inf)
 
 
 def indexer_topk_batch(
@@ -193,6 +203,7 @@ def indexer_topk_batch(
       descending then id ascending, -1 / -inf padded past ``lengths[b]``.
     """
     s_max = validate_cache(q, weights, k_cache, k_scale, lengths, page_table, chunked=True)
+    page_table = _checks.usable_pages(page_table, k_cache.shape[0])
     top_k = _checks.check_top_k(top_k)
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
@@ -223,12 +234,12 @@ def indexer_topk_batch(
 @functools.partial(jax.jit, static_argnames=("top_k", "sort"))
 def _base_reference(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
     del sort  # the reference always sorts
-    k_cache, k_scale = dense_view(k_cache, k_scale, page_table)
+    k_cache, k_scale, on_page = dense_view(k_cache, k_scale, page_table)
     s_max = k_cache.shape[1]
     k, scale, start, _ = flat_keys(k_cache, k_scale, lengths, s_max)
     rel = jnp.arange(s_max, dtype=jnp.int32)[None, :]
     ids = jnp.where(rel < lengths[:, None], rel + start[:, None], -1)
-    scores = reference.score_keys_reference(q, weights, k, ids, scale)
+    scores = off_page_unread(reference.score_keys_reference(q, weights, k, ids, scale), on_page)
     indices, values = select_topk_reference(scores, ids, top_k)
     return exhaustive_result(relative_ids(indices, start), values, lengths)
 
@@ -278,7 +289,7 @@ XLA_SEQUENCES_PER_STEP = 8
 @functools.partial(jax.jit, static_argnames=("top_k",))
 def _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table):
     """The naive XLA formulation per sequence: einsum → relu → einsum, ``lax.top_k``."""
-    k_cache, k_scale = dense_view(k_cache, k_scale, page_table)
+    k_cache, k_scale, on_page = dense_view(k_cache, k_scale, page_table)
     b, h, d = q.shape
     s_max = k_cache.shape[1]
     compute = jnp.promote_types(q.dtype, k_cache.dtype)
@@ -304,5 +315,5 @@ def _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table):
     if k_scale is not None:
         scores = scores * k_scale
     visible = jnp.arange(s_max)[None, :] < lengths[:, None]
-    scores = jnp.where(visible, scores, -jnp.inf)
+    scores = jnp.where(visible, off_page_unread(scores, on_page), -jnp.inf)
     return exhaustive_result(*reference.lax_topk(scores, lengths, top_k), lengths)
