@@ -110,6 +110,11 @@ def main(argv=None) -> int:
         args.preset = "gpu-smoke" if on_gpu else "smoke"
     if args.backend == "pallas-gpu" and not on_gpu:
         parser.error("--backend pallas-gpu needs an NVIDIA GPU; use --backend interpret or xla")
+    presets = common.load_presets(args.op)
+    if args.preset not in presets:
+        parser.error(
+            f"--preset {args.preset!r}: configs/{args.op}.toml has {', '.join(sorted(presets))}"
+        )
 
     env = common.environment()
     if settings:
@@ -117,7 +122,7 @@ def main(argv=None) -> int:
     print(" | ".join(f"{k} {v}" for k, v in env.items()))
     methods = " ".join(args.method)
     print(f"op {args.op} | preset {args.preset} | backend {args.backend} | methods {methods}")
-    cases = common.expand_cases(common.load_presets(args.op)[args.preset])
+    cases = common.expand_cases(presets[args.preset])
     floors = common.measure_floors(
         sorted({c["dtype"] for c in cases if "dtype" in c}), on_gpu=on_gpu
     )

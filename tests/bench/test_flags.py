@@ -64,3 +64,12 @@ def test_set_flag_sets_module_constants_and_rejects_the_rest(monkeypatch):
         with pytest.raises(SystemExit):
             run.apply_settings(["--set", bad])
     assert select.BLOCK_RANK_MIN_ROWS == 16
+
+
+def test_an_unknown_preset_names_the_ones_there_are(capsys):
+    from bench.run import main
+
+    with pytest.raises(SystemExit):
+        main(["--op", "attention", "--preset", "no-such"])
+    err = capsys.readouterr().err
+    assert "--preset 'no-such': configs/attention.toml has decode, gpu-smoke" in err
