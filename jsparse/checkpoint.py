@@ -89,6 +89,9 @@ def save_bases(
         )
     flat = {name: np.asarray(value) for name, value in _flatten(bases).items()}
     _check_shapes({n: a.shape for n, a in flat.items()}, metadata, "save_bases")
+    for name, a in flat.items():  # a NaN basis (calibrated on non-finite data) selects nothing
+        if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
+            raise ValueError(f"save_bases: {name} has non-finite values; a basis must be finite")
     if path.exists():
         if not overwrite:
             raise FileExistsError(f"save_bases: {path} exists (pass overwrite=True to replace it)")

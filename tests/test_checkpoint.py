@@ -73,6 +73,11 @@ def test_save_refuses_inconsistent_shapes_and_existing_dirs(tmp_path):
         jsparse.save_bases(tmp_path / "b", _bases(), _meta(n_layers=30))
     with pytest.raises(ValueError, match="metadata lacks"):
         jsparse.save_bases(tmp_path / "c", _bases(), {"model": "x"})
+    nan_basis = _bases()
+    nan_basis["basis"][1, 0, 2, 3] = np.nan  # what calibrating on non-finite data under jit gives
+    with pytest.raises(ValueError, match="basis has non-finite values"):
+        jsparse.save_bases(tmp_path / "e", nan_basis, _meta())
+    assert not (tmp_path / "e").exists()
     path = jsparse.save_bases(tmp_path / "d", _bases(), _meta())
     with pytest.raises(FileExistsError):
         jsparse.save_bases(path, _bases(), _meta())
