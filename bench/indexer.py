@@ -103,7 +103,7 @@ def _batch_oracle_row(inputs, r):
         keys, scale = keys[r : r + 1], None if scale is None else scale[r : r + 1]
     else:
         table = table[r : r + 1]
-    keys, scale = dense_view(keys, scale, table)  # [1, S, D]
+    keys, scale, _ = dense_view(keys, scale, table)  # [1, S, D]; pages below the length exist
     scale = None if scale is None else scale[0]
     scores = jsparse.indexer_scores(
         inputs["q"][r : r + 1], inputs["weights"][r : r + 1], keys[0], k_scale=scale,
