@@ -155,6 +155,7 @@ def dosa_topk(
     start, end = api._validate(q, weights, k, k_scale, kv_start, kv_end)
     top_k = _checks.check_top_k(top_k)
     seeds = api._check_seeds(seeds, q.shape[0], start, end)
+    k, k_scale, start, end = api.no_keys_as_one_unseen(k, k_scale, start, end)
 
     def call(q, weights, start, end, seeds, r):
         return certified_topk(

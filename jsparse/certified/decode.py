@@ -105,6 +105,8 @@ def indexer_topk_decode(
     capacity = witness_capacity or max(2 * top_k, witnesses.shape[1])
     if capacity < top_k:
         raise ValueError(f"witness_capacity: {capacity} < top_k = {top_k}; expected ≥ top_k")
+    if batch.holds_no_keys(k_cache, page_table):
+        return batch.nothing_visible(b, top_k), jnp.full((b, capacity), -1, jnp.int32)
     return backend.dispatch(
         "indexer_topk_decode",
         {"triton": _decode_triton, "reference": _decode_reference},

@@ -270,6 +270,8 @@ class Selector:
         """Token positions per KV head: int32 ``[B, Hkv, budget]``, ``-1`` padded, by
         score descending (``ordered=False``: any order, see :func:`top_budget`)."""
         check_select_inputs(q, k, lengths, budget, head_dim=self._head_dim(params))
+        if q.shape[0] == 0:  # an empty batch (no sequence in flight) selects nothing
+            return jnp.zeros((0, k.shape[2], budget), jnp.int32)
         return _select(self, params, q, k, lengths, budget, bool(ordered))
 
     def _select_impl(self, params, q, k, lengths, budget, ordered=True):

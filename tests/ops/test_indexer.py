@@ -589,6 +589,23 @@ def test_traced_ranges_outside_the_keys_are_clamped(impl, method, interpret):
     assert np.all(np.asarray(got.indices)[0, 3:] == -1) and np.all(got.indices[2:] == -1)
 
 
+@pytest.mark.parametrize(
+    "impl, method",
+    [("reference", "base"), ("reference", "xla"), ("triton", "base"), ("triton", "full"),
+     ("reference", "dosa"), ("triton", "dosa"), ("triton", "dense")],
+)  # fmt: skip
+def test_no_keys_at_all(impl, method, interpret):
+    """S = 0 is a valid cache (nothing written yet): rows of -1 / -inf, nothing visible,
+    on every path (the Triton kernels crashed reading their first key tile)."""
+    q, w = jnp.ones((3, 4, 16), jnp.bfloat16), jnp.ones((3, 4), jnp.float32)
+    k, k_scale = jnp.ones((0, 16), jnp.bfloat16), jnp.ones((0,), jnp.float32)
+    r = jsparse.indexer_topk(q, w, k, 5, k_scale=k_scale, method=method, implementation=impl)
+    assert np.all(np.asarray(r.indices) == -1) and np.all(np.asarray(r.scores) == -np.inf)
+    assert np.all(np.asarray(r.visible) == 0) and r.indices.shape == (3, 5)
+    scores = jsparse.indexer_scores(q, w, k, implementation=impl if method != "xla" else None)
+    assert scores.shape == (3, 0)
+
+
 def test_query_chunks_keep_launches_within_two_to_the_30_once_split():
     # The 64K causal prefill (65,536 × 65,792 slots) must split; its launches stay at
     # ≤ 2^30 elements (run 55: 139 → 128 registers, 139.5 → 91.2 ms). Calls under the

@@ -283,6 +283,27 @@ def test_traced_pages_outside_the_pool_or_missing_are_never_read(kernel_impl):
     assert np.isfinite(scores[0]).all()  # sequence 0 has K keys on its other pages
 
 
+@pytest.mark.parametrize("cache", ["dense", "no-pages", "empty-pool"])
+def test_caches_without_keys_select_nothing(cache, kernel_impl):
+    """S_max = 0, a table of no pages, or a pool of no pages: rows of -1 / -inf on every
+    path, the witness decode included (the kernels crashed on an empty key set)."""
+    q, w = jnp.ones((2, H, D), jnp.bfloat16), jnp.ones((2, H), jnp.float32)
+    lengths = jnp.zeros((2,), jnp.int32)
+    k_cache, table = {
+        "dense": (jnp.ones((2, 0, D), jnp.bfloat16), None),
+        "no-pages": (jnp.ones((3, P, D), jnp.bfloat16), jnp.zeros((2, 0), jnp.int32)),
+        "empty-pool": (jnp.ones((0, P, D), jnp.bfloat16), jnp.full((2, 2), -1, jnp.int32)),
+    }[cache]
+    for impl, method in [(kernel_impl, "base"), ("reference", "base"), ("reference", "xla")]:
+        r = jsparse.indexer_topk_batch(q, w, k_cache, K, lengths=lengths, page_table=table,
+                                       method=method, implementation=impl)  # fmt: skip
+        assert r.indices.shape == (2, K) and np.all(np.asarray(r.indices) == -1)
+    for impl in (kernel_impl, "reference"):
+        r, wit = jsparse.indexer_topk_decode(q, w, k_cache, K, lengths=lengths, page_table=table,
+                                             implementation=impl)  # fmt: skip
+        assert np.all(np.asarray(r.indices) == -1) and np.all(np.asarray(wit) == -1)
+
+
 def test_batch_splits_follow_the_measured_rule(monkeypatch):
     monkeypatch.setattr(backend, "sm_count", lambda: 132)
     cfg = scorer.batch_config(64)

@@ -102,3 +102,17 @@ def test_an_empty_batch_selects_nothing(monkeypatch, interpret):
     monkeypatch.setattr(base, "_selection_kernels", lambda: True)
     idx = top_budget(jnp.zeros((0, 2, 50)), jnp.zeros((0,), jnp.int32), 8)
     assert idx.shape == (0, 2, 8)
+
+
+def test_select_over_an_empty_batch():
+    """No sequence in flight: [0, Hkv, budget] (a reshape divided by B = 0 before)."""
+    import jsparse
+
+    sel = jsparse.make_selector("jssa", rank=2)
+    rng = np.random.default_rng(0)
+    params = sel.calibrate(jnp.asarray(rng.standard_normal((20, 4, 8)), jnp.float32),
+                           jnp.asarray(rng.standard_normal((20, 2, 8)), jnp.float32))  # fmt: skip
+    idx = sel.select(
+        params, jnp.ones((0, 4, 8)), jnp.ones((0, 5, 2, 8)), jnp.zeros((0,), jnp.int32), 3
+    )
+    assert idx.shape == (0, 2, 3) and idx.dtype == jnp.int32

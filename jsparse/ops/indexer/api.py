@@ -106,6 +106,8 @@ def indexer_scores(
       implementation: see :mod:`jsparse.backend`.
     """
     start, end = _validate(q, weights, k, k_scale, kv_start, kv_end)
+    if k.shape[0] == 0:  # no keys: nothing to score (the kernels need one key tile)
+        return jnp.zeros((q.shape[0], 0), jnp.float32)
 
     def call(q, weights, start, end):
         return backend.dispatch(
@@ -160,6 +162,7 @@ def indexer_topk(
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
     seeds = None if method == "xla" else _check_seeds(seeds, q.shape[0], start, end)
+    k, k_scale, start, end = no_keys_as_one_unseen(k, k_scale, start, end)
 
     def call(q, weights, start, end, seeds):
         if method == "xla":
@@ -178,6 +181,17 @@ def indexer_topk(
 
     chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
     return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds)
+
+
+def no_keys_as_one_unseen(k, k_scale, start, end):
+    """An empty key set (S = 0) as one zero key that no query sees: every method and
+    implementation then runs on its usual path (the kernels need a key tile) and returns
+    rows of -1 / -inf with nothing visible. Other inputs pass through unchanged."""
+    if k.shape[0]:
+        return k, k_scale, start, end
+    k = jnp.zeros((1, k.shape[1]), k.dtype)
+    k_scale = None if k_scale is None else jnp.ones((1,), jnp.float32)
+    return k, k_scale, jnp.zeros_like(start), jnp.zeros_like(end)
 
 
 def _check_seeds(seeds, t, start, end):

@@ -158,6 +158,21 @@ def dense_view(k_cache, k_scale, page_table):
     return dense, scale, jnp.repeat(page_table >= 0, p, axis=1)
 
 
+def holds_no_keys(k_cache, page_table) -> bool:
+    """No key can be visible: S_max = 0, or an empty page pool (the kernels need a key
+    tile to read)."""
+    return s_max_of(k_cache, page_table) == 0 or k_cache.shape[0] * k_cache.shape[1] == 0
+
+
+def nothing_visible(b: int, top_k: int) -> IndexerTopK:
+    """The result for B queries that see no key: rows of -1 / -inf."""
+    return exhaustive_result(
+        jnp.full((b, top_k), -1, jnp.int32),
+        jnp.full((b, top_k), -jnp.inf, jnp.float32),
+        jnp.zeros((b,), jnp.int32),
+    )
+
+
 def off_page_unread(scores, on_page):
     """``scores`` [B, S_max] with -inf at positions on no page: what the kernels give a
     key they never read (still in its sequence's range, so selected only after every
@@ -207,6 +222,8 @@ def indexer_topk_batch(
     top_k = _checks.check_top_k(top_k)
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
+    if holds_no_keys(k_cache, page_table):
+        return nothing_visible(q.shape[0], top_k)
 
     def call(q, weights, lengths, page_table, k_cache, k_scale):
         lengths = jnp.clip(lengths, 0, s_max)
