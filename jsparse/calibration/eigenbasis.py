@@ -16,7 +16,19 @@ from jaxtyping import Array, Float
 
 from jsparse.calibration.moments import Moments, normalize_trace
 
-__all__ = ["jssa_basis", "top_eigenvectors"]
+__all__ = ["eigh_or_nan", "jssa_basis", "top_eigenvectors"]
+
+
+def eigh_or_nan(sym: Float[Array, "*L D D"]) -> tuple[Float[Array, "*L D"], Float[Array, "*L D D"]]:
+    """``jnp.linalg.eigh`` (ascending values, vectors as columns), with NaN values and
+    vectors for a matrix holding a NaN or inf: eigh may return finite vectors for one
+    (a NaN on the diagonal), a basis that would look fine."""
+    values, vectors = jnp.linalg.eigh(sym)
+    finite = jnp.isfinite(sym).all(axis=(-2, -1))
+    return (
+        jnp.where(finite[..., None], values, jnp.nan),
+        jnp.where(finite[..., None, None], vectors, jnp.nan),
+    )
 
 
 def _fix_signs(rows: Float[Array, "*L R D"]) -> Float[Array, "*L R D"]:
@@ -38,13 +50,10 @@ def top_eigenvectors(
     if not 1 <= rank <= d:
         raise ValueError(f"top_eigenvectors: rank must be in [1, {d}], got {rank}")
     sym = 0.5 * (sym + jnp.swapaxes(sym, -1, -2)).astype(jnp.float32)
-    values, vectors = jnp.linalg.eigh(sym)  # ascending; vectors are columns
+    values, vectors = eigh_or_nan(sym)  # ascending; vectors are columns
     values = values[..., ::-1][..., :rank]
     rows = jnp.swapaxes(vectors[..., :, ::-1][..., :, :rank], -1, -2)
-    # eigh of a non-finite matrix may return finite garbage: make it NaN, visibly
-    finite = jnp.isfinite(sym).all(axis=(-2, -1))
-    rows = jnp.where(finite[..., None, None], _fix_signs(rows), jnp.nan)
-    return rows, jnp.where(finite[..., None], values, jnp.nan)
+    return _fix_signs(rows), values
 
 
 def jssa_basis(

@@ -8,6 +8,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jsparse.calibration.eigenbasis import eigh_or_nan
 from jsparse.calibration.moments import Moments
 from jsparse.selectors.base import ProjectedSelector, register
 
@@ -19,7 +20,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 def psd_sqrt(gram: jnp.ndarray, rcond: float) -> tuple[jnp.ndarray, jnp.ndarray]:
     """``(G^{1/2}, G^{-1/2})`` of symmetric PSD matrices; eigenvalues below
     ``rcond · λ_max`` count as zero (pseudo-inverse)."""
-    values, vectors = jnp.linalg.eigh(0.5 * (gram + jnp.swapaxes(gram, -1, -2)))
+    values, vectors = eigh_or_nan(0.5 * (gram + jnp.swapaxes(gram, -1, -2)))
     keep = values > rcond * values[..., -1:]
     root = jnp.where(keep, jnp.sqrt(jnp.where(keep, values, 1.0)), 0.0)
     inv_root = jnp.where(keep, 1.0 / jnp.where(keep, root, 1.0), 0.0)
@@ -29,9 +30,7 @@ def psd_sqrt(gram: jnp.ndarray, rcond: float) -> tuple[jnp.ndarray, jnp.ndarray]
             vectors * diag[..., None, :], jnp.swapaxes(vectors, -1, -2), precision=_HIGHEST
         )
 
-    # eigh of a non-finite matrix may return finite garbage: make it NaN, visibly
-    finite = jnp.isfinite(gram).all(axis=(-2, -1))[..., None, None]
-    return tuple(jnp.where(finite, rebuild(d), jnp.nan) for d in (root, inv_root))
+    return rebuild(root), rebuild(inv_root)  # NaN for a non-finite gram (eigh_or_nan)
 
 
 @register
