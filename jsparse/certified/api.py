@@ -101,6 +101,7 @@ def certified_topk(
     _check_options(options)
     if policy not in POLICIES:
         raise ValueError(f"policy: got {policy!r}; expected one of {POLICIES}")
+    start, end = _checks.clamp_ranges(start, end, k.shape[0])
     result, info = backend.dispatch(
         f"indexer_topk[{method}]",
         _implementations(),

@@ -571,7 +571,7 @@ def test_jit_compatible():
 @pytest.mark.parametrize(
     "impl, method",
     [("reference", "base"), ("reference", "xla"), ("triton", "base"), ("triton", "full"),
-     ("reference", "dosa")],
+     ("reference", "dosa"), ("triton", "dosa")],
 )  # fmt: skip
 def test_traced_ranges_outside_the_keys_are_clamped(impl, method, interpret):
     """Under jit the ranges cannot be checked: kv_start is clamped to [0, S] and kv_end
@@ -586,6 +586,7 @@ def test_traced_ranges_outside_the_keys_are_clamped(impl, method, interpret):
     got = run(dict(inputs, kv_start=start, kv_end=end))
     want = jsparse.indexer_topk(**clamped, top_k=17, method=method, implementation=impl)
     np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_array_equal(got.visible, want.visible)  # the report counts [start, end)
     assert np.all(np.asarray(got.indices)[0, 3:] == -1) and np.all(got.indices[2:] == -1)
 
 

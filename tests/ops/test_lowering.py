@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import jsparse
 from jsparse.ops.indexer import methods
 from jsparse.ops.indexer import triton as indexer_triton
 from jsparse.ops.topk import triton as select
@@ -204,3 +205,30 @@ def test_decode_selection_builds_no_ranges(monkeypatch):
     for op in ("broadcast_in_dim", "clamp", "concatenate", "iota", "select"):
         assert f"stablehlo.{op}" not in before, op
     assert "dense<0> : tensor<1xi32>" in before
+
+
+@pytest.mark.parametrize("op", ["indexer_topk", "topk"])
+def test_traced_ranges_are_clamped_inside_the_kernels(monkeypatch, op):
+    # Traced ranges must be clamped to the keys (a negative start once gave ids -5..-2),
+    # but a clamp in XLA is a launch of its own before the first kernel: 1 µs of a
+    # one-query decode step (run 218c). The Triton kernels clamp where they load them.
+    from jsparse import backend
+
+    monkeypatch.setattr(backend, "has_nvidia_gpu", lambda: True)
+    r = jax.ShapeDtypeStruct((1,), jnp.int32)
+    if op == "indexer_topk":
+        q, w, k, _, _, _ = _structs(jnp.bfloat16, t=1)
+        args = (q, w, k, r, r)
+
+        def fn(q, w, k, a, b):
+            return jsparse.indexer_topk(q, w, k, K, kv_start=a, kv_end=b, implementation="triton")
+    else:
+        args = (jax.ShapeDtypeStruct((1, 8192), jnp.float32), r, r)
+
+        def fn(x, a, b):
+            return jsparse.topk(x, K, kv_start=a, kv_end=b, implementation="triton")
+
+    text = lower_for_h200(fn, *args).as_text()
+    before = text[: text.index("stablehlo.custom_call")]
+    for name in ("clamp", "maximum", "minimum"):
+        assert f"stablehlo.{name}" not in before, name

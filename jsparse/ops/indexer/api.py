@@ -242,6 +242,7 @@ def default_seed_ids(
 
 
 def _topk_xla(q, weights, k, k_scale, start, end, top_k):
+    start, end = _checks.clamp_ranges(start, end, k.shape[0])
     scores = reference.indexer_scores_einsum(q, weights, k, k_scale, start, end)
     visible = (end - start).astype(jnp.int32)
     return exhaustive_result(*reference.lax_topk(scores, visible, top_k), visible)
@@ -310,6 +311,19 @@ def _mosaic(name):
     return call
 
 
+def _clamping(fn, at):
+    """``fn`` with its ranges, positional arguments ``at`` and ``at + 1``, clamped first
+    (:func:`jsparse._checks.clamp_ranges`; ``k`` is argument 2): for the implementations
+    whose kernels do not clamp traced ranges where they load them, as Triton's do."""
+
+    def call(*args, **kwargs):
+        args = list(args)
+        args[at], args[at + 1] = _checks.clamp_ranges(args[at], args[at + 1], args[2].shape[0])
+        return fn(*args, **kwargs)
+
+    return call
+
+
 @functools.cache  # built once: a fresh jax.jit wrapper per call costs ~1 ms of host time
 def _score_implementations():
     # Pallas imports only when used. "mosaic" is opt-in (backend.OPT_IN_IMPLEMENTATIONS).
@@ -317,8 +331,8 @@ def _score_implementations():
 
     return {
         "triton": triton_impl.indexer_scores_triton,
-        "mosaic": _mosaic("indexer_scores_mosaic"),
-        "reference": jax.jit(reference.indexer_scores_reference),
+        "mosaic": _clamping(_mosaic("indexer_scores_mosaic"), 4),
+        "reference": _clamping(jax.jit(reference.indexer_scores_reference), 4),
     }
 
 
@@ -327,8 +341,11 @@ def _topk_implementations(method):
 
     if method == "base":
         return {
-            "triton": triton_impl.topk_base_triton,
-            "mosaic": _mosaic("topk_base_mosaic"),
-            "reference": _topk_base_reference,
+            "triton": triton_impl.topk_base_triton,  # its kernels clamp the ranges
+            "mosaic": _clamping(_mosaic("topk_base_mosaic"), 5),
+            "reference": _clamping(_topk_base_reference, 5),
         }
-    return {"triton": triton_impl.topk_full_triton, "reference": _topk_full_reference}
+    return {
+        "triton": _clamping(triton_impl.topk_full_triton, 5),
+        "reference": _clamping(_topk_full_reference, 5),
+    }

@@ -154,7 +154,8 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
     w = plt.load(w_ref.at[pl.ds(0, 1), :])
     q_sample, n_scorers = SAMPLE_PROGRAMS, p.programs - SAMPLE_PROGRAMS
     zero = jnp.int32(0)
-    lo, hi = plt.load(start_ref.at[zero]), plt.load(end_ref.at[zero])
+    lo = jnp.clip(plt.load(start_ref.at[zero]), 0, p.s)  # as _checks.clamp_ranges
+    hi = jnp.clip(plt.load(end_ref.at[zero]), lo, p.s)
     length = hi - lo
     bs = p.block_s
     dims = jnp.arange(p.dim, dtype=jnp.int32)

@@ -248,9 +248,10 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     rows = i * bt + jnp.arange(bt, dtype=jnp.int32)
     row_ok = rows < p.t
     row_safe = jnp.where(row_ok, rows, 0)
-    # Rows past T see nothing: start = S, end = 0.
-    start = jnp.where(row_ok, plt.load(start_ref.at[row_safe]), p.s)
-    end = jnp.where(row_ok, plt.load(end_ref.at[row_safe]), 0)
+    # Rows past T see nothing: start = S, end = 0. Ranges clamped as _checks.clamp_ranges
+    # (traced ranges reach the kernel unchecked).
+    start = jnp.clip(jnp.where(row_ok, plt.load(start_ref.at[row_safe]), p.s), 0, p.s)
+    end = jnp.clip(jnp.where(row_ok, plt.load(end_ref.at[row_safe]), 0), start, p.s)
     zero = jnp.zeros((), q_ref.dtype)  # a typed `other`: Triton cannot cast i32 to fp8
     q = plt.load(q_ref.at[pl.ds(i * bt, bt), :, :], mask=row_ok[:, None, None], other=zero)
     q2 = q.astype(p.compute).reshape(bt * p.heads, p.dim)

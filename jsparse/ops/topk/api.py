@@ -124,5 +124,5 @@ def _reference(scores, start, end, top_k, sort):
     del sort  # the reference always sorts
     t, s = scores.shape
     start, end = (jnp.repeat(r, t // r.shape[0]) for r in (start, end))  # one per row
-    end = jnp.clip(end, start, s)  # as the kernels clip a prefix's length
+    start, end = _checks.clamp_ranges(start, end, s)  # as the kernels read them
     return select_topk_reference(scores, visible_key_ids(start, end, s), top_k)

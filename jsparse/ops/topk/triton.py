@@ -302,11 +302,12 @@ def _dense_range(start_ref, end_ref, row, shape):
     """Row ``row``'s visible range [lo, hi) of a dense [T, S] ``shape``. A range array of
     n entries serves the rows in groups of T / n (a start of one entry: every row's
     start; ends of B entries: B sequences of T / B heads each, a decode step's lengths),
-    and hi is clipped to [lo, S] (sequence lengths are not checked against S), so that
-    a caller's ranges need no launch of their own to be built (two a decode step: −1.6
-    µs at one GQA sequence, within noise elsewhere, run 184)."""
+    clamped as :func:`jsparse._checks.clamp_ranges` (lo to [0, S], hi to [lo, S]):
+    sequence lengths and traced ranges are not checked against S, and a caller's
+    ranges then need no launch of their own (two a decode step: −1.6 µs at one GQA
+    sequence, within noise elsewhere, run 184; one for a traced range's clamp, run 218c)."""
     t, width = shape
-    lo = plt.load(start_ref.at[row // (t // start_ref.shape[0])])
+    lo = jnp.clip(plt.load(start_ref.at[row // (t // start_ref.shape[0])]), 0, width)
     hi = plt.load(end_ref.at[row // (t // end_ref.shape[0])])
     return lo, jnp.clip(hi, lo, width)
 
@@ -1037,7 +1038,7 @@ def compact_rows(scores, start, end, top_k, cap, cfg=SelectConfig(), chunks=None
 
     ``scores`` [T, S] is read only inside ``[start[t], end[t])``; ``start`` and ``end``
     may also hold one entry per group of rows (n entries, n dividing T: row t reads
-    entry t // (T / n)), ends clipped to [start, S] (:func:`_dense_range`). Returns (ids, count
+    entry t // (T / n)), clamped as :func:`_dense_range` reads them. Returns (ids, count
     [T], slow [T] int32: the path each row took, FAST (0) for the sampled θ, RETRIED (1)
     for one retry at a rescaled rank, SEARCHED (2) for the exact radix search).
     ``cap ≥ top_k``. A row that a ladder of thresholds rescued also reports RETRIED.
