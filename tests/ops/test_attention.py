@@ -2,6 +2,7 @@
 against a float64 numpy oracle, and the contract (empty slots, bad input, lowering)."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -479,6 +480,24 @@ def test_traced_pages_outside_the_pool_are_never_read(impl, kernel_impl, page_lo
     got, want = run(bad), run(missing)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_paged_step_launches_nothing_before_the_kernel(monkeypatch):
+    """A traced page table's entries outside the pool are masked where the kernel loads
+    them: in XLA that mask was a launch of its own before the kernel (1 µs a step)."""
+    monkeypatch.setattr(jsparse.backend, "has_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(attention_triton, "PAGES_BEFORE_LAUNCH", False)
+    sds = jax.ShapeDtypeStruct
+    pool = sds((256, 64, 8, 128), jnp.bfloat16)
+    args = (sds((4, 32, 128), jnp.bfloat16), pool, pool, sds((4, 8, 512), jnp.int32),
+            sds((4, 64), jnp.int32))  # fmt: skip
+
+    def step(q, k, v, idx, table):
+        return jsparse.indexed_attention(q, k, v, idx, page_table=table, implementation="triton")
+
+    text = lower_for_h200(step, *args).as_text()
+    before = text[: text.index("stablehlo.custom_call")]
+    assert set(re.findall(r"stablehlo\.([a-z_]+)", before)) <= {"reshape"}
 
 
 def test_paged_lowers_to_cuda(page_lookup):

@@ -105,7 +105,6 @@ def indexed_attention(
         _checks.check_positive_finite(name, x)
     scale = _checks.check_logit_scale(1.0 / math.sqrt(d) if scale is None else scale)
     check_listed(indices, s, table, k.shape[1])
-    page_table = _checks.usable_pages(page_table, k.shape[0])
     if 0 in (b, h, s, indices.shape[2]):  # nothing to attend: every query is empty
         out = jnp.zeros((b, h, v.shape[3]), q.dtype)
         lse = jnp.full((b, h), -jnp.inf, jnp.float32)

@@ -85,8 +85,9 @@ def listed_locations(indices: Int[Array, "B ..."], cache, page_table=None):
     """(valid, i0, i1): list entry ``indices[b, ...]`` is ``cache[i0, i1]``, the first
     two axes of a dense ``[B, S, ...]`` cache or of a ``[n_pages, P, ...]`` pool with
     ``page_table`` (token i of sequence b: slot i % P of page ``table[b, i // P]``).
-    ``valid``: the entry lies in [0, S) (S = max_pages · P when paged), on an allocated
-    page; invalid entries point at (b or page 0, slot 0)."""
+    ``valid``: the entry lies in [0, S) (S = max_pages · P when paged), on a page of the
+    pool (a table entry outside [0, n_pages) is no page, as the kernels read it);
+    invalid entries point at (b or page 0, slot 0)."""
     lead = jnp.arange(indices.shape[0]).reshape(-1, *[1] * (indices.ndim - 1))
     p = cache.shape[1]
     s = p if page_table is None else page_table.shape[1] * p
@@ -95,5 +96,5 @@ def listed_locations(indices: Int[Array, "B ..."], cache, page_table=None):
     if page_table is None:
         return valid, lead, at
     page = page_table[lead, at // p]
-    valid = valid & (page >= 0)
+    valid = valid & (page >= 0) & (page < cache.shape[0])
     return valid, jnp.where(valid, page, 0), at % p

@@ -82,6 +82,7 @@ class _Plan:
     seq: int  # S, cache rows per (sequence, KV head) (virtual: max_pages · P when paged)
     page_size: int  # P of a paged cache, 0 for a dense [B, S, Hkv, D] one
     pooled: bool  # the lists hold slots of the whole cache (pages looked up before)
+    n_pages: int  # pages in the pool read through a table (0: none)
     kv_heads: int
     group: int  # G, query heads per KV head
     group_rows: int  # G padded to a power of two ≥ MIN_GROUP_ROWS
@@ -166,7 +167,9 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
         m, l, accs = carry
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[pair, at], mask=at < p.list_len, other=-1)
-        ok, slots = listed_slots(ids, 0 if p.pooled else b, table_ref, p.seq, p.page_size)
+        ok, slots = listed_slots(
+            ids, 0 if p.pooled else b, table_ref, p.seq, p.page_size, p.n_pages
+        )
         rows = slots * p.kv_heads + h
         k_mask = ok[:, None] & (dims[None, :] < p.plane_dim)
         kt = plt.load(k_ref.at[rows[:, None], dims[None, :]], mask=k_mask, other=k_zero)
@@ -228,16 +231,18 @@ def accumulated(l, accs, weights, alpha, value_planes, compute, precision):
     return l * alpha + jnp.sum(weights, axis=1), accs
 
 
-def listed_slots(ids, b, table_ref, seq: int, page_size: int):
-    """(ok, slot) of each listed id of sequence ``b``: ok for ids in [0, seq) (on an
-    allocated page), slot ``b·seq + id`` of a dense cache, or ``table[b, id // P]·P +
-    id % P`` of a page pool (``page_size`` P > 0); the slot of an id not ok is 0."""
+def listed_slots(ids, b, table_ref, seq: int, page_size: int, n_pages: int):
+    """(ok, slot) of each listed id of sequence ``b``: ok for ids in [0, seq) (on a page
+    of the pool), slot ``b·seq + id`` of a dense cache, or ``table[b, id // P]·P + id %
+    P`` of a pool of ``n_pages`` pages (``page_size`` P > 0); the slot of an id not ok is
+    0. A table entry outside [0, n_pages) is no page: a traced table is not checked, and
+    masking it here costs no launch (in XLA it did: 1 µs a step)."""
     ok = (ids >= 0) & (ids < seq)
     ids = jnp.where(ok, ids, 0)
     if not page_size:
         return ok, b * seq + ids
     page = plt.load(table_ref.at[b, ids // page_size], mask=ok, other=-1)
-    ok = ok & (page >= 0)
+    ok = ok & (page >= 0) & (page < n_pages)
     return ok, jnp.where(ok, page, 0) * page_size + ids % page_size
 
 
@@ -417,7 +422,8 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
         backend.check_triton_offsets("indexed_attention", k=k, v=v)
     kw, vw = d // planes, dv // planes
     p = _Plan(
-        seq=s, page_size=page_size, pooled=pooled, kv_heads=hkv, group=g, group_rows=gp, vdim=dv,
+        seq=s, page_size=page_size, pooled=pooled, n_pages=slots // max(page_size, 1),
+        kv_heads=hkv, group=g, group_rows=gp, vdim=dv,
         vdim_pad=next_pow2(dv, 16), planes=planes, plane_dim=kw, plane_dim_pad=next_pow2(kw, 16),
         plane_vdim=vw, plane_vdim_pad=next_pow2(vw, 16), list_len=n, steps_per_split=per_split,
         steps=steps, splits=splits, scale=float(scale), compute=compute,

@@ -96,7 +96,6 @@ def indexed_mla_attention(
         _checks.check_positive_finite("cache_scale", cache_scale)
     scale = _checks.check_logit_scale(scale)
     check_listed(indices, s, table, cache.shape[1])
-    page_table = _checks.usable_pages(page_table, cache.shape[0])
     if 0 in (b, h, s, indices.shape[1]):  # nothing to attend: every query is empty
         out = jnp.zeros((b, h, int(latent_dim)), q.dtype)
         lse = jnp.full((b, h), -jnp.inf, jnp.float32)

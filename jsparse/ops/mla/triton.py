@@ -107,6 +107,7 @@ class _Plan:
     seq: int  # S (virtual: max_pages · P when paged)
     page_size: int  # P of a paged cache, 0 for a dense [B, S, D] one
     pooled: bool  # the lists hold slots of the whole cache (pages looked up before)
+    n_pages: int  # pages in the pool read through a table (0: none)
     heads: int  # H
     head_blocks: int
     group: int  # heads per block (the merge's "group"): a power of two ≥ 16
@@ -171,7 +172,7 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
         m, l, accs = carry
         at = j * bn + jnp.arange(bn)
         ids = plt.load(ids_ref.at[b, at], mask=at < p.list_len, other=-1)
-        ok, rows = listed_slots(ids, 0 if p.pooled else b, table_ref, p.seq, p.page_size)
+        ok, rows = listed_slots(ids, 0 if p.pooled else b, table_ref, p.seq, p.page_size, p.n_pages)
 
         def load_rows(start, dims, width):
             mask = ok[:, None] & (dims[None, :] < width)
@@ -276,7 +277,8 @@ def _indexed_mla_attention(
     has_scale = cache_scale is not None
     lat, rope = dc // planes, dr // planes
     p = _Plan(
-        seq=s, page_size=page_size, pooled=pooled, heads=h, head_blocks=blocks, group=cfg.block_h,
+        seq=s, page_size=page_size, pooled=pooled, n_pages=pool // max(page_size, 1), heads=h,
+        head_blocks=blocks, group=cfg.block_h,
         planes=planes, latent=lat, latent_pad=next_pow2(lat, 16), rope=rope,
         rope_pad=next_pow2(max(rope, 1), 16), vdim=dc, vdim_pad=next_pow2(dc, 16),
         list_len=n, steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
