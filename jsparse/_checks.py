@@ -69,7 +69,9 @@ def check_ranges(kv_start, kv_end, t: int, s: int, rows: str):
     ranges = []
     for name, value, default in (("kv_start", kv_start, 0), ("kv_end", kv_end, s)):
         if value is None:
-            ranges.append(jnp.full((t,), default, jnp.int32))
+            # numpy: under jit a constant, where jnp.full is a broadcast launched before
+            # the first kernel (as topk's one-entry ranges, run 184)
+            ranges.append(np.full((t,), default, np.int32))
             continue
         check_rank(name, value, 1, "[T]")
         check_dtype(name, value, (jnp.int32,))

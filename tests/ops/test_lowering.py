@@ -207,11 +207,12 @@ def test_decode_selection_builds_no_ranges(monkeypatch):
     assert "dense<0> : tensor<1xi32>" in before
 
 
-@pytest.mark.parametrize("op", ["indexer_topk", "topk"])
+@pytest.mark.parametrize("op", ["indexer_topk", "indexer_topk_no_ranges", "topk"])
 def test_traced_ranges_are_clamped_inside_the_kernels(monkeypatch, op):
     # Traced ranges must be clamped to the keys (a negative start once gave ids -5..-2),
     # but a clamp in XLA is a launch of its own before the first kernel: 1 µs of a
     # one-query decode step (run 218c). The Triton kernels clamp where they load them.
+    # Absent ranges are constants, not a broadcast launched to build them.
     from jsparse import backend
 
     monkeypatch.setattr(backend, "has_nvidia_gpu", lambda: True)
@@ -222,6 +223,12 @@ def test_traced_ranges_are_clamped_inside_the_kernels(monkeypatch, op):
 
         def fn(q, w, k, a, b):
             return jsparse.indexer_topk(q, w, k, K, kv_start=a, kv_end=b, implementation="triton")
+    elif op == "indexer_topk_no_ranges":
+        q, w, k, _, _, _ = _structs(jnp.bfloat16, t=8)
+        args = (q, w, k)
+
+        def fn(q, w, k):
+            return jsparse.indexer_topk(q, w, k, K, implementation="triton")
     else:
         args = (jax.ShapeDtypeStruct((1, 8192), jnp.float32), r, r)
 
@@ -230,5 +237,5 @@ def test_traced_ranges_are_clamped_inside_the_kernels(monkeypatch, op):
 
     text = lower_for_h200(fn, *args).as_text()
     before = text[: text.index("stablehlo.custom_call")]
-    for name in ("clamp", "maximum", "minimum"):
+    for name in ("clamp", "maximum", "minimum", "broadcast_in_dim"):
         assert f"stablehlo.{name}" not in before, name
