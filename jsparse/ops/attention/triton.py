@@ -422,7 +422,7 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
         backend.check_triton_offsets("indexed_attention", k=k, v=v)
     kw, vw = d // planes, dv // planes
     p = _Plan(
-        seq=s, page_size=page_size, pooled=pooled, n_pages=slots // max(page_size, 1),
+        seq=s, page_size=page_size, pooled=pooled, n_pages=slots // page_size if page_size else 0,
         kv_heads=hkv, group=g, group_rows=gp, vdim=dv,
         vdim_pad=next_pow2(dv, 16), planes=planes, plane_dim=kw, plane_dim_pad=next_pow2(kw, 16),
         plane_vdim=vw, plane_vdim_pad=next_pow2(vw, 16), list_len=n, steps_per_split=per_split,

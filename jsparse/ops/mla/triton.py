@@ -277,8 +277,9 @@ def _indexed_mla_attention(
     has_scale = cache_scale is not None
     lat, rope = dc // planes, dr // planes
     p = _Plan(
-        seq=s, page_size=page_size, pooled=pooled, n_pages=pool // max(page_size, 1), heads=h,
-        head_blocks=blocks, group=cfg.block_h,
+        seq=s, page_size=page_size, pooled=pooled,
+        n_pages=pool // page_size if page_size else 0,
+        heads=h, head_blocks=blocks, group=cfg.block_h,
         planes=planes, latent=lat, latent_pad=next_pow2(lat, 16), rope=rope,
         rope_pad=next_pow2(max(rope, 1), 16), vdim=dc, vdim_pad=next_pow2(dc, 16),
         list_len=n, steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
