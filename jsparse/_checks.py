@@ -51,6 +51,18 @@ def check_dim(name: str, x, axis: int, expected: int, what: str) -> None:
         )
 
 
+# jax.core re-exports Tracer (0.10.x); jax has been moving jax.core's names out since
+# 0.8, so the private home is the fallback rather than an AttributeError on a newer jax.
+_TRACER = getattr(jax.core, "Tracer", None)
+if _TRACER is None:
+    from jax._src.core import Tracer as _TRACER
+
+
+def is_traced(x) -> bool:
+    """``x`` is a tracer (under ``jit``, ``grad``, ``vmap``), its value unknown here."""
+    return isinstance(x, _TRACER)
+
+
 def concrete(x):
     """A numpy copy of ``x`` when it is concrete, else None (inside jit: skip value checks)."""
     try:
@@ -105,7 +117,7 @@ def clamp_ranges(start, end, s: int):
     to [kv_start, S] (an end below its start is an empty range), so that no traced range
     reads outside the keys or yields an id outside [start, end). Concrete ranges were
     checked by :func:`check_ranges` and pass unchanged, with no work."""
-    if not isinstance(start, jax.core.Tracer) and not isinstance(end, jax.core.Tracer):
+    if not is_traced(start) and not is_traced(end):
         return start, end
     start = jnp.clip(start, 0, s)
     return start, jnp.clip(end, start, s)
