@@ -12,6 +12,20 @@ Every public op takes ``implementation=``:
   errors propagate, nothing falls back silently.
 * a sequence of names: tried in order, falling back on ``NotImplementedError``.
 
+Derivatives. The Pallas kernels have no backward kernels; every op is still
+differentiable where its math is (``jsparse._autodiff``):
+
+* ops smooth in their float inputs (``indexer_scores``, ``indexed_attention``,
+  ``indexed_mla_attention``, ``projected_scores``, ``projected_step``:
+  ``dispatch(..., differentiable=True)``) run the kernel forward and take the derivative
+  of their jnp reference, the same function, in forward and reverse mode (at the
+  reference's memory cost);
+* the Top-K ops return ids, which need no derivative, and the ids' scores, whose
+  gradient is that of scoring exactly those ids again in jnp, for every method and
+  implementation (reverse mode);
+* a kernel dispatched without either raises ``NotImplementedError`` naming the op once
+  a gradient reaches its outputs, never an error from inside Pallas.
+
 Pallas kernels run compiled on a GPU, or in Pallas interpret mode anywhere (the
 kernel body executed as plain XLA ops, slow but faithful to the kernel's logic).
 Interpret mode is switched on with :func:`interpret_mode` (tests, CPU benchmarks)
@@ -30,6 +44,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import jax
+
+from jsparse import _autodiff
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -142,11 +158,15 @@ def dispatch(
     implementation: str | Sequence[str] | None,
     /,
     *args: Any,
+    differentiable: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Calls the first implementation of ``op`` that accepts the input.
 
-    ``implementations`` maps names to callables in the op's preferred order.
+    ``implementations`` maps names to callables in the op's preferred order, all with
+    one signature. ``differentiable``: the op's outputs are smooth functions of its float
+    inputs, so a kernel's derivative is its ``"reference"``'s (module doc); otherwise a
+    gradient reaching a kernel's float outputs raises ``NotImplementedError``.
     """
     names, may_fall_back = resolve(implementation, tuple(implementations))
     errors: list[str] = []
@@ -161,7 +181,12 @@ def dispatch(
                 continue
             raise NotImplementedError(message)
         try:
-            return implementations[name](*args, **kwargs)
+            if name not in PALLAS_IMPLEMENTATIONS:
+                return implementations[name](*args, **kwargs)
+            if differentiable:
+                reference = implementations["reference"]
+                return _autodiff.smooth_kernel(implementations[name], reference, args, kwargs)
+            return _autodiff.no_derivative(op, name, implementations[name], args, kwargs)
         except NotImplementedError as err:
             if not may_fall_back:
                 raise

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from jaxtyping import Array, Float, Int
 
-from jsparse import _checks, _chunking, backend
+from jsparse import _autodiff, _checks, _chunking, backend
 from jsparse.certified import planner
 from jsparse.certified import reference as ref_impl
 from jsparse.ops.indexer.result import IndexerTopK
@@ -156,15 +156,25 @@ def dosa_topk(
     start, end = api._validate(q, weights, k, k_scale, kv_start, kv_end)
     top_k = _checks.check_top_k(top_k)
     seeds = api._check_seeds(seeds, q.shape[0], start, end)
-    k, k_scale, start, end = api.no_keys_as_one_unseen(k, k_scale, start, end)
 
-    def call(q, weights, start, end, seeds, r):
-        return certified_topk(
-            q, weights, k, top_k, k_scale, start, end, seeds,
-            method=method, implementation=implementation, variant=variant, r=r,
-            policy=policy, sorted=sorted, return_info=return_info, **options,
-        )  # fmt: skip
+    def select(q, weights, k, k_scale, start, end, seeds, r):
+        k, k_scale, start, end = api.no_keys_as_one_unseen(k, k_scale, start, end)
 
-    chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
-    # r: "auto" and one int pass through the chunks; per-query values are chunked.
-    return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds, r)
+        def call(q, weights, start, end, seeds, r):
+            return certified_topk(
+                q, weights, k, top_k, k_scale, start, end, seeds,
+                method=method, implementation=implementation, variant=variant, r=r,
+                policy=policy, sorted=sorted, return_info=return_info, **options,
+            )  # fmt: skip
+
+        chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
+        # r: "auto" and one int pass through the chunks; per-query values are chunked.
+        return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds, r)
+
+    def ids_and_scores(out):
+        result = out[0] if return_info else out
+        return result.indices, result.scores
+
+    return _autodiff.selection(
+        select, api.scores_of_ids, ids_and_scores, (q, weights, k, k_scale, start, end, seeds, r)
+    )

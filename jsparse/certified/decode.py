@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jsparse import _checks, backend
+from jsparse import _autodiff, _checks, backend
 from jsparse.ops.indexer import batch
 from jsparse.ops.indexer import reference as scorer
 from jsparse.ops.indexer.result import IndexerTopK
@@ -107,11 +107,18 @@ def indexer_topk_decode(
         raise ValueError(f"witness_capacity: {capacity} < top_k = {top_k}; expected ≥ top_k")
     if batch.holds_no_keys(k_cache, page_table):
         return batch.nothing_visible(b, top_k), jnp.full((b, capacity), -1, jnp.int32)
-    return backend.dispatch(
-        "indexer_topk_decode",
-        {"triton": _decode_triton, "reference": _decode_reference},
-        implementation,
-        q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity, page_table,
+
+    def select(q, weights, k_cache, k_scale, page_table, lengths, witnesses):
+        return backend.dispatch(
+            "indexer_topk_decode",
+            {"triton": _decode_triton, "reference": _decode_reference},
+            implementation,
+            q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity, page_table,
+        )  # fmt: skip
+
+    return _autodiff.selection(
+        select, batch.scores_of_ids, lambda out: (out[0].indices, out[0].scores),
+        (q, weights, k_cache, k_scale, page_table, lengths, witnesses),
     )  # fmt: skip
 
 

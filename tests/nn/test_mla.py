@@ -189,3 +189,29 @@ def test_sparse_decoding_of_an_fp8_cache_with_every_row_equals_dense(kernel_impl
     got, cache = _decode(sparse, x, 18, jnp.float8_e4m3fn)
     assert cache.core_state is not None
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_sparse_decode_step_differentiates_like_the_reference():
+    """The gradient of a SparseMLA decode step with respect to the layer's weights: the
+    Pallas path (selection ids, the indexed MLA kernel with its reference's derivative)
+    gives the reference path's."""
+    sel, params = calibrated(layer())
+    x = inputs(2, 20, seed=9)
+
+    def gradient(implementation):
+        mla = layer(SparseMLA(sel, params, budget=6, implementation=implementation))
+        _, cache = mla(x[:, :19], mla.init_cache(2, 32))
+        graphdef, weights, rest = nnx.split(mla, nnx.Param, ...)
+
+        def loss(weights):
+            y, _ = nnx.merge(graphdef, weights, rest)(x[:, 19:], cache)
+            return jnp.sum(jnp.tanh(y))
+
+        return jax.tree.leaves(jax.jit(jax.grad(loss))(weights))
+
+    want = gradient("reference")
+    with jsparse.backend.interpret_mode(not jsparse.backend.has_nvidia_gpu()):
+        got = gradient("triton")
+    assert sum(float(jnp.abs(g).max()) for g in want) > 0
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * max(1.0, float(jnp.abs(w).max())))

@@ -251,3 +251,31 @@ def test_an_fp8_kv_cache_holds_the_keys_to_fp8_rounding_with_the_prompts_scales(
     before = np.asarray(cache[0].v_scale)
     _, after = fwd(TOKENS[:, 20:21], cache)  # a decode step keeps the scales
     np.testing.assert_array_equal(np.asarray(after[0].v_scale), before)
+
+
+@pytest.mark.parametrize("selector", ["oracle", "jssa"])
+def test_a_sparse_decode_step_differentiates_like_the_reference(selector):
+    """Gradients of a decode step's logits with respect to the weights (fine-tuning
+    through sparse decoding): the Pallas path (selection ids, the attention kernel with
+    its reference's derivative) gives the reference path's gradient."""
+    sel, params = _calibrated("jssa", rank=4) if selector == "jssa" else (selector, {})
+
+    def gradient(implementation):
+        core = lambda i: jsparse.SparseAttention(sel, params, 8, implementation=implementation)  # noqa: E731
+        model = _model(core, scale=3.0)
+        cache = model.init_cache(TOKENS.shape[0], 48)
+        _, cache = forward_fn(model)(TOKENS[:, :-1], cache)
+        graphdef, weights, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(weights):
+            logits, _ = nnx.merge(graphdef, weights, rest)(TOKENS[:, -1:], cache)
+            return jnp.sum(jnp.tanh(logits))
+
+        return jax.tree.leaves(jax.jit(jax.grad(loss))(weights))
+
+    want = gradient("reference")
+    with jsparse.backend.interpret_mode(not jsparse.backend.has_nvidia_gpu()):
+        got = gradient("triton")
+    assert sum(float(jnp.abs(g).max()) for g in want) > 0
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * max(1.0, float(jnp.abs(w).max())))

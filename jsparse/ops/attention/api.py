@@ -111,7 +111,7 @@ def indexed_attention(
     else:
         out, lse = backend.dispatch(
             "indexed_attention", _implementations(), implementation,
-            q, k, v, indices, k_scale, v_scale, page_table, scale,
+            q, k, v, indices, k_scale, v_scale, page_table, scale, differentiable=True,
         )  # fmt: skip
         out = out.astype(q.dtype)
     return (out, lse) if return_lse else out

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jsparse import _checks, _chunking, backend
+from jsparse import _autodiff, _checks, _chunking, backend
 from jsparse.ops.indexer import reference
 from jsparse.ops.indexer.methods import default_seed_count, recent_and_strided_ids
 from jsparse.ops.indexer.result import IndexerTopK, exhaustive_result
@@ -112,7 +112,7 @@ def indexer_scores(
     def call(q, weights, start, end):
         return backend.dispatch(
             "indexer_scores", _score_implementations(), implementation,
-            q, weights, k, k_scale, start, end,
+            q, weights, k, k_scale, start, end, differentiable=True,
         )  # fmt: skip
 
     chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
@@ -162,25 +162,43 @@ def indexer_topk(
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
     seeds = None if method == "xla" else _check_seeds(seeds, q.shape[0], start, end)
-    k, k_scale, start, end = no_keys_as_one_unseen(k, k_scale, start, end)
 
-    def call(q, weights, start, end, seeds):
-        if method == "xla":
-            return _topk_xla(q, weights, k, k_scale, start, end, top_k)
-        if method in ("dense", "dosa"):
-            from jsparse import certified  # the planner stays off the import path until used
+    def select(q, weights, k, k_scale, start, end, seeds):
+        k, k_scale, start, end = no_keys_as_one_unseen(k, k_scale, start, end)
 
-            return certified.certified_topk(
-                q, weights, k, top_k, k_scale, start, end, seeds,
-                method=method, sorted=sorted, implementation=implementation,
+        def call(q, weights, start, end, seeds):
+            if method == "xla":
+                return _topk_xla(q, weights, k, k_scale, start, end, top_k)
+            if method in ("dense", "dosa"):
+                from jsparse import certified  # the planner stays off the import path until used
+
+                return certified.certified_topk(
+                    q, weights, k, top_k, k_scale, start, end, seeds,
+                    method=method, sorted=sorted, implementation=implementation,
+                )  # fmt: skip
+            return backend.dispatch(
+                f"indexer_topk[{method}]", _topk_implementations(method), implementation,
+                q, weights, k, top_k, k_scale, start, end, seeds, sorted,
             )  # fmt: skip
-        return backend.dispatch(
-            f"indexer_topk[{method}]", _topk_implementations(method), implementation,
-            q, weights, k, top_k, k_scale, start, end, seeds, sorted,
-        )  # fmt: skip
 
-    chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
-    return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds)
+        chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
+        return _chunking.over_query_chunks(call, chunk, q, weights, start, end, seeds)
+
+    return _autodiff.selection(
+        select, scores_of_ids, _ids_and_scores, (q, weights, k, k_scale, start, end, seeds)
+    )
+
+
+def scores_of_ids(ids, q, weights, k, k_scale, *_):
+    """[T, N] scores of the key ids ``ids`` (-1: -inf): the derivative of a Top-K's scores
+    (:mod:`jsparse._autodiff`)."""
+    if k.shape[0] == 0:
+        return jnp.full(ids.shape, -jnp.inf, jnp.float32)
+    return reference.score_keys_reference(q, weights, k, ids, k_scale)
+
+
+def _ids_and_scores(result: IndexerTopK):
+    return result.indices, result.scores
 
 
 def no_keys_as_one_unseen(k, k_scale, start, end):

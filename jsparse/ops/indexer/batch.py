@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jsparse import _checks, _chunking, backend
+from jsparse import _autodiff, _checks, _chunking, backend
 from jsparse.ops.indexer import reference
 from jsparse.ops.indexer.result import IndexerTopK, exhaustive_result
 from jsparse.ops.topk.reference import select_topk_reference
@@ -234,18 +234,39 @@ def indexer_topk_batch(
             q, weights, k_cache, top_k, k_scale, lengths, page_table, sorted,
         )  # fmt: skip
 
-    # Virtual key ids and score rows are int32 offsets: B·S_max per launch must fit.
-    chunk = _chunking.queries_per_chunk(q.shape[0], s_max)
-    if page_table is None:
+    def select(q, weights, k_cache, k_scale, page_table, lengths):
+        # Virtual key ids and score rows are int32 offsets: B·S_max per launch must fit.
+        chunk = _chunking.queries_per_chunk(q.shape[0], s_max)
+        if page_table is None:
+            return _chunking.over_query_chunks(
+                lambda q, w, n, kc, ks: call(q, w, n, None, kc, ks), chunk, q, weights,
+                lengths, k_cache, k_scale,
+            )  # fmt: skip
+        # A page pool is shared by every chunk of sequences; their page tables are not.
         return _chunking.over_query_chunks(
-            lambda q, w, n, kc, ks: call(q, w, n, None, kc, ks), chunk, q, weights, lengths,
-            k_cache, k_scale,
+            lambda q, w, n, t: call(q, w, n, t, k_cache, k_scale), chunk, q, weights,
+            lengths, page_table,
         )  # fmt: skip
-    # A page pool is shared by every chunk of sequences; their page tables are not.
-    return _chunking.over_query_chunks(
-        lambda q, w, n, t: call(q, w, n, t, k_cache, k_scale), chunk, q, weights, lengths,
-        page_table,
+
+    return _autodiff.selection(
+        select, scores_of_ids, lambda r: (r.indices, r.scores),
+        (q, weights, k_cache, k_scale, page_table, lengths),
     )  # fmt: skip
+
+
+def scores_of_ids(ids, q, weights, k_cache, k_scale, page_table, *_):
+    """[B, N] scores of each sequence's key positions ``ids`` (-1, or a position on no
+    page: -inf), gathered from the cache as the kernels address it: the derivative of a
+    Top-K's scores (:mod:`jsparse._autodiff`)."""
+    n, p, d = k_cache.shape  # [B, S_max, D] dense, or the page pool [n_pages, P, D]
+    if page_table is None:
+        rows = ids + p * jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None]
+    else:
+        page = jnp.take_along_axis(page_table, jnp.maximum(ids, 0) // p, axis=1)
+        rows = jnp.where((page >= 0) & (page < n), page * p + ids % p, -1)
+    rows = jnp.where(ids >= 0, rows, -1)
+    scale = None if k_scale is None else k_scale.reshape(n * p)
+    return reference.score_keys_reference(q, weights, k_cache.reshape(n * p, d), rows, scale)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "sort"))

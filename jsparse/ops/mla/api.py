@@ -103,6 +103,7 @@ def indexed_mla_attention(
         out, lse = backend.dispatch(
             "indexed_mla_attention", _implementations(), implementation,
             q, cache, indices, cache_scale, page_table, int(latent_dim), scale,
+            differentiable=True,
         )  # fmt: skip
         out = out.astype(q.dtype)
     return (out, lse) if return_lse else out

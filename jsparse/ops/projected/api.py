@@ -45,7 +45,10 @@ def projected_scores(
     _checks.check_dim("values", values, 3, r, f"R of q_proj {tuple(q_proj.shape)}")
     if 0 in values.shape:
         return jnp.zeros((b, hkv, values.shape[1]), jnp.float32)
-    return backend.dispatch("projected_scores", _implementations(), implementation, q_proj, values)
+    return backend.dispatch(
+        "projected_scores", _implementations(), implementation, q_proj, values,
+        differentiable=True,
+    )  # fmt: skip
 
 
 def projected_step(
@@ -110,7 +113,7 @@ def projected_step(
         return projected_step_reference(q, k_new, query_map, key_map, values, scale, slots)
     return backend.dispatch(
         "projected_step", _step_implementations(), implementation,
-        q, k_new, query_map, key_map, values, scale, slots,
+        q, k_new, query_map, key_map, values, scale, slots, differentiable=True,
     )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jsparse import _checks, backend
+from jsparse import _autodiff, _checks, backend
 from jsparse.ops.topk.reference import select_topk_reference, visible_key_ids
 
 
@@ -105,9 +105,18 @@ def _select(scores, start, end, top_k, sort, implementation):
     top_k = _checks.check_top_k(top_k)
     if s == 0:  # nothing to select: every slot is padding
         return jnp.full((t, top_k), -1, jnp.int32), jnp.full((t, top_k), -jnp.inf, jnp.float32)
-    return backend.dispatch(
-        "topk", _implementations(), implementation, scores, start, end, top_k, bool(sort)
-    )
+
+    def select(scores, start, end):
+        return backend.dispatch(
+            "topk", _implementations(), implementation, scores, start, end, top_k, bool(sort)
+        )
+
+    return _autodiff.selection(select, _values_of_ids, lambda out: out, (scores, start, end))
+
+
+def _values_of_ids(ids, scores, *_):
+    """The selected values (-1: -inf): the derivative of a selection (:mod:`jsparse._autodiff`)."""
+    return jnp.where(ids >= 0, jnp.take_along_axis(scores, jnp.maximum(ids, 0), axis=1), -jnp.inf)
 
 
 @functools.cache  # built once: a fresh jax.jit wrapper per call costs ~1 ms of host time
