@@ -183,16 +183,33 @@ def dispatch(
         try:
             if name not in PALLAS_IMPLEMENTATIONS:
                 return implementations[name](*args, **kwargs)
+            kernel = _in_32_bits(implementations[name])
             if differentiable:
                 reference = implementations["reference"]
-                return _autodiff.smooth_kernel(implementations[name], reference, args, kwargs)
-            return _autodiff.no_derivative(op, name, implementations[name], args, kwargs)
+                return _autodiff.smooth_kernel(kernel, reference, args, kwargs)
+            return _autodiff.no_derivative(op, name, kernel, args, kwargs)
         except NotImplementedError as err:
             if not may_fall_back:
                 raise
             errors.append(f"{name}: {err}")
             _log.debug("%s: %s declined (%s), falling back", op, name, err)
     raise NotImplementedError(f"{op}: no implementation accepted the input: {'; '.join(errors)}")
+
+
+def _in_32_bits(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``kernel`` traced with 32-bit default types, whatever ``jax_enable_x64`` says.
+
+    The kernels' inputs are checked to be 32-bit or narrower, but with x64 on a sum of
+    int32 is int64 and a Python int literal widens to it: loop carries then change type
+    (a TypeError from inside the selection kernels) and offsets become 64-bit.
+    """
+
+    @functools.wraps(kernel)
+    def traced_in_32_bits(*args, **kwargs):
+        with jax.enable_x64(False):
+            return kernel(*args, **kwargs)
+
+    return traced_in_32_bits
 
 
 def check_triton_offsets(op: str, **operands) -> None:
