@@ -183,7 +183,7 @@ def dispatch(
         try:
             if name not in PALLAS_IMPLEMENTATIONS:
                 return implementations[name](*args, **kwargs)
-            kernel = _in_32_bits(implementations[name])
+            kernel = _with_default_types(implementations[name])
             if differentiable:
                 reference = implementations["reference"]
                 return _autodiff.smooth_kernel(kernel, reference, args, kwargs)
@@ -196,20 +196,22 @@ def dispatch(
     raise NotImplementedError(f"{op}: no implementation accepted the input: {'; '.join(errors)}")
 
 
-def _in_32_bits(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """``kernel`` traced with 32-bit default types, whatever ``jax_enable_x64`` says.
+def _with_default_types(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``kernel`` traced with JAX's default type rules, whatever the caller set.
 
-    The kernels' inputs are checked to be 32-bit or narrower, but with x64 on a sum of
-    int32 is int64 and a Python int literal widens to it: loop carries then change type
-    (a TypeError from inside the selection kernels) and offsets become 64-bit.
+    The kernels' inputs are checked to be 32-bit or narrower, and their code is written
+    for the defaults. With ``jax_enable_x64`` a sum of int32 is int64 and a Python int
+    widens to it (loop carries then change type: a TypeError from inside the selection
+    kernels); with ``jax_numpy_dtype_promotion="strict"`` a Python float may not meet an
+    int32. Neither setting changes what the kernels compute.
     """
 
     @functools.wraps(kernel)
-    def traced_in_32_bits(*args, **kwargs):
-        with jax.enable_x64(False):
+    def traced_with_default_types(*args, **kwargs):
+        with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
             return kernel(*args, **kwargs)
 
-    return traced_in_32_bits
+    return traced_with_default_types
 
 
 def check_triton_offsets(op: str, **operands) -> None:

@@ -1,6 +1,7 @@
-"""With ``jax_enable_x64`` on (a process-wide switch many scientific users set), every
-op returns what it returns in the default 32-bit mode: the Pallas kernels trace with
-32-bit defaults (``jsparse.backend``), so a sum of int32 stays int32 inside them."""
+"""Under JAX's process-wide type settings, ``jax_enable_x64`` (which many scientific
+users set) and ``jax_numpy_dtype_promotion="strict"``, every op returns what it returns
+with the defaults: the Pallas kernels trace with the default type rules
+(``jsparse.backend``), so a sum of int32 stays int32 inside them."""
 
 import jax
 import jax.numpy as jnp
@@ -49,11 +50,18 @@ OPS = {
 }
 
 
+SETTINGS = {
+    "x64": lambda: jax.enable_x64(True),
+    "strict_promotion": lambda: jax.numpy_dtype_promotion("strict"),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_under_x64_every_op_returns_what_it_returns_in_32_bits(op, kernel_impl):
+def test_every_op_returns_what_it_returns_with_the_defaults(op, setting, kernel_impl):
     for implementation in ("reference", kernel_impl):
         want = OPS[op](implementation)
-        with jax.enable_x64(True):
+        with SETTINGS[setting]():
             got = OPS[op](implementation)
             jitted = jax.jit(lambda i=implementation: OPS[op](i))()
         for out in (got, jitted):
@@ -61,5 +69,5 @@ def test_under_x64_every_op_returns_what_it_returns_in_32_bits(op, kernel_impl):
                 assert g.dtype == w.dtype, (op, implementation, g.dtype, w.dtype)
                 if jnp.issubdtype(w.dtype, jnp.integer) or implementation != "reference":
                     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-                else:  # XLA code outside the kernels: its fusions may differ by an ulp
+                else:  # XLA code outside the kernels, fused into the caller's jit: ±1 ulp
                     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
