@@ -180,6 +180,8 @@ def dispatch(
                 errors.append(message)
                 continue
             raise NotImplementedError(message)
+        if name in PALLAS_IMPLEMENTATIONS:
+            _check_unvarying(op, name, args, kwargs)  # raised, never a silent fallback
         try:
             if name not in PALLAS_IMPLEMENTATIONS:
                 return implementations[name](*args, **kwargs)
@@ -194,6 +196,24 @@ def dispatch(
             errors.append(f"{name}: {err}")
             _log.debug("%s: %s declined (%s), falling back", op, name, err)
     raise NotImplementedError(f"{op}: no implementation accepted the input: {'; '.join(errors)}")
+
+
+def _check_unvarying(op: str, name: str, args, kwargs) -> None:
+    """Inside ``jax.shard_map`` with ``check_vma=True`` (its default) every value is typed
+    by the mesh axes it varies over, and a ``pallas_call`` would need that type declared
+    on each output (the kernels are written for any mesh, so they declare none).
+    Raised here, not as an error from inside Pallas; not a fallback either (the
+    reference is much slower on a GPU). Under ``check_vma=False`` the kernels run on
+    each device's shard as they do anywhere (tested)."""
+    for x in jax.tree.leaves((args, kwargs)):
+        aval = jax.typeof(x) if isinstance(x, jax.Array) else None
+        mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; later: aval.vma
+        varying = getattr(mat, "varying", None) or getattr(aval, "vma", None)
+        if varying:
+            raise NotImplementedError(
+                f"{op}: the {name!r} kernels run inside jax.shard_map only with "
+                f"check_vma=False (an input varies over mesh axes {sorted(varying)})"
+            )
 
 
 def _with_default_types(kernel: Callable[..., Any]) -> Callable[..., Any]:

@@ -31,15 +31,17 @@ def relu_keep_nan(x: jax.Array) -> jax.Array:
 
 def _score_chunk(q, weights, k_rows, scale_rows, valid):
     # q [T, H, D] f32, weights [T, H], k_rows [T, N, D] f32, scale_rows/valid [T, N]
-    t, h, d = q.shape
-    n = k_rows.shape[1]
+    h, d = q.shape[1:]
 
     def add_dim(i, acc):  # acc [T, H, N]
         qd = jax.lax.dynamic_index_in_dim(q, i, axis=2, keepdims=False)  # [T, H]
         kd = jax.lax.dynamic_index_in_dim(k_rows, i, axis=2, keepdims=False)  # [T, N]
         return acc + qd[:, :, None] * kd[:, None, :]
 
-    logits = jax.lax.fori_loop(0, d, add_dim, jnp.zeros((t, h, n), jnp.float32))
+    # zeros typed like the inputs: inside jax.shard_map the loop carry must vary over
+    # the mesh axes its inputs vary over (XLA folds the product of two zero broadcasts)
+    zeros = jnp.zeros_like(q[:, :, :1]) * jnp.zeros_like(k_rows[:, None, :, 0])  # [T, H, N]
+    logits = jax.lax.fori_loop(0, d, add_dim, zeros)
     relu = relu_keep_nan(logits)
 
     def add_head(i, acc):  # acc [T, N]
@@ -47,7 +49,7 @@ def _score_chunk(q, weights, k_rows, scale_rows, valid):
         ri = jax.lax.dynamic_index_in_dim(relu, i, axis=1, keepdims=False)  # [T, N]
         return acc + wi[:, None] * ri
 
-    scores = jax.lax.fori_loop(0, h, add_head, jnp.zeros((t, n), jnp.float32))
+    scores = jax.lax.fori_loop(0, h, add_head, zeros[:, 0] * jnp.zeros_like(weights[:, :1]))
     return jnp.where(valid, scores * scale_rows, -jnp.inf)
 
 
