@@ -10,6 +10,7 @@ from flax import nnx
 import jsparse
 from jsparse.models.llama import apply_rope, rope_angles
 from jsparse.nn.mla import DenseMLA, MLAAttention, SparseMLA
+from tests.gradients import assert_kernels_differentiate_like_the_reference, weight_gradient
 
 DIMS = dict(latent_dim=32, rope_dim=8, nope_dim=16, v_dim=12)
 D_MODEL, HEADS = 48, 4
@@ -201,17 +202,6 @@ def test_a_sparse_decode_step_differentiates_like_the_reference():
     def gradient(implementation):
         mla = layer(SparseMLA(sel, params, budget=6, implementation=implementation))
         _, cache = mla(x[:, :19], mla.init_cache(2, 32))
-        graphdef, weights, rest = nnx.split(mla, nnx.Param, ...)
+        return weight_gradient(mla, lambda m: m(x[:, 19:], cache)[0])
 
-        def loss(weights):
-            y, _ = nnx.merge(graphdef, weights, rest)(x[:, 19:], cache)
-            return jnp.sum(jnp.tanh(y))
-
-        return jax.tree.leaves(jax.jit(jax.grad(loss))(weights))
-
-    want = gradient("reference")
-    with jsparse.backend.interpret_mode(not jsparse.backend.has_nvidia_gpu()):
-        got = gradient("triton")
-    assert sum(float(jnp.abs(g).max()) for g in want) > 0
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * max(1.0, float(jnp.abs(w).max())))
+    assert_kernels_differentiate_like_the_reference(gradient)

@@ -9,6 +9,7 @@ from flax import nnx
 
 import jsparse
 from jsparse.models.llama import DenseCausalAttention, Llama, LlamaConfig, forward_fn
+from tests.gradients import assert_kernels_differentiate_like_the_reference, weight_gradient
 
 TINY = LlamaConfig(
     vocab_size=96, d_model=32, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, d_ff=40,
@@ -265,17 +266,6 @@ def test_a_sparse_decode_step_differentiates_like_the_reference(selector):
         model = _model(core, scale=3.0)
         cache = model.init_cache(TOKENS.shape[0], 48)
         _, cache = forward_fn(model)(TOKENS[:, :-1], cache)
-        graphdef, weights, rest = nnx.split(model, nnx.Param, ...)
+        return weight_gradient(model, lambda m: m(TOKENS[:, -1:], cache)[0])
 
-        def loss(weights):
-            logits, _ = nnx.merge(graphdef, weights, rest)(TOKENS[:, -1:], cache)
-            return jnp.sum(jnp.tanh(logits))
-
-        return jax.tree.leaves(jax.jit(jax.grad(loss))(weights))
-
-    want = gradient("reference")
-    with jsparse.backend.interpret_mode(not jsparse.backend.has_nvidia_gpu()):
-        got = gradient("triton")
-    assert sum(float(jnp.abs(g).max()) for g in want) > 0
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * max(1.0, float(jnp.abs(w).max())))
+    assert_kernels_differentiate_like_the_reference(gradient)
