@@ -56,8 +56,13 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
-@pytest.mark.parametrize("op", sorted(OPS))
+# full and dosa share the selection kernels that both settings broke; their own kernels
+# run under x64 only (40 s more interpreted)
+CASES = [(op, setting) for op in sorted(OPS) for setting in sorted(SETTINGS)
+         if setting == "x64" or op not in ("indexer_topk[full]", "indexer_topk[dosa]")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("op", "setting"), CASES)
 def test_every_op_returns_what_it_returns_with_the_defaults(op, setting, kernel_impl):
     for implementation in ("reference", kernel_impl):
         want = OPS[op](implementation)
