@@ -29,6 +29,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _autodiff, _checks, _chunking, backend
+from jsparse.ops.attention.reference import listed_locations
 from jsparse.ops.indexer import reference
 from jsparse.ops.indexer.result import IndexerTopK, exhaustive_result
 from jsparse.ops.topk.reference import select_topk_reference
@@ -259,12 +260,8 @@ def scores_of_ids(ids, q, weights, k_cache, k_scale, page_table, *_):
     page: -inf), gathered from the cache as the kernels address it: the derivative of a
     Top-K's scores (:mod:`jsparse._autodiff`)."""
     n, p, d = k_cache.shape  # [B, S_max, D] dense, or the page pool [n_pages, P, D]
-    if page_table is None:
-        rows = ids + p * jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None]
-    else:
-        page = jnp.take_along_axis(page_table, jnp.maximum(ids, 0) // p, axis=1)
-        rows = jnp.where((page >= 0) & (page < n), page * p + ids % p, -1)
-    rows = jnp.where(ids >= 0, rows, -1)
+    valid, i0, i1 = listed_locations(ids, k_cache, page_table)
+    rows = jnp.where(valid, i0 * p + i1, -1)
     scale = None if k_scale is None else k_scale.reshape(n * p)
     return reference.score_keys_reference(q, weights, k_cache.reshape(n * p, d), rows, scale)
 
