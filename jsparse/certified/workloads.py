@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from jsparse.ops.indexer.prepare import hadamard, quantize_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +69,6 @@ class DecodeWorkload:
     def step(self, n: int):
         """(q, weights, lengths) of step n."""
         return self.q[n], self.weights[n], self.lengths + n + 1
-
-
-def quantize_fp8(x: Float[Array, "... D"], axis: int = -1):
-    """Per-row FP8 e4m3 quantisation with scale amax / 448 (DeepSeek's ``act_quant``).
-
-    ``act_quant(x, block_size=128)`` gives one scale per 128 values; with D = 128 that
-    is one scale per key (and per query head). Returns (payload, scale) with
-    ``x ≈ payload · scale``.
-    """
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
-    payload = (x / scale).astype(jnp.float8_e4m3fn)
-    return payload, jnp.squeeze(scale, axis)
 
 
 def _ranges(num_queries: int, num_keys: int, causal: bool):
@@ -125,15 +112,6 @@ def _queries(q, w, fp8):
         return q.astype(jnp.bfloat16), w
     q8, q_scale = quantize_fp8(q)
     return q8, (w * q_scale).astype(jnp.float32)
-
-
-def _hadamard(x: Float[Array, "... D"]) -> Float[Array, "... D"]:
-    """Orthonormal Walsh-Hadamard transform of the last axis (``rotate_activation``)."""
-    d = x.shape[-1]
-    h = np.array([[1.0]])
-    while h.shape[0] < d:
-        h = np.block([[h, h], [h, -h]])
-    return x @ jnp.asarray(h / math.sqrt(d), x.dtype)
 
 
 def _rope_half(x, positions, rope_dim: int, theta: float = 10000.0):
@@ -243,7 +221,7 @@ def _query_inputs(x, positions, weights: _IndexerWeights, heads, dim, p, fp8_que
     qr = _rms_norm(x @ weights.wq_a)  # MLA: qr = q_norm(wq_a(x))
     q = (qr @ weights.wq_b).reshape(x.shape[0], heads, dim)  # wq_b(qr), 'b s (h d)'
     q = _rope_half(q, positions, p.rope_dim, p.rope_theta)  # rope on q_pe = q[..., :64]
-    q = _hadamard(q)  # rotate_activation
+    q = hadamard(q)  # rotate_activation
     # weights_proj(x) · H^-1/2, then · q_scale · D^-1/2 (softmax_scale)
     w = (x @ weights.w_proj) * heads**-0.5 * dim**-0.5
     return _queries(q, w, fp8_queries)  # act_quant(q, 128): per (token, head)
@@ -255,7 +233,7 @@ def _keys_chunked(x, positions, weights, p, chunk: int = 16384):
     for i in range(0, x.shape[0], chunk):
         xi, pi = x[i : i + chunk], positions[i : i + chunk]
         k = _layer_norm(xi @ weights.wk)  # k_norm is a LayerNorm
-        k = _hadamard(_rope_half(k, pi, p.rope_dim, p.rope_theta))
+        k = hadamard(_rope_half(k, pi, p.rope_dim, p.rope_theta))
         k8, s = quantize_fp8(k)  # one scale per key (D = 128 = the block size)
         outs.append(k8)
         scales.append(s)

@@ -1,0 +1,44 @@
+"""How DeepSeek-V3.2 prepares the indexer's inputs: a Hadamard rotation and per-row FP8.
+
+``rotate_activation`` spreads each vector's energy over all D dims before the FP8 cast,
+so that one large coordinate does not set the scale for the rest; ``act_quant`` with a
+block of 128 values gives one scale per key and per (query, head) when D = 128. The
+query's scale is folded into the head weights, which the indexer score takes in f32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8(x: Float[Array, "... D"], axis: int = -1):
+    """Per-row FP8 e4m3 quantisation with scale amax / 448 (DeepSeek's ``act_quant``).
+
+    Returns (payload float8_e4m3fn, scale float32 with ``axis`` dropped), ``x ≈ payload ·
+    scale``; an all-zero row gets scale 1.
+    """
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    payload = (x / scale).astype(jnp.float8_e4m3fn)
+    return payload, jnp.squeeze(scale, axis)
+
+
+def hadamard(x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+    """Orthonormal Walsh-Hadamard transform of the last axis (``rotate_activation``);
+    D must be a power of two. Full f32 precision: a TF32 rotation would round keys
+    before their FP8 cast."""
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"x: last axis {d}; the Hadamard rotation needs a power of two")
+    h = np.array([[1.0]])
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    rotation = jnp.asarray(h / math.sqrt(d), x.dtype)
+    return jnp.matmul(x, rotation, precision=jax.lax.Precision.HIGHEST)
