@@ -17,6 +17,12 @@ The layer calls a core on the absorbed queries::
 ``budget`` rows a selector picks (``jssa_mla`` by default: one list per token for all
 heads), with :func:`jsparse.indexed_mla_attention` reading them in place, and keeps the
 selector's projected cache as its state.
+
+DeepSeek-V3.2's sparse attention (DSA): a layer built with ``indexer=``
+(:class:`jsparse.nn.Indexer`) selects, for every token, prefill included, the
+``top_k`` rows the indexer scores highest, and its core (:class:`SelectedMLA`) attends
+exactly those, reading them in place; the indexer keeps its own key cache in
+``MLACache.indexer``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from jsparse.nn.attention import (
     select_step,
     serving_view,
 )
+from jsparse.nn.indexer import Indexer, IndexerCache
 from jsparse.ops.mla import indexed_mla_attention
 from jsparse.selectors import ProjectedSelector, Selector
 from jsparse.selectors.base import fp8_first_write
@@ -48,13 +55,15 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 class MLACache(NamedTuple):
     """One layer's decode cache (a pytree): rows in position order, first ``lengths[b]``
-    filled, the core's state (a selector's projected cache, or None), and for FP8 rows
-    one scale per sequence (row = stored · scale; set by the sequence's first write)."""
+    filled, the core's state (a selector's projected cache, or None), for FP8 rows
+    one scale per sequence (row = stored · scale; set by the sequence's first write),
+    and the indexer's keys when the layer has one."""
 
     rows: Float[Array, "B S D"]
     lengths: Int[Array, " B"]
     core_state: Any = None
     scale: Float[Array, " B"] | None = None
+    indexer: IndexerCache | None = None
 
 
 class DenseMLA(nnx.Module):
@@ -167,6 +176,47 @@ class SparseMLA(nnx.Module):
         return out if core_state is None else (out, core_state)
 
 
+class SelectedMLA(nnx.Module):
+    """MLA over the rows the layer's indexer selected for each query (DeepSeek-V3.2's
+    sparse attention), prefill and decode alike: ``indices [B, T, K]`` row positions,
+    -1 for an empty slot, each query's at or before its own position.
+
+    A decode step is one :func:`jsparse.indexed_mla_attention` call. Prefill attends
+    each query's own list too: the B·T queries become that many one-query
+    "sequences" whose page table points at their sequence's rows (one page of S rows
+    each), so the rows are still read in place and nothing is gathered or copied.
+    """
+
+    def __init__(self, *, implementation: str | Sequence[str] | None = None):
+        self.implementation = implementation
+
+    def __call__(
+        self, q, rows, *, indices, q_positions, k_positions, scale, latent_dim, core_state=None,
+        cache_scale: Float[Array, " B"] | None = None,
+    ):  # fmt: skip
+        del q_positions, k_positions  # the indexer only lists visible rows
+        b, t, h, d = q.shape
+        _checks.check_rank("indices", indices, 3, "[B, T, K]")
+        if indices.shape[:2] != (b, t):
+            raise ValueError(
+                f"indices: shape {tuple(indices.shape)}; expected [B, T, K] with B, T of q "
+                f"{tuple(q.shape)}"
+            )
+        kwargs = dict(scale=scale, latent_dim=latent_dim, implementation=self.implementation)
+        if t == 1:
+            out = indexed_mla_attention(
+                q[:, 0], rows, indices[:, 0], cache_scale=cache_scale, **kwargs
+            )[:, None]  # fmt: skip
+        else:
+            owner = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)  # [B·T]
+            out = indexed_mla_attention(
+                q.reshape(b * t, h, d), rows, indices.reshape(b * t, -1),
+                cache_scale=None if cache_scale is None else cache_scale[owner],
+                page_table=owner[:, None], **kwargs,
+            ).reshape(b, t, h, -1)  # fmt: skip
+        return out if core_state is None else (out, core_state)
+
+
 class MLAAttention(nnx.Module):
     """A DeepSeek-V2/V3 MLA layer (no query LoRA): ``x [B, T, d_model]`` and its cache in,
     ``[B, T, d_model]`` and the grown cache out.
@@ -175,6 +225,11 @@ class MLAAttention(nnx.Module):
     RMS-normalised; ``W_KVb`` maps ``c`` to each head's ``[k_nope ; v]``. RoPE
     (rotate-half, ``rope_theta``) on ``q_rope`` and ``k_r``; logits scaled by
     ``1/sqrt(nope_dim + rope_dim)``. ``core`` (default :class:`DenseMLA`) attends.
+
+    ``indexer`` (an :class:`jsparse.nn.Indexer` reading this layer's input): DeepSeek
+    sparse attention. Every token attends only the ``indexer.top_k`` rows the indexer
+    selects for it, through :class:`SelectedMLA` (the default core then, and the only
+    one that takes the selection).
     """
 
     def __init__(
@@ -188,6 +243,7 @@ class MLAAttention(nnx.Module):
         v_dim: int = 128,
         rope_theta: float = 1e4,
         core: nnx.Module | None = None,
+        indexer: Indexer | None = None,
         fp8_headroom: float = 2.0,
         rngs: nnx.Rngs,
     ):
@@ -203,7 +259,13 @@ class MLAAttention(nnx.Module):
         self.o_proj = linear(n_heads * v_dim, d_model)
         if not fp8_headroom >= 1.0:
             raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a number >= 1")
-        self.core = core if core is not None else DenseMLA()
+        if indexer is not None and core is not None and not isinstance(core, SelectedMLA):
+            raise ValueError(
+                f"core: got {type(core).__name__} with an indexer; expected SelectedMLA "
+                "(the core that attends the indexer's selection) or None"
+            )
+        self.indexer = indexer
+        self.core = core if core is not None else SelectedMLA() if indexer else DenseMLA()
         self.scale = 1.0 / math.sqrt(nope_dim + rope_dim)
         self.fp8_headroom = float(fp8_headroom)
 
@@ -219,9 +281,10 @@ class MLAAttention(nnx.Module):
         if hasattr(self.core, "init_core_state"):
             state = self.core.init_core_state(batch, max_len, self.row_width)
         fp8 = jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
+        keys = None if self.indexer is None else self.indexer.init_cache(batch, max_len)
         return MLACache(
             jnp.zeros((batch, max_len, self.row_width), dtype), jnp.zeros((batch,), jnp.int32),
-            state, jnp.ones((batch,), jnp.float32) if fp8 else None,
+            state, jnp.ones((batch,), jnp.float32) if fp8 else None, keys,
         )  # fmt: skip
 
     def up_projections(self):
@@ -266,6 +329,12 @@ class MLAAttention(nnx.Module):
         kwargs |= dict(q_positions=positions, k_positions=k_positions, scale=self.scale,
                        latent_dim=self.latent_dim)  # fmt: skip
         q = q.astype(jnp.float32 if scale is not None else rows.dtype)
+        index_cache = cache.indexer
+        if self.indexer is not None:
+            if index_cache is None:
+                raise ValueError("cache: has no indexer keys; make it with layer.init_cache")
+            top, index_cache = self.indexer(x, index_cache)
+            kwargs["indices"] = top.indices
         if cache.core_state is None:
             out, state = self.core(q, rows, **kwargs), None
         else:
@@ -273,4 +342,4 @@ class MLAAttention(nnx.Module):
         _, w_uv = self.up_projections()
         heads = jnp.einsum("bthc,chv->bthv", out.astype(jnp.float32), w_uv, precision=HIGHEST)
         y = self.o_proj(heads.reshape(b, t, -1).astype(x.dtype))
-        return y, MLACache(rows, lengths, state, scale)
+        return y, MLACache(rows, lengths, state, scale, index_cache)

@@ -1,0 +1,315 @@
+"""The DSA indexer layer: its selection is the exact Top-K of its own scores for every
+query, a decode step selects what prefill of the whole sequence selects, sequences of a
+batch do not see each other, and an MLA layer with an indexer attends exactly the rows
+the indexer selects (all of them: dense attention)."""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jsparse import backend
+from jsparse.nn import DenseMLA, Indexer, MLAAttention, SelectedMLA, distillation_loss
+from jsparse.ops.indexer.prepare import hadamard
+from jsparse.testing import topk_mismatches
+from tests.lowering import lower_for_h200
+
+D_MODEL, HEADS, DIM, ROPE = 48, 4, 16, 8
+MLA_DIMS = dict(latent_dim=32, rope_dim=8, nope_dim=16, v_dim=12)
+FP8, BF16 = jnp.float8_e4m3fn, jnp.bfloat16
+
+
+@contextlib.contextmanager
+def running(name: str):
+    """The jnp reference, or the Triton kernels (interpreted on the CPU)."""
+    with backend.interpret_mode(name != "reference" and not backend.has_nvidia_gpu()):
+        yield name
+
+
+@pytest.fixture(params=["reference", "triton"])
+def impl(request):
+    with running(request.param) as name:
+        yield name
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    """Projections at full f32 precision on a GPU too, so the oracle recomputes them."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def indexer(top_k=5, *, method="base", impl="reference", cache_dtype=FP8, seed=0, **kw):
+    return Indexer(
+        D_MODEL, n_heads=HEADS, head_dim=DIM, rope_dim=ROPE, top_k=top_k, method=method,
+        cache_dtype=cache_dtype, implementation=impl, rngs=nnx.Rngs(seed), **kw,
+    )  # fmt: skip
+
+
+def tokens(b, t, seed=1):
+    return jax.random.normal(jax.random.key(seed), (b, t, D_MODEL), jnp.float32)
+
+
+def oracle_scores(layer: Indexer, x, positions, query_input=None, asking=slice(None)):
+    """[B, T, S] float64 scores of the tokens ``asking`` (default all) against every
+    token, from the layer's own quantised queries and keys, numpy arithmetic; -inf past
+    each query's position."""
+    ql = None if query_input is None else query_input[:, asking]
+    q, w = layer.queries(x[:, asking], positions[:, asking], ql)
+    k, scale = layer.keys(x, positions)
+    positions = positions[:, asking]
+    q, w, k = (np.asarray(a.astype(jnp.float32), np.float64) for a in (q, w, k))
+    if scale is not None:
+        k = k * np.asarray(scale, np.float64)[..., None]
+    dots = np.einsum("bthd,bsd->bths", q, k)
+    s = np.einsum("bth,bths->bts", w, np.maximum(dots, 0.0))
+    pos = np.asarray(positions)
+    return np.where(np.arange(s.shape[-1])[None, None, :] <= pos[:, :, None], s, -np.inf)
+
+
+def decode_all(layer: Indexer, x, prompt: int, max_len=None):
+    """Prefill of ``prompt`` tokens, then one decode step per remaining token: every
+    token's selection, [B, T, K], and the final cache."""
+    b, t, _ = x.shape
+    cache = layer.init_cache(b, max_len or t)
+    top, cache = layer(x[:, :prompt], cache)
+    picked = [top.indices]
+    for i in range(prompt, t):
+        top, cache = layer(x[:, i : i + 1], cache)
+        picked.append(top.indices)
+    return np.concatenate([np.asarray(p) for p in picked], axis=1), cache
+
+
+@pytest.mark.parametrize(
+    "method, cache_dtype",
+    [("xla", FP8), ("base", FP8), ("full", BF16), ("dense", FP8), ("dosa", FP8),
+     ("base", jnp.float32)],
+)  # fmt: skip
+def test_prefill_selects_each_querys_exact_topk(method, cache_dtype):
+    layer, x = indexer(6, method=method, cache_dtype=cache_dtype), tokens(2, 13)
+    top, cache = layer(x, layer.init_cache(2, 16))
+    pos = jnp.broadcast_to(jnp.arange(13), (2, 13))
+    want = oracle_scores(layer, x, pos)
+    for b in range(2):
+        assert not topk_mismatches(top.indices[b], top.scores[b], want[b], 6, atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, [13, 13])
+    assert cache.keys.dtype == cache_dtype
+    assert (cache.scale is None) == (cache_dtype != FP8)
+
+
+@pytest.mark.parametrize(
+    "method, impl_name",
+    [("base", "reference"), ("base", "triton"), ("dosa", "reference"), ("xla", "reference"),
+     ("full", "reference")],
+)  # fmt: skip
+def test_decode_steps_select_what_prefill_of_the_whole_sequence_selects(method, impl_name):
+    """Decode selects through the batch op (``base``, ``xla``), the witness decode
+    (``dosa``) or the packed op (``full``); prefill through the packed op. (The witness
+    decode's kernels against ``base``: tests/certified/test_dosa_decode.py.)"""
+    x = tokens(2, 14)
+    with running(impl_name) as impl:
+        whole, _ = indexer(5, method=method, impl=impl)(x, indexer(5).init_cache(2, 16))
+        stepped, cache = decode_all(indexer(5, method=method, impl=impl), x, 9, max_len=16)
+    np.testing.assert_array_equal(stepped, np.asarray(whole.indices))
+    if method == "dosa":  # the witnesses hold the last Top-K, distinct, -1 padded
+        wit = np.asarray(cache.witnesses)
+        assert wit.shape == (2, 10)
+        for row, last in zip(wit, stepped[:, -1], strict=True):
+            kept = row[row >= 0]
+            assert len(set(kept.tolist())) == kept.size and set(last.tolist()) <= set(kept)
+
+
+def test_sequences_of_a_batch_do_not_see_each_other(impl):
+    """A chunk of 4 tokens over caches of different lengths (3 and 7): each sequence's
+    selection equals that sequence run alone."""
+    layer, x = indexer(4, impl=impl), tokens(2, 11)
+    cache = layer.init_cache(2, 12)
+    _, c0 = layer(x[:1, :3], layer.init_cache(1, 12))
+    _, c1 = layer(x[1:, :7], layer.init_cache(1, 12))
+    cache = jax.tree.map(lambda a, u, v: a.at[0].set(u[0]).at[1].set(v[0]), cache, c0, c1)
+    chunk = jnp.stack([x[0, 3:7], x[1, 7:11]])
+    together, after = layer(chunk, cache)
+    np.testing.assert_array_equal(after.lengths, [7, 11])
+    for b, c in enumerate((c0, c1)):
+        alone, _ = layer(chunk[b : b + 1], c)
+        # XLA may round a projection of 2 sequences differently from one's: ulps apart
+        np.testing.assert_array_equal(np.asarray(together.indices[b]), np.asarray(alone.indices[0]))
+        np.testing.assert_allclose(together.scores[b], alone.scores[0], rtol=1e-5, atol=1e-6)
+
+
+def test_query_latent_input_and_jit():
+    """Queries from a query latent (V3.2's ``q_norm(wq_a(x))``), a decode step under
+    ``nnx.jit`` (traced lengths), against the oracle."""
+    layer = indexer(4, query_dim=24)
+    x, latent = tokens(1, 10), tokens(1, 10, seed=3)[..., :24]
+    cache = layer.init_cache(1, 12)
+    _, cache = layer(x[:, :9], cache, query_input=latent[:, :9])
+    step = nnx.jit(lambda m, x, c, ql: m(x, c, query_input=ql))
+    top, cache = step(layer, x[:, 9:], cache, latent[:, 9:])
+    pos = jnp.arange(10)[None]
+    want = oracle_scores(layer, x, pos, latent, asking=slice(9, None))
+    assert not topk_mismatches(top.indices[0], top.scores[0], want[0], 4, atol=1e-5)
+    with pytest.raises(ValueError, match="query_input: required"):
+        layer(x[:, :1], cache)
+
+
+@pytest.mark.parametrize("top_k, impl_name", [(64, "reference"), (3, "reference"), (3, "triton")])
+def test_mla_attends_exactly_the_rows_the_indexer_selects(top_k, impl_name):
+    """With K ≥ the context the layer is dense MLA; with K = 3 it equals softmax
+    attention restricted to each token's selection, computed here from the absorbed
+    queries and rows (prefill and decode steps)."""
+    b, t, prompt = 2, 12, 8
+
+    def mla(core, index=None):
+        return MLAAttention(D_MODEL, HEADS, **MLA_DIMS, core=core, indexer=index,
+                            rngs=nnx.Rngs(0))  # fmt: skip
+
+    x = tokens(b, t)
+    with running(impl_name) as impl:
+        layer = mla(SelectedMLA(implementation=impl), indexer(top_k, impl=impl))
+        cache = layer.init_cache(b, 16)
+        y, cache = layer(x[:, :prompt], cache)
+        ys = [y]
+        for i in range(prompt, t):
+            y, cache = layer(x[:, i : i + 1], cache)
+            ys.append(y)
+    got = np.concatenate([np.asarray(y) for y in ys], axis=1)
+
+    if top_k >= t:
+        want, _ = mla(DenseMLA())(x, mla(DenseMLA()).init_cache(b, 16))
+        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-5)
+        return
+    picked, _ = decode_all(indexer(top_k), x, prompt, max_len=16)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    q, rows = layer.absorbed(x, pos)
+    logits = jnp.einsum("bthd,bsd->bths", q, rows, precision="highest") * layer.scale
+    chosen = np.zeros((b, t, t), bool)
+    for bi, ti in np.ndindex(b, t):
+        chosen[bi, ti, picked[bi, ti][picked[bi, ti] >= 0]] = True
+    assert chosen.sum(-1).max() == top_k and not np.triu(chosen, 1).any()
+    p = jax.nn.softmax(jnp.where(chosen[:, :, None], logits, -jnp.inf), axis=-1)
+    heads = jnp.einsum("bths,bsc->bthc", p, rows[..., : MLA_DIMS["latent_dim"]],
+                       precision="highest")  # fmt: skip
+    _, w_uv = layer.up_projections()
+    out = jnp.einsum("bthc,chv->bthv", heads, w_uv, precision="highest")
+    want = layer.o_proj(out.reshape(b, t, -1))
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_distillation_loss_is_the_kl_and_trains_the_indexer(impl):
+    layer, x = indexer(4, impl=impl, cache_dtype=jnp.float32), tokens(2, 7)
+    rng = np.random.default_rng(0)
+    attn = rng.random((2, 7, 3, 7)) * np.tril(np.ones((7, 7)))[None, :, None]
+    attn /= attn.sum(-1, keepdims=True)
+    s = np.asarray(layer.scores(x), np.float64)
+    p = attn.sum(2) / attn.sum(2).sum(-1, keepdims=True)
+    log_q = s - np.log(np.exp(s).sum(-1, keepdims=True))  # exp(-inf) = 0
+    used = p > 0  # the causal keys: log_q is finite there
+    kl = np.where(used, p * (np.log(np.where(used, p, 1)) - np.where(used, log_q, 0)), 0)
+    kl = kl.sum(-1).mean()
+    loss = distillation_loss(layer.scores(x), jnp.asarray(attn, jnp.float32))
+    np.testing.assert_allclose(float(loss), kl, rtol=1e-5)
+
+    def param_grads(layer):
+        graph, params, rest = nnx.split(layer, nnx.Param, ...)
+        loss = lambda prm: distillation_loss(nnx.merge(graph, prm, rest).scores(x), attn)  # noqa: E731
+        return {k: np.asarray(v) for k, v in nnx.to_flat_state(jax.grad(loss)(params))}
+
+    g = param_grads(layer)
+    assert all(np.isfinite(v).all() for v in g.values())
+    assert np.abs(g[("wq", "kernel")]).max() > 0 and np.abs(g[("wk", "kernel")]).max() > 0
+    if impl != "reference":  # the kernels take the reference's derivative
+        want = param_grads(indexer(4, impl="reference", cache_dtype=jnp.float32))
+        for key, value in want.items():
+            np.testing.assert_allclose(g[key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_hadamard_is_orthonormal():
+    x = jax.random.normal(jax.random.key(0), (3, 16))
+    rot = hadamard(jnp.eye(16))
+    np.testing.assert_allclose(np.asarray(rot @ rot.T), np.eye(16), atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(hadamard(x), axis=-1), np.linalg.norm(x, axis=-1),
+                               rtol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard(jnp.ones((2, 12)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(rope_dim=3), "rope_dim: got 3"), (dict(rope_dim=24), "rope_dim: got 24"),
+     (dict(head_dim=24), "head_dim: got 24"), (dict(method="topk"), "method: got 'topk'"),
+     (dict(cache_dtype=jnp.float16), "cache_dtype: got float16"),
+     (dict(top_k=0), "top_k")],
+)  # fmt: skip
+def test_bad_configuration_names_the_argument(kwargs, match):
+    kw = dict(n_heads=HEADS, head_dim=DIM, rope_dim=ROPE) | kwargs
+    with pytest.raises(ValueError, match=match):
+        Indexer(D_MODEL, rngs=nnx.Rngs(0), **kw)
+
+
+def test_bad_calls_name_the_argument():
+    layer = indexer(4)
+    cache = layer.init_cache(2, 8)
+    with pytest.raises(ValueError, match=r"exceed max_len = 8"):
+        layer(tokens(2, 9), cache)
+    with pytest.raises(ValueError, match=r"x: .*rank"):
+        layer(tokens(2, 3)[0], cache)
+    with pytest.raises(ValueError, match="query_input: not taken"):
+        layer(tokens(2, 3), cache, query_input=tokens(2, 3))
+    with pytest.raises(ValueError, match="core: got DenseMLA with an indexer"):
+        MLAAttention(D_MODEL, HEADS, **MLA_DIMS, core=DenseMLA(), indexer=layer, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("t", [1, 128])
+def test_dsa_steps_lower_for_an_h200(t, monkeypatch):
+    """V3.2's sizes (64 indexer heads of 128, K = 2048, FP8 keys; MLA rows of 512 + 64)
+    at a 32K cache: the kernels of a decode step (batch Top-K, indexed MLA) and of a
+    prefill chunk (packed causal Top-K, indexed MLA through the page table) lower to
+    CUDA."""
+    monkeypatch.setattr(backend, "has_nvidia_gpu", lambda: True)
+    index = Indexer(256, top_k=2048, implementation="triton", rngs=nnx.Rngs(0))
+    layer = MLAAttention(256, 16, core=SelectedMLA(implementation="triton"), indexer=index,
+                         rngs=nnx.Rngs(0))  # fmt: skip
+    graph, state = nnx.split(layer)
+    cache = jax.eval_shape(functools.partial(layer.init_cache, 2, 32768, FP8))
+
+    def step(state, x, cache):
+        return nnx.merge(graph, state)(x, cache)
+
+    x = jax.ShapeDtypeStruct((2, t, 256), jnp.float32)
+    text = lower_for_h200(step, state, x, cache).as_text()
+    assert "jsparse_indexed_mla_attention" in text and text.count("__gpu$xla.gpu.triton") >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["base", "dosa"])
+def test_gpu_deepseek_sizes_decode_selects_what_prefill_selects(method):
+    """V3.2's indexer (64 heads of 128, RoPE 64, FP8, K = 2048) compiled: a 6144-token
+    prompt in two chunks, then 4 decode steps; every step's selection equals the
+    prefill of the whole sequence's row, and the last rows pass the numpy oracle."""
+    b, prompt, steps = 2, 6144, 4
+    t = prompt + steps
+    x = jax.random.normal(jax.random.key(5), (b, t, 256), jnp.float32)
+
+    def layer():
+        return Indexer(256, top_k=2048, method=method, rngs=nnx.Rngs(0))
+
+    whole, _ = nnx.jit(lambda m, x, c: m(x, c))(layer(), x, layer().init_cache(b, 8192))
+    index = layer()
+    cache = index.init_cache(b, 8192)
+    step = nnx.jit(lambda m, x, c: m(x, c))
+    picked = []
+    for lo, hi in [(0, 4096), (4096, prompt)] + [(i, i + 1) for i in range(prompt, t)]:
+        top, cache = step(index, x[:, lo:hi], cache)
+        picked.append(np.asarray(top.indices))
+    np.testing.assert_array_equal(np.concatenate(picked, axis=1), np.asarray(whole.indices))
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    s = oracle_scores(index, x, pos, asking=slice(t - 2, None))
+    for bi in range(b):
+        problems = topk_mismatches(whole.indices[bi, -2:], whole.scores[bi, -2:], s[bi], 2048,
+                                   atol=1e-4)  # fmt: skip
+        assert not problems, problems[:3]
