@@ -16,6 +16,7 @@ from jsparse import backend
 from jsparse.nn import DenseMLA, Indexer, MLAAttention, SelectedMLA, distillation_loss
 from jsparse.ops.indexer.prepare import hadamard
 from jsparse.testing import topk_mismatches
+from tests.gradients import assert_kernels_differentiate_like_the_reference, weight_gradient
 from tests.lowering import lower_for_h200
 
 D_MODEL, HEADS, DIM, ROPE = 48, 4, 16, 8
@@ -48,6 +49,15 @@ def indexer(top_k=5, *, method="base", impl="reference", cache_dtype=FP8, seed=0
         D_MODEL, n_heads=HEADS, head_dim=DIM, rope_dim=ROPE, top_k=top_k, method=method,
         cache_dtype=cache_dtype, implementation=impl, rngs=nnx.Rngs(seed), **kw,
     )  # fmt: skip
+
+
+def mla(core, index=None):
+    return MLAAttention(D_MODEL, HEADS, **MLA_DIMS, core=core, indexer=index, rngs=nnx.Rngs(0))
+
+
+def dsa(top_k, impl):
+    """An MLA layer whose indexer selects ``top_k`` rows for every token."""
+    return mla(SelectedMLA(implementation=impl), indexer(top_k, impl=impl))
 
 
 def tokens(b, t, seed=1):
@@ -164,13 +174,9 @@ def test_mla_attends_exactly_the_rows_the_indexer_selects(top_k, impl_name):
     queries and rows (prefill and decode steps)."""
     b, t, prompt = 2, 12, 8
 
-    def mla(core, index=None):
-        return MLAAttention(D_MODEL, HEADS, **MLA_DIMS, core=core, indexer=index,
-                            rngs=nnx.Rngs(0))  # fmt: skip
-
     x = tokens(b, t)
     with running(impl_name) as impl:
-        layer = mla(SelectedMLA(implementation=impl), indexer(top_k, impl=impl))
+        layer = dsa(top_k, impl)
         cache = layer.init_cache(b, 16)
         y, cache = layer(x[:, :prompt], cache)
         ys = [y]
@@ -228,6 +234,21 @@ def test_distillation_loss_is_the_kl_and_trains_the_indexer(impl):
             np.testing.assert_allclose(g[key], value, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("t", [1, 5])
+def test_a_dsa_step_differentiates_like_the_reference(t):
+    """The weight gradient of a decode step (T = 1) and of a prefill chunk (T = 5) of
+    the MLA layer with an indexer: the kernels give the reference's. The attention's
+    weights get it through the selected rows; the indexer's ids carry none."""
+    x = tokens(2, 9 + t)
+
+    def gradient(implementation):
+        layer = dsa(4, implementation)
+        _, cache = layer(x[:, :9], layer.init_cache(2, 16))
+        return weight_gradient(layer, lambda m: m(x[:, 9:], cache)[0])
+
+    assert_kernels_differentiate_like_the_reference(gradient)
+
+
 def test_hadamard_is_orthonormal():
     x = jax.random.normal(jax.random.key(0), (3, 16))
     rot = hadamard(jnp.eye(16))
@@ -261,7 +282,7 @@ def test_bad_calls_name_the_argument():
     with pytest.raises(ValueError, match="query_input: not taken"):
         layer(tokens(2, 3), cache, query_input=tokens(2, 3))
     with pytest.raises(ValueError, match="core: got DenseMLA with an indexer"):
-        MLAAttention(D_MODEL, HEADS, **MLA_DIMS, core=DenseMLA(), indexer=layer, rngs=nnx.Rngs(0))
+        mla(DenseMLA(), layer)
 
 
 @pytest.mark.parametrize("t", [1, 128])
