@@ -8,6 +8,7 @@
     python bench/run.py --op decode-step --preset decode --device-time  # a sparse decode step
     python bench/run.py --op mla --preset decode --device-time  # indexed MLA decode attention
     python bench/run.py --op mla-step --preset decode --device-time  # a sparse MLA decode step
+    python bench/run.py --op dsa-step --preset decode --device-time  # a DSA decode step
     python bench/run.py --op dosa --prefill --keys 131072       # DoSA (bench/dosa.py)
     python bench/run.py --op model throughput --context 2048    # the real model (bench/model.py)
     python bench/run.py --set jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS=8 --op indexer \
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 OPS = {
     "attention": "bench.attention",
     "decode-step": "bench.decode_step",
+    "dsa-step": "bench.dsa_step",
     "indexer": "bench.indexer",
     "mla": "bench.mla",
     "mla-step": "bench.mla_step",
@@ -123,9 +125,8 @@ def main(argv=None) -> int:
     methods = " ".join(args.method)
     print(f"op {args.op} | preset {args.preset} | backend {args.backend} | methods {methods}")
     cases = common.expand_cases(presets[args.preset])
-    floors = common.measure_floors(
-        sorted({c["dtype"] for c in cases if "dtype" in c}), on_gpu=on_gpu
-    )
+    dtypes = {c[k] for c in cases for k in ("dtype", "index_dtype") if k in c}
+    floors = common.measure_floors(sorted(dtypes), on_gpu=on_gpu)
     print(floors.describe())
 
     impl = common.BACKENDS[args.backend]

@@ -1,0 +1,36 @@
+"""The DSA decode-step benchmark checks every method before it times it, and the check
+can fail."""
+
+import json
+
+import jax.numpy as jnp
+
+from bench import dsa_step
+from bench.run import main
+
+CASE = dict(b=2, s=96, h=8, dc=32, dr=8, hi=4, di=32, top_k=12)
+
+
+def test_check_accepts_every_method_and_flags_a_wrong_answer():
+    cache = dsa_step.make_step_inputs(CASE)
+    queries = dsa_step.make_queries(CASE, 0)
+    lists = dsa_step.selected_rows(queries, *cache[1:], top_k=12)
+    inputs = dict(queries=queries, rows=cache[0], want_lists=lists, dc=32)
+    out = {}
+    for method in ("xla", "dense", "dsa"):
+        out[method] = dsa_step.step_fn(method, "reference", CASE)(queries, *cache)
+        assert out[method].shape == (2, 8, 32)
+        assert dsa_step.check(method, out[method], **inputs) == [], method
+    assert dsa_step.check("dense", out["dsa"], **inputs) != []  # 12 of 96 rows
+    wrong = out["dsa"].at[1, 3, 0].add(jnp.bfloat16(1.0))
+    assert dsa_step.check("dsa", wrong, **inputs) != []
+    other = lists.at[0, 0].set(jnp.where(lists[0, 0] == 0, 1, 0))  # one row swapped
+    assert dsa_step.check("dsa", out["dsa"], **inputs | {"want_lists": other}) != []
+
+
+def test_the_cli_runs_the_smoke_preset(tmp_path):
+    out = tmp_path / "dsa_step.json"
+    assert main(["--op", "dsa-step", "--quiet", "--budget", "0.05", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["method"] for r in rows} == {"xla", "dense", "dsa"}
+    assert all(r["status"] == "ok" for r in rows)
