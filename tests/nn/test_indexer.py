@@ -223,6 +223,22 @@ def test_distillation_loss_is_the_kl_and_trains_the_indexer():
     assert np.abs(g[("wq", "kernel")]).max() > 0 and np.abs(g[("wk", "kernel")]).max() > 0
 
 
+def test_fp8_rows_with_an_indexer_covering_the_context_equal_dense_fp8_rows():
+    """An FP8 row cache (one scale per sequence): prefill passes each query its
+    sequence's scale through the page-table fold, decode the batch's."""
+    x = tokens(2, 11)
+    outs = []
+    for layer in (dsa(64, "reference"), mla(DenseMLA())):
+        cache = layer.init_cache(2, 16, FP8)
+        ys = []
+        for lo, hi in [(0, 8), (8, 9), (9, 10), (10, 11)]:
+            y, cache = layer(x[:, lo:hi], cache)
+            ys.append(np.asarray(y))
+        assert cache.scale is not None
+        outs.append(np.concatenate(ys, axis=1))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("t", [1, 5])
 def test_a_dsa_step_differentiates_like_the_reference(t):
     """The weight gradient of a decode step (T = 1) and of a prefill chunk (T = 5) of
