@@ -339,3 +339,28 @@ def test_gpu_deepseek_sizes_decode_selects_what_prefill_selects(method):
         problems = topk_mismatches(whole.indices[bi, -2:], whole.scores[bi, -2:], s[bi], 2048,
                                    atol=1e-4)  # fmt: skip
         assert not problems, problems[:3]
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_sizes_dsa_layer_equals_its_reference():
+    """An MLA layer with V3.2's rows (512 + 64) and indexer (64 × 128, FP8, K = 2048),
+    compiled, BF16 rows: after a 4096-token prompt, a 64-token chunk and a decode step
+    give the reference layer's output on the same cache (the selections are exact, so
+    only the attention's rounding differs)."""
+    b, prompt = 2, 4096
+    x = jax.random.normal(jax.random.key(7), (b, prompt + 65, 256), jnp.float32)
+
+    def layer(impl):
+        index = Indexer(256, top_k=2048, implementation=impl, rngs=nnx.Rngs(0))
+        return MLAAttention(256, 16, core=SelectedMLA(implementation=impl), indexer=index,
+                            rngs=nnx.Rngs(1))  # fmt: skip
+
+    kernels, reference = layer(None), layer("reference")
+    step = nnx.jit(lambda m, x, c: m(x, c))
+    cache = kernels.init_cache(b, prompt + 128, jnp.bfloat16)
+    _, cache = step(kernels, x[:, :prompt], cache)
+    for lo, hi in [(prompt, prompt + 64), (prompt + 64, prompt + 65)]:
+        got, after = step(kernels, x[:, lo:hi], cache)
+        want, _ = step(reference, x[:, lo:hi], cache)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
+        cache = after
