@@ -17,7 +17,9 @@ sees its sequence's keys up to its own position. A decode step (T = 1) selects w
 :func:`jsparse.indexer_topk_batch` (``base``, ``xla``) or with witness thresholds
 (:func:`jsparse.certified.indexer_topk_decode`, ``dosa``); prefill and chunked prefill
 (T > 1) pack every sequence into one causal :func:`jsparse.indexer_topk` call, with any
-method, whose kernels skip the key tiles no query of a tile can see.
+method, whose kernels skip the key tiles no query of a tile can see. (The jnp reference
+scores whole rows, so on a CPU a packed call of B sequences costs B times the work of
+B separate calls.)
 """
 
 from __future__ import annotations
