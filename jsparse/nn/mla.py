@@ -184,7 +184,12 @@ class SelectedMLA(nnx.Module):
     A decode step is one :func:`jsparse.indexed_mla_attention` call. Prefill attends
     each query's own list too: the B·T queries become that many one-query
     "sequences" whose page table points at their sequence's rows (one page of S rows
-    each), so the rows are still read in place and nothing is gathered or copied.
+    each, or the sequence's own row of ``page_table``), so the rows are still read in
+    place and nothing is gathered or copied.
+
+    Serving caches, as :func:`jsparse.indexed_mla_attention` takes them:
+    ``cache_scale`` [B] for FP8 rows, ``page_table`` [B, M] with ``rows`` a page pool
+    [n_pages, P, D].
     """
 
     def __init__(self, *, implementation: str | Sequence[str] | None = None):
@@ -192,7 +197,7 @@ class SelectedMLA(nnx.Module):
 
     def __call__(
         self, q, rows, *, indices, q_positions, k_positions, scale, latent_dim, core_state=None,
-        cache_scale: Float[Array, " B"] | None = None,
+        cache_scale: Float[Array, " B"] | None = None, page_table: Int[Array, "B M"] | None = None,
     ):  # fmt: skip
         del q_positions, k_positions  # the indexer only lists visible rows
         b, t, h, d = q.shape
@@ -205,14 +210,16 @@ class SelectedMLA(nnx.Module):
         kwargs = dict(scale=scale, latent_dim=latent_dim, implementation=self.implementation)
         if t == 1:
             out = indexed_mla_attention(
-                q[:, 0], rows, indices[:, 0], cache_scale=cache_scale, **kwargs
+                q[:, 0], rows, indices[:, 0], cache_scale=cache_scale, page_table=page_table,
+                **kwargs,
             )[:, None]  # fmt: skip
         else:
             owner = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)  # [B·T]
             out = indexed_mla_attention(
                 q.reshape(b * t, h, d), rows, indices.reshape(b * t, -1),
                 cache_scale=None if cache_scale is None else cache_scale[owner],
-                page_table=owner[:, None], **kwargs,
+                page_table=owner[:, None] if page_table is None else page_table[owner],
+                **kwargs,
             ).reshape(b, t, h, -1)  # fmt: skip
         return out if core_state is None else (out, core_state)
 

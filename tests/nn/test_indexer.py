@@ -18,6 +18,7 @@ from jsparse.ops.indexer.prepare import hadamard
 from jsparse.testing import topk_mismatches
 from tests.gradients import assert_kernels_differentiate_like_the_reference, weight_gradient
 from tests.lowering import lower_for_h200
+from tests.paging import shuffled_pages
 
 D_MODEL, HEADS, DIM, ROPE = 48, 4, 16, 8
 MLA_DIMS = dict(latent_dim=32, rope_dim=8, nope_dim=16, v_dim=12)
@@ -237,6 +238,30 @@ def test_fp8_rows_with_an_indexer_covering_the_context_equal_dense_fp8_rows():
         assert cache.scale is not None
         outs.append(np.concatenate(ys, axis=1))
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_selected_mla_reads_a_paged_cache_like_the_dense_one(t):
+    """A serving cache: the rows in a shuffled page pool (8-row pages, the pages past a
+    sequence's length unallocated), decode (T = 1) and a chunk (T = 4) whose fold
+    takes each query's own sequence's row of the table."""
+    rng = np.random.default_rng(t)
+    b, s, d, lengths = 2, 32, 40, np.array([32, 20])
+    rows = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, t, HEADS, d)), jnp.float32)
+    ids = np.full((b, t, 6), -1, np.int32)
+    for bi, ti in np.ndindex(b, t):
+        pos = lengths[bi] - t + ti
+        ids[bi, ti, :5] = rng.choice(pos + 1, 5, replace=False)  # and one empty slot
+    pool, _, table = shuffled_pages(rows, np.ones((b, s)), lengths, 8, spare_pages=3)
+    kw = dict(indices=jnp.asarray(ids), q_positions=None, k_positions=None, scale=0.3,
+              latent_dim=32)  # fmt: skip
+    with running("triton") as impl:
+        core = SelectedMLA(implementation=impl)
+        paged = core(q, pool, page_table=table, **kw)
+        dense = core(q, rows, **kw)
+    assert paged.shape == (b, t, HEADS, 32)
+    np.testing.assert_allclose(np.asarray(paged), np.asarray(dense), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("t", [1, 5])
