@@ -239,3 +239,25 @@ def test_traced_ranges_are_clamped_inside_the_kernels(monkeypatch, op):
     before = text[: text.index("stablehlo.custom_call")]
     for name in ("clamp", "maximum", "minimum", "broadcast_in_dim"):
         assert f"stablehlo.{name}" not in before, name
+
+
+def test_kernels_export_for_cuda_with_the_triton_check_disabled(monkeypatch):
+    # What the README tells users of jax.export: refused by default (the Triton custom
+    # call has no cross-version guarantee), exported with that one check disabled.
+    from jax import export
+
+    from jsparse import backend
+
+    monkeypatch.setattr(backend, "has_nvidia_gpu", lambda: True)
+    q, w, k, scale, _, _ = _structs(jnp.float8_e4m3fn, t=1)
+
+    def fn(q, w, k, scale):
+        return jsparse.indexer_topk(q, w, k, K, k_scale=scale).indices
+
+    with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+        export.export(jax.jit(fn), platforms=["cuda"])(q, w, k, scale)
+    check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[check])(
+        q, w, k, scale
+    )
+    assert exported.platforms == ("cuda",) and "__gpu$xla.gpu.triton" in exported.mlir_module()
