@@ -25,6 +25,12 @@ MLA decoding (one latent + RoPE row per token, one index set for every head)::
     sel = jsparse.make_selector("jssa_mla", rank=64)
     idx = sel.select(params, q_abs, cache[:, :, None], lengths, budget)[:, 0]  # [B, budget]
     out = jsparse.indexed_mla_attention(q_abs, cache, idx, scale=192**-0.5)  # [B, H, 512]
+
+DeepSeek-V3.2's sparse attention in a Flax model (the indexer selects exactly)::
+
+    indexer = jsparse.nn.Indexer(d_model, top_k=2048, rngs=rngs)
+    layer = jsparse.nn.MLAAttention(d_model, n_heads, indexer=indexer, rngs=rngs)
+    y, cache = layer(x, layer.init_cache(batch, max_len))  # each token attends its top 2048 rows
 """
 
 from jsparse import backend
