@@ -140,10 +140,12 @@ class Indexer(nnx.Module):
                 + f" (query_dim = {self.query_dim})"
             )  # fmt: skip
         source = x if query_input is None else query_input
-        if source.shape[:2] != x.shape[:2]:
+        width = self.wq.in_features
+        if source.ndim != 3 or source.shape[:2] != x.shape[:2] or source.shape[2] != width:
+            name = "x" if query_input is None else "query_input"
             raise ValueError(
-                f"query_input: shape {tuple(source.shape)}; expected [B, T, query_dim] with "
-                f"B, T of x {tuple(x.shape)}"
+                f"{name}: shape {tuple(source.shape)}; expected [B, T, {width}] with B, T of "
+                f"x {tuple(x.shape)}"
             )
         b, t = x.shape[:2]
         h, d = self.n_heads, self.head_dim
@@ -191,7 +193,7 @@ class Indexer(nnx.Module):
         """
         _checks.check_rank("x", x, 3, "[B, T, d_model]")
         b, t, _ = x.shape
-        _checks.check_dim("cache.keys", cache.keys, 0, b, f"B of x {tuple(x.shape)}")
+        self._check_cache(cache, b)
         s_max = cache.keys.shape[1]
         lengths = _checks.concrete(cache.lengths)
         if lengths is not None and (lengths + t > s_max).any():
@@ -224,6 +226,26 @@ class Indexer(nnx.Module):
                 last = top.indices[:, -1]
                 witnesses = jnp.full_like(witnesses, -1).at[:, : last.shape[1]].set(last)
         return top, IndexerCache(keys, scale, lengths, witnesses)
+
+    def _check_cache(self, cache: IndexerCache, batch: int) -> None:
+        """A cache this layer made (``init_cache``) for ``batch`` sequences, not another
+        layer's: the write into it would otherwise fail deep inside XLA."""
+        keys = cache.keys
+        want = f"[{batch}, max_len, {self.head_dim}] {self.cache_dtype.name}"
+        if keys.ndim != 3 or keys.shape[0] != batch or keys.shape[2] != self.head_dim or (
+            keys.dtype != self.cache_dtype
+        ):  # fmt: skip
+            raise ValueError(
+                f"cache.keys: {tuple(keys.shape)} {keys.dtype.name}; expected {want} "
+                "(this layer's init_cache)"
+            )
+        if (cache.scale is None) == self.fp8 or cache.lengths.shape != (batch,):
+            raise ValueError(
+                "cache: expected this layer's init_cache (FP8 keys carry scales [B, max_len], "
+                f"others none; lengths [B]); got scale "
+                f"{None if cache.scale is None else tuple(cache.scale.shape)}, lengths "
+                f"{tuple(cache.lengths.shape)}"
+            )
 
     def _packed_topk(self, q, weights, keys, scale, positions) -> IndexerTopK:
         """Every sequence's queries in one causal call over the concatenated caches:

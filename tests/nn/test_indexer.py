@@ -311,6 +311,12 @@ def test_bad_calls_name_the_argument():
         layer(tokens(2, 3)[0], cache)
     with pytest.raises(ValueError, match="query_input: not taken"):
         layer(tokens(2, 3), cache, query_input=tokens(2, 3))
+    with pytest.raises(ValueError, match=r"x: shape \(2, 3, 40\); expected \[B, T, 48\]"):
+        layer(tokens(2, 3)[..., :40], cache)
+    with pytest.raises(ValueError, match=r"cache.keys: \(2, 8, 16\) bfloat16; expected"):
+        layer(tokens(2, 3), indexer(4, cache_dtype=BF16).init_cache(2, 8))
+    with pytest.raises(ValueError, match=r"cache.keys: \(3, 8, 16\)"):
+        layer(tokens(2, 3), layer.init_cache(3, 8))
     with pytest.raises(ValueError, match="core: got DenseMLA with an indexer"):
         mla(DenseMLA(), layer)
 
