@@ -36,21 +36,6 @@ from flax import nnx
 from jsparse.nn import Indexer, distillation_loss
 
 
-def hidden_states_and_qk(model, token_ids, layer: int):
-    """The layer's attention input (its normalised hidden states) [T, C] and its post-RoPE
-    q [T, H, D] and k [T, Hkv, D], for one sequence run from position 0."""
-    from jsparse.models.capture import _block_step, _embed
-
-    tokens = jnp.asarray(np.asarray(token_ids)[None], jnp.int32)
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    x = _embed(model.embed[...], tokens)
-    for i in range(layer + 1):
-        hidden = model.layers[i].attn_norm(x)  # the input of layer i's attention
-        graphdef, state = nnx.split(model.layers[i])
-        x, (q, k, _) = _block_step(graphdef, state, x, positions)
-    return hidden[0], q[0], k[0]
-
-
 def windows(window: int, *arrays):
     """Each [T, ...] array cut into [T // window, window, ...]."""
     n = arrays[0].shape[0] // window
@@ -89,6 +74,7 @@ def main(argv=None, model=None) -> dict:
     args = parser.parse_args(argv)
 
     from jsparse import assets
+    from jsparse.models.capture import capture_qkv
     from jsparse.models.gguf_loader import load_model
 
     started = time.time()
@@ -97,7 +83,8 @@ def main(argv=None, model=None) -> dict:
     for split, novel, n in [("train", "emma", args.train_tokens),
                             ("eval", "persuasion", args.eval_tokens)]:  # fmt: skip
         ids = assets.novel_token_ids(novel, 0, n)
-        data[split] = windows(args.window, *hidden_states_and_qk(model, ids, args.layer))
+        ((_, arrays),) = capture_qkv(model, ids, layers=[args.layer], attention_input=True)
+        data[split] = windows(args.window, *(jnp.asarray(arrays[name]) for name in ("x", "q", "k")))
     hidden, q, k = data["eval"]
     probs = attention_probs(q, k)
     train_hidden, train_q, train_k = data["train"]

@@ -84,9 +84,15 @@ def _embed(table, tokens):
 
 
 def capture_qkv(
-    model: Llama, token_ids, *, layers: Sequence[int] | None = None
+    model: Llama,
+    token_ids,
+    *,
+    layers: Sequence[int] | None = None,
+    attention_input: bool = False,
 ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """Yields ``(layer, {"q": [T, H, D], "k": [T, Hkv, D], "v": [T, Hkv, D]})``.
+    """Yields ``(layer, {"q": [T, H, D], "k": [T, Hkv, D], "v": [T, Hkv, D]})``, and
+    with ``attention_input`` also ``"x"`` [T, C]: the layer's normalised hidden states,
+    what its attention (or an indexer beside it) reads.
 
     ``token_ids``: int [T], one sequence run from position 0. Layers are computed in
     order and only up to the last one asked for; ``layers=None`` means all. Each yield
@@ -107,10 +113,14 @@ def capture_qkv(
     x = _embed(model.embed[...], tokens)
     wanted_set = set(wanted)
     for i in range(wanted[-1] + 1 if wanted else 0):
-        graphdef, state = nnx.split(model.layers[i])
+        block = model.layers[i]
+        arrays = {}
+        if attention_input and i in wanted_set:
+            arrays["x"] = np.asarray(block.attn_norm(x)[0])
+        graphdef, state = nnx.split(block)
         x, (q, k, v) = _block_step(graphdef, state, x, positions)
         if i in wanted_set:
-            yield i, {"q": np.asarray(q[0]), "k": np.asarray(k[0]), "v": np.asarray(v[0])}
+            yield i, arrays | {"q": np.asarray(q[0]), "k": np.asarray(k[0]), "v": np.asarray(v[0])}
 
 
 def capture_meta(model: Llama, *, novel: str, offset: int, n_tokens: int, layers) -> dict:

@@ -43,12 +43,13 @@ def forward(w, cfg, tokens, n_layers=None):
     positions = np.arange(t)
     f64 = {k: np.asarray(v, np.float64) for k, v in w.items()}
     x = f64["token_embd.weight"][tokens]
-    qs, ks, vs = [], [], []
+    xs, qs, ks, vs = [], [], [], []
     layers = cfg["n_layers"] if n_layers is None else n_layers
     causal = np.tril(np.ones((t, t), bool))
     for i in range(layers):
         p = f"blk.{i}."
         h = rms_norm(x, f64[p + "attn_norm.weight"], eps)
+        xs.append(h)
         q = (h @ f64[p + "attn_q.weight"].T).reshape(t, h_q, d)
         k = (h @ f64[p + "attn_k.weight"].T).reshape(t, h_kv, d)
         v = (h @ f64[p + "attn_v.weight"].T).reshape(t, h_kv, d)
@@ -69,7 +70,7 @@ def forward(w, cfg, tokens, n_layers=None):
         h = rms_norm(x, f64[p + "ffn_norm.weight"], eps)
         gate = silu(h @ f64[p + "ffn_gate.weight"].T)
         x = x + (gate * (h @ f64[p + "ffn_up.weight"].T)) @ f64[p + "ffn_down.weight"].T
-    result = {"q": qs, "k": ks, "v": vs}
+    result = {"x": xs, "q": qs, "k": ks, "v": vs}
     if layers == cfg["n_layers"]:
         x = rms_norm(x, f64["output_norm.weight"], eps)
         head = f64.get("output.weight", f64["token_embd.weight"])

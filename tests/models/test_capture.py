@@ -31,14 +31,16 @@ def test_layers_subset_in_order_and_equal_to_numpy(tiny):
     model, weights = tiny
     ids = tokens_of(15, seed=22)
     ref = numpy_llama.forward(weights, CFG4.to_dict(), ids, n_layers=3)
-    got = list(capture_qkv(model, ids, layers=[2, 0]))
+    got = list(capture_qkv(model, ids, layers=[2, 0], attention_input=True))
     assert [layer for layer, _ in got] == [0, 2]
     for layer, arrays in got:
         assert arrays["q"].shape == (15, CFG4.n_heads, CFG4.head_dim)
         assert arrays["k"].shape == (15, CFG4.n_kv_heads, CFG4.head_dim)
+        assert arrays["x"].shape == (15, CFG4.d_model)
         assert all(a.dtype == np.float32 for a in arrays.values())
-        for name in ("q", "k", "v"):
+        for name in ("x", "q", "k", "v"):
             np.testing.assert_allclose(arrays[name], ref[name][layer], rtol=2e-5, atol=2e-5)
+    assert sorted(dict(capture_qkv(model, ids, layers=[1]))[1]) == ["k", "q", "v"]
 
 
 def test_save_load_iter_round_trip(tiny, tmp_path):
