@@ -87,11 +87,8 @@ def step_fn(method: str, impl: str, case: dict):
     if method == "xla":
 
         def xla(queries, rows, keys, k_scale, lengths):
-            q, q_idx, weights = queries
-            top = jsparse.indexer_topk_batch(
-                q_idx, weights, keys, top_k, lengths=lengths, k_scale=k_scale, method="xla"
-            )  # fmt: skip
-            return mla.xla_gather_attention(q, rows, top.indices, None, dc)
+            lists = selected_rows(queries, keys, k_scale, lengths, top_k)
+            return mla.xla_gather_attention(queries[0], rows, lists, None, dc)
 
         return xla
     if method == "dense":
