@@ -3,7 +3,6 @@ query, a decode step selects what prefill of the whole sequence selects, sequenc
 batch do not see each other, and an MLA layer with an indexer attends exactly the rows
 the indexer selects (all of them: dense attention)."""
 
-import contextlib
 import functools
 
 import jax
@@ -17,19 +16,13 @@ from jsparse.nn import DenseMLA, Indexer, MLAAttention, SelectedMLA, distillatio
 from jsparse.ops.indexer.prepare import hadamard
 from jsparse.testing import topk_mismatches
 from tests.gradients import assert_kernels_differentiate_like_the_reference, weight_gradient
+from tests.implementations import running
 from tests.lowering import lower_for_h200
 from tests.paging import shuffled_pages
 
 D_MODEL, HEADS, DIM, ROPE = 48, 4, 16, 8
 MLA_DIMS = dict(latent_dim=32, rope_dim=8, nope_dim=16, v_dim=12)
 FP8, BF16 = jnp.float8_e4m3fn, jnp.bfloat16
-
-
-@contextlib.contextmanager
-def running(name: str):
-    """The jnp reference, or the Triton kernels (interpreted on the CPU)."""
-    with backend.interpret_mode(name != "reference" and not backend.has_nvidia_gpu()):
-        yield name
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ from jsparse import backend
 from jsparse.certified import dosa_topk
 from jsparse.ops.projected import projected_scores, projected_step
 from jsparse.ops.topk import topk_prefix
+from tests.implementations import running
 
 RNG = np.random.default_rng(7)
 T, H, D, S, K = 3, 4, 16, 37, 5
@@ -41,8 +42,8 @@ NOT_FINITE = lambda x: jnp.where(jnp.isfinite(x), x, 0.0)  # noqa: E731
 @pytest.fixture(params=["reference", "triton"])
 def implementation(request):
     """Either implementation; the Pallas one interpreted on the CPU, compiled on a GPU."""
-    with backend.interpret_mode(request.param != "reference" and not backend.has_nvidia_gpu()):
-        yield request.param
+    with running(request.param) as name:
+        yield name
 
 
 def _grad(loss, x, implementation):
