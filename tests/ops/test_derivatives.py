@@ -112,6 +112,34 @@ def test_forward_mode_and_vmap_through_a_smooth_kernel(kernel_impl):
     np.testing.assert_allclose(rows[kernel_impl], rows["reference"], rtol=2e-5, atol=2e-5)
 
 
+def test_the_scores_reference_differentiates_like_its_loops():
+    """``indexer_scores_reference`` takes its derivative from the matmul formulation (its
+    loops would store every step); it must equal autodiff of those loops, for every
+    float input, both modes, with a key scale and ranges."""
+    from jsparse.ops.indexer import reference
+
+    starts, ends = jnp.array([0, 4, 9], jnp.int32), ENDS
+    primals = (Q, W, KEYS, K_SCALE)
+    tangents = tuple(_array(x.shape) for x in primals)
+
+    def through_rule(q, w, k, scale):
+        return reference.indexer_scores_reference(q, w, k, scale, starts, ends)
+
+    def through_loops(q, w, k, scale):
+        ids = reference.visible_key_ids(starts, ends, k.shape[0])
+        return reference.score_keys_reference(q, w, k, ids, scale)
+
+    want = jax.jvp(through_loops, primals, tangents)
+    got = jax.jvp(through_rule, primals, tangents)
+    np.testing.assert_array_equal(got[0], want[0])  # the loops' values
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(want[1])).max() > 0
+    loss = lambda f: lambda *x: jnp.sum(jnp.sin(NOT_FINITE(f(*x))))  # noqa: E731
+    grad = lambda f: jax.grad(loss(f), argnums=(0, 1, 2, 3))(*primals)  # noqa: E731
+    for g, w in zip(grad(through_rule), grad(through_loops), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
 def _oracle(q, weights, keys, scale, ids):
     """Σ_h w·relu(q·k)·scale of the given rows ([T, N, D] keys), -1 ids: 0."""
     logits = jnp.einsum("thd,tnd->thn", q.astype(jnp.float32), keys.astype(jnp.float32))
