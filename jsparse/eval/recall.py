@@ -140,12 +140,15 @@ class RecallReference:
     def n_keys(self) -> int:
         return self.k.shape[0]
 
+    def oracle_ids(self, budget: int) -> Int[Array, "T Hkv budget"]:
+        """The oracle selector's ids: the exact top-``budget`` of each KV head's group-mean
+        ``q̄·k`` over the full keys."""
+        return _oracle_idx(self.q, self.k, self.lengths, budget)
+
     def oracle_mask(self, budget: int) -> Bool[Array, "T Hkv S"]:
         """Membership of the exact top-``budget`` of ``q̄·k`` (cached per budget)."""
         if budget not in self._oracle:
-            self._oracle[budget] = selection_mask(
-                _oracle_idx(self.q, self.k, self.lengths, budget), self.n_keys
-            )
+            self._oracle[budget] = selection_mask(self.oracle_ids(budget), self.n_keys)
         return self._oracle[budget]
 
     def metrics(self, idx: Int[Array, "T Hkv W"], budget: int) -> dict[str, Float[Array, "T Hkv"]]:
