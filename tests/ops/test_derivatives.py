@@ -112,22 +112,27 @@ def test_forward_mode_and_vmap_through_a_smooth_kernel(kernel_impl):
     np.testing.assert_allclose(rows[kernel_impl], rows["reference"], rtol=2e-5, atol=2e-5)
 
 
-def test_the_scores_reference_differentiates_like_its_loops():
-    """``indexer_scores_reference`` takes its derivative from the matmul formulation (its
-    loops would store every step); it must equal autodiff of those loops, for every
-    float input, both modes, with a key scale and ranges."""
+@pytest.mark.parametrize("op", ["indexer_scores_reference", "score_keys_reference"])
+def test_the_scorer_reference_differentiates_like_its_loops(op):
+    """The scorer reference takes its derivative from a matmul formulation (its loops
+    would store every step); it must equal autodiff of those loops, for every float
+    input, both modes, with a key scale and ranges (or listed ids, -1 included)."""
     from jsparse.ops.indexer import reference
 
-    starts, ends = jnp.array([0, 4, 9], jnp.int32), ENDS
+    starts = jnp.array([0, 4, 9], jnp.int32)
+    ids = reference.visible_key_ids(starts, ENDS, S)
+    if op == "score_keys_reference":  # any listed ids, repeats and empty slots included
+        ids = jnp.asarray(RNG.integers(-1, S, (T, 11)), jnp.int32)
     primals = (Q, W, KEYS, K_SCALE)
     tangents = tuple(_array(x.shape) for x in primals)
 
     def through_rule(q, w, k, scale):
-        return reference.indexer_scores_reference(q, w, k, scale, starts, ends)
+        if op == "indexer_scores_reference":
+            return reference.indexer_scores_reference(q, w, k, scale, starts, ENDS)
+        return reference.score_keys_reference(q, w, k, ids, scale)
 
     def through_loops(q, w, k, scale):
-        ids = reference.visible_key_ids(starts, ends, k.shape[0])
-        return reference.score_keys_reference(q, w, k, ids, scale)
+        return reference._by_query_chunks(reference._score_chunk, q, w, k, ids, scale, 64)
 
     want = jax.jvp(through_loops, primals, tangents)
     got = jax.jvp(through_rule, primals, tangents)

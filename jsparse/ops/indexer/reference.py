@@ -53,6 +53,15 @@ def _score_chunk(q, weights, k_rows, scale_rows, valid):
     return jnp.where(valid, scores * scale_rows, -jnp.inf)
 
 
+def _score_chunk_matmul(q, weights, k_rows, scale_rows, valid):
+    # _score_chunk's function as two batched matmuls in f32: its derivative
+    logits = jnp.einsum("thd,tnd->thn", q, k_rows, precision=jax.lax.Precision.HIGHEST)
+    scores = jnp.einsum(
+        "th,thn->tn", weights, relu_keep_nan(logits), precision=jax.lax.Precision.HIGHEST
+    )
+    return jnp.where(valid, scores * scale_rows, -jnp.inf)
+
+
 def score_keys_reference(
     q: Float[Array, "T H D"],
     weights: Float[Array, "T H"],
@@ -66,13 +75,19 @@ def score_keys_reference(
 
     Inputs of any supported dtype are widened to f32 exactly (bf16 and fp8 embed in
     f32), so the arithmetic is the same for every dtype. Queries are processed in
-    chunks of ``query_chunk`` to bound the [chunk, H, N] intermediate.
+    chunks of ``query_chunk`` to bound the [chunk, H, N] intermediate. The derivative
+    (the Top-K ops' scores rescore their ids through here) is that of the same function
+    as batched matmuls, which do not store the loops' steps.
     """
+    scale = jnp.ones((k.shape[0],), jnp.float32) if k_scale is None else k_scale
+    return _score_keys(q, weights, k, key_ids, scale, query_chunk)
+
+
+def _by_query_chunks(score_chunk, q, weights, k, key_ids, scale, query_chunk):
     t, h, d = q.shape
     n = key_ids.shape[1]
     qf = q.astype(jnp.float32)
     kf = k.astype(jnp.float32)
-    scale = jnp.ones((k.shape[0],), jnp.float32) if k_scale is None else k_scale
     scale = scale.astype(jnp.float32)
     weights = weights.astype(jnp.float32)
 
@@ -92,7 +107,7 @@ def score_keys_reference(
         qc, wc, ic = args
         valid = ic >= 0
         safe = jnp.where(valid, ic, 0)
-        return _score_chunk(qc, wc, kf[safe], scale[safe], valid)
+        return score_chunk(qc, wc, kf[safe], scale[safe], valid)
 
     out = jax.lax.map(
         one_chunk,
@@ -103,6 +118,19 @@ def score_keys_reference(
         ),
     )
     return out.reshape(n_chunks * chunk, n)[:t]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _score_keys(q, weights, k, key_ids, scale, query_chunk):
+    return _by_query_chunks(_score_chunk, q, weights, k, key_ids, scale, query_chunk)
+
+
+@_score_keys.defjvp
+def _score_keys_jvp(query_chunk, primals, tangents):
+    def matmuls(*args):
+        return _by_query_chunks(_score_chunk_matmul, *args, query_chunk)
+
+    return _score_keys(*primals, query_chunk), jax.jvp(matmuls, primals, tangents)[1]
 
 
 @jax.custom_jvp
