@@ -144,3 +144,29 @@ def test_the_indexer_training_example_learns_the_attention(real_model):
     assert after["KL"] < 0.7 * before["KL"]
     assert after["recall@8"] > before["recall@8"]
     assert after["recall@8"] <= out["references"]["recall@8"] + 1e-6  # the best set bounds it
+
+
+def test_the_indexer_and_jssa_comparison_runs_and_is_bounded(real_model):
+    """`examples/indexer_vs_selectors.py` at a toy size (layer 3, windows of 128 tokens):
+    the indexer trains, and no single set for all heads beats the best one on mass."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "indexer_vs_selectors.py"
+    spec = importlib.util.spec_from_file_location("indexer_vs_selectors", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    argv = ["--layers", "3", "--window", "128", "--train-windows", "2", "--eval-windows", "1",
+            "--queries", "32", "--budgets", "8", "16", "--head-dims", "32", "--heads", "4",
+            "--steps", "20", "--lr", "3e-3"]  # fmt: skip
+    out = example.main(argv, model=real_model)
+    first, last, _ = out["training"][(3, 32)]
+    assert last < first
+    summary = out["summary"]
+    for budget in (8, 16):
+        assert summary[f"oracle (per KV head, full keys) @{budget}"]["oracle_recall"] == 1.0
+        best = summary[f"best shared set @{budget}"]["mass_recall"]
+        for label in ("indexer D32 fp8", "indexer D32 f32", "sinks + recent"):
+            assert summary[f"{label} @{budget}"]["mass_recall"] <= best + 1e-6
+        rd = [key for key in summary if key.startswith("jssa_rd") and key.endswith(f"@{budget}")]
+        assert len(rd) == 1 and 0 < summary[rd[0]]["mass_recall"] <= 1
