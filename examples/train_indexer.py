@@ -1,7 +1,7 @@
 """Train a DSA indexer on a real model's hidden states to find the tokens its attention uses.
 
     python -m jsparse.assets fetch                 # SmolLM2-135M and the Austen novels, once
-    python examples/train_indexer.py               # layer 12, 100 steps: ~6 min on 2 CPU cores
+    python examples/train_indexer.py               # layer 12, 100 steps: ~2 min on 2 CPU cores
 
 DeepSeek-V3.2 adds its lightning indexer to a trained dense model and first trains the
 indexer alone: its softmax is fitted, by KL divergence, to the main attention's
