@@ -31,28 +31,17 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 from jsparse.eval.recall import RecallReference, select_causal
-from jsparse.nn import Indexer, distillation_loss
+from jsparse.nn import Indexer, causal_attention_probs, distillation_loss
 from jsparse.selectors.base import top_budget
 
 METRICS = ("oracle_recall", "mass_recall", "output_error")
 SINKS = 4
-
-
-def attention_probs(q, k):
-    """Causal softmax attention of q [N, W, H, D] over k [N, W, Hkv, D] within each
-    window: [N, W, H, W]."""
-    group = q.shape[2] // k.shape[2]
-    logits = jnp.einsum("nthd,nshd->nths", q, jnp.repeat(k, group, axis=2)) / np.sqrt(q.shape[-1])
-    w = q.shape[1]
-    causal = jnp.tril(jnp.ones((w, w), bool))[None, :, None, :]
-    return jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
 
 
 def capture(model, novel: str, offsets, window: int, layers):
@@ -78,7 +67,7 @@ def train_indexer(x, q, k, *, head_dim, heads, steps, batch, lr, seed):
 
     @nnx.jit
     def step(indexer, optimizer, x, q, k):
-        target = attention_probs(q, k)  # the model is frozen
+        target = causal_attention_probs(q, k)  # the model is frozen
         loss_fn = lambda m: distillation_loss(m.scores(x), target)  # noqa: E731
         loss, grads = nnx.value_and_grad(loss_fn)(indexer)
         optimizer.update(indexer, grads)

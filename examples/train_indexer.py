@@ -33,23 +33,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jsparse.nn import Indexer, distillation_loss
+from jsparse.nn import Indexer, causal_attention_probs, distillation_loss
 
 
 def windows(window: int, *arrays):
     """Each [T, ...] array cut into [T // window, window, ...]."""
     n = arrays[0].shape[0] // window
     return tuple(a[: n * window].reshape(n, window, *a.shape[1:]) for a in arrays)
-
-
-def attention_probs(q, k):
-    """Causal softmax attention of q [N, W, H, D] over k [N, W, Hkv, D] within each
-    window: [N, W, H, W]."""
-    group = q.shape[2] // k.shape[2]
-    logits = jnp.einsum("nthd,nshd->nths", q, jnp.repeat(k, group, axis=2)) / np.sqrt(q.shape[-1])
-    w = q.shape[1]
-    causal = jnp.tril(jnp.ones((w, w), bool))[None, :, None, :]
-    return jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
 
 
 def recall(scores, probs, top_k: int) -> float:
@@ -86,7 +76,7 @@ def main(argv=None, model=None) -> dict:
         ((_, arrays),) = capture_qkv(model, ids, layers=[args.layer], attention_input=True)
         data[split] = windows(args.window, *(jnp.asarray(arrays[name]) for name in ("x", "q", "k")))
     hidden, q, k = data["eval"]
-    probs = attention_probs(q, k)
+    probs = causal_attention_probs(q, k)
     train_hidden, train_q, train_k = data["train"]
 
     indexer = Indexer(hidden.shape[-1], n_heads=args.heads, head_dim=64, rope_dim=32,
@@ -95,7 +85,7 @@ def main(argv=None, model=None) -> dict:
 
     @nnx.jit
     def step(indexer, optimizer, x, q, k):
-        target = attention_probs(q, k)  # the model is frozen
+        target = causal_attention_probs(q, k)  # the model is frozen
         loss_fn = lambda m: distillation_loss(m.scores(x), target)  # noqa: E731
         loss, grads = nnx.value_and_grad(loss_fn)(indexer)
         optimizer.update(indexer, grads)

@@ -1,7 +1,7 @@
 """Flax NNX modules that put jsparse's selection and kernels into JAX model definitions."""
 
 from jsparse.nn.attention import SelectorParams, SparseAttention
-from jsparse.nn.indexer import Indexer, IndexerCache, distillation_loss
+from jsparse.nn.indexer import Indexer, IndexerCache, causal_attention_probs, distillation_loss
 from jsparse.nn.mla import DenseMLA, MLAAttention, MLACache, SelectedMLA, SparseMLA
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "SelectorParams",
     "SparseAttention",
     "SparseMLA",
+    "causal_attention_probs",
     "distillation_loss",
 ]

@@ -286,6 +286,21 @@ class Indexer(nnx.Module):
         return jax.vmap(one)(q, weights, k, scale)
 
 
+def causal_attention_probs(
+    q: Float[Array, "B T H D"], k: Float[Array, "B T Hkv D"]
+) -> Float[Array, "B T H T"]:
+    """Causal softmax attention probabilities of a sequence's tokens (scale D^-1/2, GQA:
+    query head h reads KV head h // (H / Hkv)): the target :func:`distillation_loss`
+    fits the indexer to, from a frozen model's q and k."""
+    group = q.shape[2] // k.shape[2]
+    logits = jnp.einsum(
+        "bthd,bshd->bths", q.astype(jnp.float32), jnp.repeat(k.astype(jnp.float32), group, 2)
+    )
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))[None, :, None, :]
+    return jax.nn.softmax(jnp.where(causal, logits * q.shape[-1] ** -0.5, -jnp.inf), axis=-1)
+
+
 def distillation_loss(
     index_scores: Float[Array, "B T S"], attention: Float[Array, "B T H S"]
 ) -> Float[Array, ""]:

@@ -12,7 +12,14 @@ import pytest
 from flax import nnx
 
 from jsparse import backend
-from jsparse.nn import DenseMLA, Indexer, MLAAttention, SelectedMLA, distillation_loss
+from jsparse.nn import (
+    DenseMLA,
+    Indexer,
+    MLAAttention,
+    SelectedMLA,
+    causal_attention_probs,
+    distillation_loss,
+)
 from jsparse.ops.indexer.prepare import hadamard
 from jsparse.testing import topk_mismatches
 from tests.gradients import assert_kernels_differentiate_like_the_reference, weight_gradient
@@ -215,6 +222,20 @@ def test_distillation_loss_is_the_kl_and_trains_the_indexer():
     g = {k: np.asarray(v) for k, v in nnx.to_flat_state(grad(params))}
     assert all(np.isfinite(v).all() for v in g.values())
     assert np.abs(g[("wq", "kernel")]).max() > 0 and np.abs(g[("wk", "kernel")]).max() > 0
+
+
+def test_the_distillation_target_is_causal_gqa_softmax_attention():
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((2, 6, 4, 8)), rng.standard_normal((2, 6, 2, 8))
+    got = np.asarray(
+        causal_attention_probs(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.bfloat16))
+    )
+    k = np.asarray(jnp.asarray(k, jnp.bfloat16), np.float64)  # what the function read
+    for b, t, h in np.ndindex(2, 6, 4):
+        logits = q[b, t, h] @ k[b, : t + 1, h // 2].T / np.sqrt(8)  # heads 0, 1 read KV head 0
+        want = np.exp(logits - logits.max())
+        np.testing.assert_allclose(got[b, t, h, : t + 1], want / want.sum(), rtol=1e-4)
+        assert (got[b, t, h, t + 1 :] == 0).all()
 
 
 def test_fp8_rows_with_an_indexer_covering_the_context_equal_dense_fp8_rows():
