@@ -29,16 +29,20 @@ recent ones).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jsparse.eval.recall import RecallReference, select_causal
-from jsparse.nn import Indexer, causal_attention_probs, distillation_loss
+from jsparse.nn import Indexer
 from jsparse.selectors.base import top_budget
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_indexer import fit
 
 METRICS = ("oracle_recall", "mass_recall", "output_error")
 SINKS = 4
@@ -63,21 +67,7 @@ def train_indexer(x, q, k, *, head_dim, heads, steps, batch, lr, seed):
     """An indexer (f32 keys while training) fitted to the attention of windows x/q/k."""
     indexer = Indexer(x.shape[-1], n_heads=heads, head_dim=head_dim, rope_dim=head_dim // 2,
                       top_k=1, cache_dtype=jnp.float32, rngs=nnx.Rngs(seed))  # fmt: skip
-    optimizer = nnx.Optimizer(indexer, optax.adam(lr), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(indexer, optimizer, x, q, k):
-        target = causal_attention_probs(q, k)  # the model is frozen
-        loss_fn = lambda m: distillation_loss(m.scores(x), target)  # noqa: E731
-        loss, grads = nnx.value_and_grad(loss_fn)(indexer)
-        optimizer.update(indexer, grads)
-        return loss
-
-    rng = np.random.default_rng(seed)
-    losses = []
-    for _ in range(steps):
-        pick = rng.choice(x.shape[0], min(batch, x.shape[0]), replace=False)
-        losses.append(float(step(indexer, optimizer, x[pick], q[pick], k[pick])))
+    losses = fit(indexer, x, q, k, steps=steps, batch=batch, lr=lr, seed=seed)
     return indexer, losses
 
 

@@ -42,6 +42,28 @@ def windows(window: int, *arrays):
     return tuple(a[: n * window].reshape(n, window, *a.shape[1:]) for a in arrays)
 
 
+def fit(indexer: Indexer, x, q, k, *, steps: int, batch: int, lr: float, seed: int = 0):
+    """Trains ``indexer`` in place on windows (x [N, W, C], q, k [N, W, heads, D]) of a
+    frozen model's layer: ``steps`` Adam steps on ``batch`` random windows each.
+    Returns the losses."""
+    optimizer = nnx.Optimizer(indexer, optax.adam(lr), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(indexer, optimizer, x, q, k):
+        target = causal_attention_probs(q, k)  # the model is frozen
+        loss_fn = lambda m: distillation_loss(m.scores(x), target)  # noqa: E731
+        loss, grads = nnx.value_and_grad(loss_fn)(indexer)
+        optimizer.update(indexer, grads)
+        return loss
+
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(steps):
+        pick = rng.choice(x.shape[0], min(batch, x.shape[0]), replace=False)
+        losses.append(float(step(indexer, optimizer, x[pick], q[pick], k[pick])))
+    return losses
+
+
 def recall(scores, probs, top_k: int) -> float:
     """Mean share of the attention's mass (over heads) on each query's ``top_k`` best
     ``scores``, over the queries that see more than ``top_k`` tokens."""
@@ -81,15 +103,6 @@ def main(argv=None, model=None) -> dict:
 
     indexer = Indexer(hidden.shape[-1], n_heads=args.heads, head_dim=64, rope_dim=32,
                       top_k=max(args.top_k), cache_dtype=jnp.float32, rngs=nnx.Rngs(0))  # fmt: skip
-    optimizer = nnx.Optimizer(indexer, optax.adam(args.lr), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(indexer, optimizer, x, q, k):
-        target = causal_attention_probs(q, k)  # the model is frozen
-        loss_fn = lambda m: distillation_loss(m.scores(x), target)  # noqa: E731
-        loss, grads = nnx.value_and_grad(loss_fn)(indexer)
-        optimizer.update(indexer, grads)
-        return loss
 
     def report():
         scores = indexer.scores(hidden)
@@ -107,13 +120,8 @@ def main(argv=None, model=None) -> dict:
         references[f"recall@{kk} recent"] = recall(recency, probs, kk)
 
     before = report()
-    rng = np.random.default_rng(0)
-    losses = []
-    for _ in range(args.steps):
-        pick = rng.choice(train_hidden.shape[0], min(args.batch, train_hidden.shape[0]),
-                          replace=False)  # fmt: skip
-        losses.append(float(step(indexer, optimizer, train_hidden[pick], train_q[pick],
-                                 train_k[pick])))  # fmt: skip
+    losses = fit(indexer, train_hidden, train_q, train_k, steps=args.steps, batch=args.batch,
+                 lr=args.lr)  # fmt: skip
     after = report()
 
     print(f"SmolLM2 layer {args.layer}, indexer {args.heads} x 64, {args.steps} steps of "
