@@ -127,16 +127,22 @@ def test_sparse_decode_bench_runs_on_the_real_model(real_assets, tmp_path):
     assert rows[("oracle", 8)]["delta_nll"] != 0.0
 
 
-def test_the_indexer_training_example_learns_the_attention(real_model):
-    """`examples/train_indexer.py` at a toy size (layer 3, 4 windows of 64 tokens, 30
-    steps): the held-out KL falls and the selection captures more of the attention."""
+def _example(name: str):
+    """The module ``examples/<name>.py`` (examples are scripts, not a package)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "train_indexer.py"
-    spec = importlib.util.spec_from_file_location("train_indexer", path)
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_the_indexer_training_example_learns_the_attention(real_model):
+    """`examples/train_indexer.py` at a toy size (layer 3, 4 windows of 64 tokens, 30
+    steps): the held-out KL falls and the selection captures more of the attention."""
+    example = _example("train_indexer")
     argv = ["--layer", "3", "--steps", "30", "--window", "64", "--train-tokens", "256",
             "--eval-tokens", "128", "--heads", "4", "--lr", "3e-3", "--top-k", "8"]  # fmt: skip
     out = example.main(argv, model=real_model)
@@ -149,13 +155,7 @@ def test_the_indexer_training_example_learns_the_attention(real_model):
 def test_the_indexer_and_jssa_comparison_runs_and_is_bounded(real_model):
     """`examples/indexer_vs_selectors.py` at a toy size (layer 3, windows of 128 tokens):
     the indexer trains, and no single set for all heads beats the best one on mass."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "indexer_vs_selectors.py"
-    spec = importlib.util.spec_from_file_location("indexer_vs_selectors", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example("indexer_vs_selectors")
     argv = ["--layers", "3", "--window", "128", "--train-windows", "2", "--eval-windows", "1",
             "--queries", "32", "--budgets", "8", "16", "--head-dims", "32", "--heads", "4",
             "--steps", "20", "--lr", "3e-3"]  # fmt: skip
