@@ -179,11 +179,9 @@ def indexer_scores_einsum(
     """
     t, h, d = q.shape
     s = k.shape[0]
-    compute = jnp.promote_types(q.dtype, k.dtype)
+    compute = jnp.float32 if f32 else jnp.promote_types(q.dtype, k.dtype)
     if compute == jnp.float8_e4m3fn:
         compute = jnp.bfloat16  # XLA has no generic fp8 einsum; fp8 widens to bf16 exactly
-    if f32:
-        compute = jnp.float32
     precision = jax.lax.Precision.HIGHEST if f32 else None
     kc = k.astype(compute)
     chunk = max(1, min(query_chunk, t))
