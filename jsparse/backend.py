@@ -200,20 +200,22 @@ def dispatch(
 
 def _check_unvarying(op: str, name: str, args, kwargs) -> None:
     """Inside ``jax.shard_map`` with ``check_vma=True`` (its default) every value is typed
-    by the mesh axes it varies over, and a ``pallas_call`` would need that type declared
-    on each output (the kernels are written for any mesh, so they declare none).
-    Raised here, not as an error from inside Pallas; not a fallback either (the
-    reference is much slower on a GPU). Under ``check_vma=False`` the kernels run on
-    each device's shard as they do anywhere (tested)."""
-    for x in jax.tree.leaves((args, kwargs)):
-        aval = jax.typeof(x) if isinstance(x, jax.Array) else None
-        mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; later: aval.vma
-        varying = getattr(mat, "varying", None) or getattr(aval, "vma", None)
-        if varying:
-            raise NotImplementedError(
-                f"{op}: the {name!r} kernels run inside jax.shard_map only with "
-                f"check_vma=False (an input varies over mesh axes {sorted(varying)})"
-            )
+    by the mesh axes it varies over. Compiled kernels declare their outputs' type
+    (:mod:`jsparse._pallas`); Pallas interpret mode cannot run there (jax's interpreter
+    evaluates the kernel body under those checks, where a kernel's constants do not
+    vary and its loaded values do). Raised here, not from inside Pallas, and never a
+    silent fallback. Under ``check_vma=False`` interpreted kernels run as anywhere."""
+    if not is_interpret():
+        return
+    from jsparse._pallas import varying_axes  # imports Pallas
+
+    varying = varying_axes((args, kwargs))
+    if varying:
+        raise NotImplementedError(
+            f"{op}: the {name!r} kernels in Pallas interpret mode run inside jax.shard_map "
+            f"only with check_vma=False (an input varies over mesh axes {sorted(varying)}); "
+            "compiled on a GPU they run under either setting"
+        )
 
 
 def _with_default_types(kernel: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,6 +13,23 @@ import jax
 from jsparse import backend
 
 
+def _h200():
+    """An abstract H200, or None where jax lacks the abstract-device API."""
+    try:
+        return jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    except (AttributeError, TypeError):
+        return None
+
+
+def h200_mesh(axis_names: tuple[str, ...]):
+    """A mesh of one abstract H200 per named axis (size 1 each), for ``jax.shard_map``."""
+    sizes = (1,) * len(axis_names)
+    device = _h200()
+    if device is None:
+        return jax.sharding.AbstractMesh(sizes, axis_names)
+    return jax.sharding.AbstractMesh(sizes, axis_names, abstract_device=device)
+
+
 def lower_for_h200(fn, *args, **kwargs):
     """Lowers ``jax.jit(fn)`` for CUDA with ShapeDtypeStruct (or array) arguments."""
     structs = jax.tree.map(
@@ -23,13 +40,10 @@ def lower_for_h200(fn, *args, **kwargs):
     )
     with backend.interpret_mode(False):
         traced = jax.jit(fn, **kwargs).trace(*structs)
-        try:
-            device = jax.sharding.AbstractDevice(
-                device_kind="NVIDIA H200", platform="gpu", num_cores=132
-            )
-            mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
-            with jax.sharding.use_abstract_mesh(mesh):
-                return traced.lower(lowering_platforms=("cuda",))
-        except (AttributeError, TypeError):
-            # Older jax lacks the abstract-device API; it lowers for a default sm_90 target.
+        device = _h200()
+        if device is None:  # older jax lowers for a default sm_90 target
+            return traced.lower(lowering_platforms=("cuda",))
+        with jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((), (), abstract_device=device)
+        ):
             return traced.lower(lowering_platforms=("cuda",))

@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse._pallas import pallas_call
 from jsparse.certified import planner
 from jsparse.certified.reference import CertifiedInfo
 from jsparse.ops.indexer import methods
@@ -203,7 +204,7 @@ def _screen_launch(tiles, plan, start, end, k, knorm, scale, keep, surv, p: _Sta
     aliased = (surv,) if keep is None else (keep, surv)
     aliases = {n_in: 1} if keep is None else {n_in: 0, n_in + 1: 1}  # → (keep, surv)
     keep_shape = jax.ShapeDtypeStruct((p.n_blocks * p.stride,), jnp.int8)
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_screen_kernel, p=p),
         grid=(tiles.shape[0], p.splits),
         out_shape=(keep_shape, jax.ShapeDtypeStruct(surv.shape, jnp.int32)),
@@ -267,7 +268,7 @@ def expand_keep(keep, lo, hi, cap):
         )
     words = jax.lax.bitcast_convert_type(keep.reshape(-1, 4), jnp.int32)
     lists = jnp.full((n_blocks * cap,), -1, jnp.int32)
-    lists, counts = pl.pallas_call(
+    lists, counts = pallas_call(
         functools.partial(_expand_kernel, stride=stride, cap=cap),
         grid=(n_blocks,),
         out_shape=(

@@ -1,8 +1,11 @@
 """The ops inside ``jax.shard_map`` (data-parallel serving: each device decodes its own
-sequences). The Pallas kernels run under ``check_vma=False`` and give the unsharded
-answer; under ``check_vma=True`` (the default) they refuse by name rather than fail
-inside Pallas, and the references run. A mesh of every visible device (one on the CPU
-test machines: the varying-axis types are checked all the same)."""
+sequences). Under ``check_vma=False`` the kernels give the unsharded answer, interpreted
+or compiled. Under ``check_vma=True`` (the default) each kernel declares its outputs to
+vary over the axes its inputs vary over: compiled, they give the unsharded answer (a
+``gpu`` test) and lower to CUDA with those types (on the CPU); interpreted, they refuse
+by name (jax's interpreter cannot run under the checks) and the references run. A mesh
+of every visible device (one on the CPU test machines: the types are checked all the
+same)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jsparse
+from jsparse import backend
 from jsparse.ops.topk import topk_prefix
+from tests.lowering import h200_mesh, lower_for_h200
 
 shard_map = getattr(jax, "shard_map", None)
 if shard_map is None:  # jax < 0.7
@@ -36,6 +41,8 @@ ARRAYS = {
     "lengths": jnp.asarray([S, 100, 30, 150], jnp.int32),
     "scores": _f32(B, S),
     "keys": _f32(S, D),  # shared by every device (replicated)
+    "q64": _f32(B, H, 64),  # the Mosaic scorer's shapes: D a multiple of 64
+    "keys64": _f32(S, 64),
 }
 
 OPS = {
@@ -79,10 +86,28 @@ OPS = {
 }
 
 
+# every op, and the Mosaic scorer: compiled or lowered only (its interpreter is slow)
+ALL_OPS = dict(
+    OPS,
+    indexer_topk_mosaic=(
+        lambda a, i: (
+            jsparse.indexer_topk(
+                a["q64"].astype(jnp.bfloat16),
+                a["w"],
+                a["keys64"].astype(jnp.bfloat16),
+                K,
+                implementation="mosaic" if i == "triton" else i,
+            ).indices
+        ),
+        ["q64", "w", "keys64"],
+    ),
+)
+
+
 def _sharded(op, implementation, check_vma):
-    fn, names = OPS[op]
+    fn, names = ALL_OPS[op]
     mesh = jax.make_mesh((len(jax.devices()),), ("x",))
-    specs = tuple(P() if n == "keys" else P("x") for n in names)
+    specs = tuple(P() if n.startswith("keys") else P("x") for n in names)
     placed = [
         jax.device_put(ARRAYS[n], NamedSharding(mesh, s)) for n, s in zip(names, specs, strict=True)
     ]
@@ -100,9 +125,52 @@ def test_the_kernels_under_check_vma_false_give_the_unsharded_answer(op, kernel_
     np.testing.assert_allclose(_sharded(op, kernel_impl, False), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", sorted(ALL_OPS))
+def test_under_check_vma_the_compiled_kernels_give_the_unsharded_answer(op):
+    want = ALL_OPS[op][0](ARRAYS, "triton")
+    np.testing.assert_allclose(_sharded(op, "triton", True), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_under_check_vma_the_kernels_refuse_and_the_references_run(op, kernel_impl):
-    with pytest.raises(NotImplementedError, match=r"shard_map only with check_vma=False"):
-        _sharded(op, kernel_impl, True)
+def test_under_check_vma_interpreted_kernels_refuse_and_the_references_run(op, interpret):
+    with pytest.raises(NotImplementedError, match=r"interpret mode .* only with check_vma=False"):
+        _sharded(op, "triton", True)
     want = OPS[op][0](ARRAYS, "reference")
     np.testing.assert_allclose(_sharded(op, "reference", True), want, rtol=1e-6, atol=1e-6)
+
+
+def _kernel_types(jaxpr):
+    """(axes the inputs vary over, axes each output varies over) of every ``pallas_call``
+    in ``jaxpr`` and its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            varying = [v.aval.manual_axis_type.varying for v in eqn.invars]
+            yield (
+                frozenset().union(*varying),
+                [v.aval.manual_axis_type.varying for v in eqn.outvars],
+            )
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _kernel_types(inner)
+
+
+@pytest.mark.parametrize("op", sorted(ALL_OPS))
+def test_under_check_vma_every_kernel_declares_varying_outputs_and_lowers_to_cuda(op, monkeypatch):
+    monkeypatch.setattr(backend, "has_nvidia_gpu", lambda: True)
+    fn, names = ALL_OPS[op]
+    specs = tuple(P() if n.startswith("keys") else P("x") for n in names)
+
+    def local(*xs):
+        return fn(dict(ARRAYS, **dict(zip(names, xs, strict=True))), "triton")
+
+    body = shard_map(local, mesh=h200_mesh(("x",)), in_specs=specs, out_specs=P("x"))
+    lowered = lower_for_h200(body, *(ARRAYS[n] for n in names))
+    with backend.interpret_mode(False):
+        jaxpr = jax.make_jaxpr(body)(*(ARRAYS[n] for n in names)).jaxpr
+    kernels = list(_kernel_types(jaxpr))
+    assert any(inputs == {"x"} for inputs, _ in kernels), "no kernel reads the sharded input"
+    for inputs, outputs in kernels:  # an output varies where its kernel's inputs do
+        assert outputs == [inputs] * len(outputs), (inputs, outputs)
+    assert ("mosaic_gpu" if "mosaic" in op else "__gpu$xla.gpu.triton") in lowered.as_text()

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse._pallas import pallas_call
 from jsparse.ops.attention.reference import listed_locations
 from jsparse.ops.indexer.triton import next_pow2
 
@@ -467,7 +468,7 @@ def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: st
     final = sds((pairs, p.group, p.vdim), dtype), sds((pairs, p.group), jnp.float32)
     rows = (pairs, p.splits, p.group_rows)
     partial = sds((*rows, p.vdim_pad), jnp.float32), sds(rows, jnp.float32), sds(rows, jnp.float32)
-    outs = pl.pallas_call(
+    outs = pallas_call(
         kernel,
         grid=(pairs, p.splits),
         out_shape=final if p.splits == 1 else partial,
@@ -479,7 +480,7 @@ def launch_split_k(kernel, p, operands, v_scales, *, pairs: int, dtype, name: st
         return outs
     few = pairs * p.group <= backend.sm_count()  # value blocks only within one wave
     vdim_block = min(merge_block or p.vdim_pad, p.vdim_pad) if few else p.vdim_pad
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_merge_kernel, p=p, vdim_block=vdim_block),
         grid=(pairs, p.group) + ((p.vdim_pad // vdim_block,) if vdim_block < p.vdim_pad else ()),
         out_shape=final,

@@ -59,6 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jsparse import backend
+from jsparse._pallas import mosaic_kernel
 from jsparse.ops.indexer import methods
 
 _NEG_INF = float("-inf")
@@ -377,7 +378,7 @@ def _scores(q, weights, k, k_scale, start, end, pages=None, *, cfg, interpret, s
     page_scratch = tuple(plgpu.SMEM(p.shape[1:], jnp.int32) for p in paged)
     page_bytes = sum(4 * p.shape[1] * p.shape[2] for p in paged)
     splits = key_splits(n_blocks, s_pad // bs, cfg, smem + page_bytes)
-    kernel = plgpu.kernel(
+    kernel = mosaic_kernel(
         functools.partial(
             _kernel,
             cfg=cfg,

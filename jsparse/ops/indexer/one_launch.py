@@ -63,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse._pallas import pallas_call
 from jsparse.ops.indexer import triton as scorer
 from jsparse.ops.topk import triton as select
 from jsparse.ops.topk.codes import EMPTY_CODE, score_code
@@ -429,7 +430,7 @@ def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None)
     def launch(phases, carried):
         # carried: the whole state, or the sync words alone (which must start at 0)
         to = range(len(state)) if len(carried) == len(state) else (sync_index,)
-        return pl.pallas_call(
+        return pallas_call(
             functools.partial(_kernel, p=p, phases=phases),
             grid=(p.programs,),
             out_shape=state,

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse._pallas import pallas_call
 
 _BLOCK = 1024  # queries per program
 
@@ -45,7 +46,7 @@ def exhaustive_report(start, end):
     t = start.shape[0]
     i32 = jax.ShapeDtypeStruct((t,), jnp.int32)
     rest = (jax.ShapeDtypeStruct((t,), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.bool_))
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_report_kernel, t=t),
         grid=(pl.cdiv(t, _BLOCK),),
         out_shape=(i32, i32, i32, *rest),

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse._pallas import pallas_call
 from jsparse.ops.indexer.report import store_report
 from jsparse.ops.topk import codes as codes_lib
 
@@ -663,7 +664,7 @@ def _launch(
     inputs = (q, weights, k, start, end, *(given[n] for n in _optional_inputs(p)))
 
     def call(plan, initial, name):
-        return pl.pallas_call(
+        return pallas_call(
             functools.partial(_kernel, p=plan),
             grid=(n_tb, splits),
             out_shape=out_shape,

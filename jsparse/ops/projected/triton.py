@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse._pallas import pallas_call
 from jsparse.ops.indexer.triton import next_pow2
 
 # Bytes of cache one program loads. Runs 160-161: 16 KiB (64 rows of 256 B) is 1-2% ahead
@@ -82,7 +83,7 @@ def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
     p = _Plan(seq=s, kv_heads=hkv, heads_pad=hp, rank=r, block_s=block_s,
               interpret=backend.is_interpret())  # fmt: skip
     q = jnp.pad(q_proj.astype(jnp.float32).reshape(b, hkv * r), ((0, 0), (0, (hp - hkv) * r)))
-    out = pl.pallas_call(
+    out = pallas_call(
         functools.partial(_kernel, p=p),
         grid=(b, pl.cdiv(s, block_s)),
         out_shape=jax.ShapeDtypeStruct((b * hkv, s), jnp.float32),
@@ -183,7 +184,7 @@ def projected_step_triton(q, k_new, query_map, key_map, values, scale, slots):
         fp8=jnp.dtype(values.dtype) == jnp.dtype(jnp.float8_e4m3fn),
         interpret=backend.is_interpret(),
     )  # fmt: skip
-    qp, rows = pl.pallas_call(
+    qp, rows = pallas_call(
         functools.partial(_step_kernel, p=p),
         grid=(b, hkv),
         out_shape=(

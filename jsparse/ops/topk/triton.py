@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse._pallas import pallas_call
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
@@ -922,7 +923,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
     flag = jax.ShapeDtypeStruct((t,), i32)
 
     def theta_call(num_warps):  # each row's sampled θ, one program a row
-        return pl.pallas_call(
+        return pallas_call(
             functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
             grid=(t,),
             out_shape=flag,
@@ -948,7 +949,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
         if dense and KEEP_BITS:
             bufs, slow = _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes, chunks)
         else:
-            *bufs, slow = pl.pallas_call(
+            *bufs, slow = pallas_call(
                 functools.partial(_chunk_kernel, **statics, theta_given=True),
                 grid=(t, 1),
                 out_shape=(*buffers(t), flag),
@@ -957,7 +958,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
                 name="jsparse_topk_compact",
             )(*inputs, theta)
         n_out = len(bufs) + 1  # flagged rows: the slow path, in place
-        *bufs, slow = pl.pallas_call(
+        *bufs, slow = pallas_call(
             functools.partial(
                 _exact_kernel, dense=dense, codes=codes, top_k=top_k, cap=cap, cfg=cfg
             ),
@@ -973,7 +974,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
         seg_codes = codes and not (dense and MERGE_WRITES_CODES)
         shared_theta = SHARED_THETA_MIN_ROWS is not None and t >= SHARED_THETA_MIN_ROWS
         theta = (theta_call(cfg.split_num_warps),) if shared_theta else ()
-        segments = pl.pallas_call(
+        segments = pallas_call(
             functools.partial(
                 _chunk_kernel, **statics | dict(codes=seg_codes), theta_given=shared_theta
             ),
@@ -985,7 +986,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
             interpret=interpret,
             name="jsparse_topk_compact_chunks",
         )(*inputs, *theta)
-        *bufs, slow = pl.pallas_call(
+        *bufs, slow = pallas_call(
             functools.partial(_merge_kernel, **statics, seg_codes=seg_codes),
             grid=(t, chunks),
             out_shape=(*buffers(t), flag),
@@ -1006,7 +1007,7 @@ def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes, chunks=1):
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
     n_words = -(-scores.shape[1] // blk) * (blk // 32)  # every aligned block has its words
-    words = pl.pallas_call(
+    words = pallas_call(
         functools.partial(_keep_bits_kernel, cfg=cfg, chunks=chunks),
         grid=(t, chunks),
         # no init: words outside a row's blocks are never read
@@ -1017,7 +1018,7 @@ def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes, chunks=1):
     )(scores, start, end, theta)
     slots = jax.ShapeDtypeStruct((t * cap,), i32)  # no init: nothing reads past a count
     per_row = jax.ShapeDtypeStruct((t,), i32)
-    *bufs, flag = pl.pallas_call(
+    *bufs, flag = pallas_call(
         functools.partial(
             _expand_bits_kernel, top_k=top_k, cap=cap, cfg=cfg, codes=codes, width=scores.shape[1]
         ),
@@ -1199,7 +1200,7 @@ def _select_call(src, ids, counts, top_k, gather, cfg, scores_out=False):
     kernel = functools.partial(
         _select_kernel, top_k=top_k, cap=cap, gather=gather, cfg=cfg, scores_out=scores_out
     )
-    out_codes, out_ids, kth = pl.pallas_call(
+    out_codes, out_ids, kth = pallas_call(
         kernel,
         grid=(t,),
         out_shape=(
@@ -1284,7 +1285,7 @@ def rank_order(codes, ids, *, id_ordered=False, tile=16384):
     bi = max(1, min(tile // bj, 1 << (k - 1).bit_length()))
     parts = -(-k // bi)
     kernel = functools.partial(_rank_order_kernel, k=k, bi=bi, bj=bj, id_ordered=id_ordered)
-    ids, scores = pl.pallas_call(
+    ids, scores = pallas_call(
         kernel,
         grid=(t, parts),
         out_shape=(
@@ -1430,7 +1431,7 @@ def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512, num_warps=4, num_
         raise ValueError(f"rank_select: bj={bj} must be a multiple of bi={bi}")
     kernel = functools.partial(_rank_select_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj)
     parts = -(-max(cap, top_k) // bi)
-    out_ids, out_scores = pl.pallas_call(
+    out_ids, out_scores = pallas_call(
         kernel,
         grid=(t, parts),
         out_shape=(
@@ -1520,7 +1521,7 @@ def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, num_warps=4):
     flat, interpret = codes.reshape(-1), backend.is_interpret()
     compiler = plt.CompilerParams(num_warps=num_warps, num_stages=1)
     slots = jax.ShapeDtypeStruct((t * cap,), jnp.int32)
-    sorted_codes, own_rank = pl.pallas_call(
+    sorted_codes, own_rank = pallas_call(
         functools.partial(_within_block_rank_kernel, cap=cap, bi=bi, bj=bj),
         grid=(t, -(-cap // bi)),
         out_shape=(slots, slots),  # no init: a slot past the count is never read
@@ -1528,7 +1529,7 @@ def block_rank_select(codes, ids, counts, top_k, *, bi=16, bj=512, num_warps=4):
         interpret=interpret,
         name="jsparse_topk_block_rank",
     )(flat, counts)
-    out_ids, out_scores = pl.pallas_call(
+    out_ids, out_scores = pallas_call(
         functools.partial(_merged_rank_kernel, top_k=top_k, cap=cap, bi=bi, bj=bj),
         grid=(t, -(-max(cap, top_k) // bi)),
         out_shape=(
@@ -1635,7 +1636,7 @@ def bitonic_order(codes, ids, *, num_warps=None):
     if num_warps is None:
         num_warps = FEW_ROWS_BITONIC_WARPS if _few_rows(t) else 8
     n = 1 << (k - 1).bit_length()
-    out_ids, out_scores = pl.pallas_call(
+    out_ids, out_scores = pallas_call(
         functools.partial(_bitonic_order_kernel, k=k, n=n),
         grid=(t,),
         out_shape=(
