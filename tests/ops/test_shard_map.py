@@ -86,7 +86,7 @@ OPS = {
 }
 
 
-# every op, and the Mosaic scorer: compiled or lowered only (its interpreter is slow)
+# every op, the Mosaic scorer and a derivative: compiled or lowered only
 ALL_OPS = dict(
     OPS,
     indexer_topk_mosaic=(
@@ -100,6 +100,13 @@ ALL_OPS = dict(
             ).indices
         ),
         ["q64", "w", "keys64"],
+    ),
+    # the scorer's derivative (the reference's) beside the kernel's value
+    indexer_scores_grad=(
+        lambda a, i: jax.grad(
+            lambda q: jnp.sum(jsparse.indexer_scores(q, a["w"], a["keys"], implementation=i) ** 2)
+        )(a["q"]),
+        ["q", "w", "keys"],
     ),
 )
 
