@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 
@@ -31,29 +33,26 @@ def varying_axes(args: Any) -> frozenset:
 def _typed(shapes: Any, args: tuple) -> tuple[Any, tuple]:
     """(``shapes``, ``args``) typed to vary over the axes any of ``args`` varies over.
 
-    The shapes (ShapeDtypeStructs) declare it, even when it is no axis (a checked
-    ``shard_map`` wants it said); each argument that varies over fewer axes is cast to
-    vary over them all (no data moves), since an output aliased to an input takes the
-    input's type."""
-    mats = [
-        getattr(jax.typeof(x), "manual_axis_type", None)
-        for x in jax.tree.leaves(args)
-        if isinstance(x, jax.Array)
-    ]
-    mats = [m for m in mats if m is not None]
-    if not mats:
-        return shapes, args
+    Each argument that varies over fewer axes is cast to vary over them all (no data
+    moves), since an output aliased to an input takes the input's type; the shapes
+    (ShapeDtypeStructs) then declare the arguments' common type, even when it is no axis
+    (a checked ``shard_map`` wants it said)."""
     axes = varying_axes(args)
-    mat = type(mats[0])(varying=axes)
+    if axes:
+        args = jax.tree.map(lambda x: _vary(x, axes), args)
+    arrays = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
+    mat = getattr(jax.typeof(arrays[0]), "manual_axis_type", None) if arrays else None
+    if mat is None:
+        return shapes, args
     shapes = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), shapes
     )
-    if axes:
-        args = jax.tree.map(lambda x: _vary(x, axes), args)
     return shapes, args
 
 
 def _vary(x: Any, axes: frozenset) -> Any:
+    if isinstance(x, np.ndarray):  # a constant: typed as varying over no axis
+        x = jnp.asarray(x)
     if not isinstance(x, jax.Array):
         return x
     missing = tuple(sorted(axes - varying_axes(x)))
