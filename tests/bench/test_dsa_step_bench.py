@@ -4,6 +4,7 @@ can fail."""
 import json
 
 import jax.numpy as jnp
+import numpy as np
 
 from bench import dsa_step
 from bench.run import main
@@ -15,17 +16,23 @@ def test_check_accepts_every_method_and_flags_a_wrong_answer():
     cache = dsa_step.make_step_inputs(CASE)
     queries = dsa_step.make_queries(CASE, 0)
     lists = dsa_step.selected_rows(queries, *cache[1:], top_k=12)
-    inputs = dict(queries=queries, rows=cache[0], want_lists=lists, dc=32)
+    inputs = dict(queries=queries, rows=cache[0], keys=cache[1], k_scale=cache[2],
+                  lengths=cache[3], want_lists=lists, dc=32)  # fmt: skip
     out = {}
     for method in ("xla", "dense", "dsa"):
         out[method] = dsa_step.step_fn(method, "reference", CASE)(queries, *cache)
-        assert out[method].shape == (2, 8, 32)
         assert dsa_step.check(method, out[method], **inputs) == [], method
-    assert dsa_step.check("dense", out["dsa"], **inputs) != []  # 12 of 96 rows
-    wrong = out["dsa"].at[1, 3, 0].add(jnp.bfloat16(1.0))
-    assert dsa_step.check("dsa", wrong, **inputs) != []
-    other = lists.at[0, 0].set(jnp.where(lists[0, 0] == 0, 1, 0))  # one row swapped
-    assert dsa_step.check("dsa", out["dsa"], **inputs | {"want_lists": other}) != []
+    attended, ids = out["dsa"]
+    assert attended.shape == out["xla"].shape == (2, 8, 32)
+    np.testing.assert_array_equal(ids, lists)  # one scorer on the CPU
+    assert dsa_step.check("dense", attended, **inputs) != []  # 12 of 96 rows
+    wrong = attended.at[1, 3, 0].add(jnp.bfloat16(1.0))
+    assert dsa_step.check("dsa", (wrong, ids), **inputs) != []
+    # dsa is checked on its own selection, which must be an exact Top-K
+    outside = jnp.setdiff1d(jnp.arange(96), ids[1])[0]
+    swapped = ids.at[1, 0].set(outside)  # a winner replaced by a loser
+    assert any("sequence 1" in p for p in dsa_step.check("dsa", (attended, swapped), **inputs))
+    assert dsa_step.check("xla", out["xla"], **inputs | {"want_lists": swapped}) != []
 
 
 def test_the_cli_runs_the_smoke_preset(tmp_path):

@@ -356,12 +356,35 @@ def test_dsa_steps_lower_for_an_h200(t, monkeypatch):
     assert "jsparse_indexed_mla_attention" in text and text.count("__gpu$xla.gpu.triton") >= 2
 
 
+def _own_inputs_mismatches(top, q, w, cache, rows, b):
+    """``topk_mismatches`` of a step's rows ``rows`` against numpy scores of the FP8
+    queries ``q`` / weights ``w`` it computed and the cache it read; tolerance: the FP8
+    tensor cores' accumulation (1e-3 of the row's largest score, the indexer bench's)."""
+    keys = np.asarray(cache.keys[b].astype(jnp.float32), np.float64)
+    keys = keys * np.asarray(cache.scale[b], np.float64)[:, None]
+    qb = np.asarray(q[b, rows].astype(jnp.float32), np.float64)
+    scores = np.einsum("th,ths->ts", np.asarray(w[b, rows], np.float64),
+                       np.maximum(np.einsum("thd,sd->ths", qb, keys), 0.0))  # fmt: skip
+    seen = np.asarray(cache.lengths[b]) - q.shape[1] + np.asarray(rows)  # each row's position
+    scores = np.where(np.arange(keys.shape[0])[None] <= seen[:, None], scores, -np.inf)
+    atol = 1e-3 * np.max(np.abs(scores[np.isfinite(scores)]))
+    k = top.indices.shape[-1]
+    return topk_mismatches(top.indices[b, rows], top.scores[b, rows], scores, k, atol)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["base", "dosa"])
-def test_gpu_deepseek_sizes_decode_selects_what_prefill_selects(method):
+def test_gpu_deepseek_sizes_decode_and_chunks_select_exactly(method):
     """V3.2's indexer (64 heads of 128, RoPE 64, FP8, K = 2048) compiled: a 6144-token
-    prompt in two chunks, then 4 decode steps; every step's selection equals the
-    prefill of the whole sequence's row, and the last rows pass the numpy oracle."""
+    prompt in two chunks, then 4 decode steps, and the prefill of the whole sequence.
+    Every step's rows (sampled) are the exact Top-K of the queries it projected and the
+    keys it read, and the steps select what the whole prefill selects but for near-ties.
+
+    Not id for id on a GPU (run 226): XLA's projections of a 4096-token chunk and of
+    the whole sequence round differently (the matmul's algorithm depends on its shape),
+    an FP8 cast then and then lands a query on the next value, and keys at the K-th
+    score closer than that swap (922 of 25M ids). On the CPU the two are identical and
+    the non-``gpu`` tests above assert it."""
     b, prompt, steps = 2, 6144, 4
     t = prompt + steps
     x = jax.random.normal(jax.random.key(5), (b, t, 256), jnp.float32)
@@ -369,35 +392,46 @@ def test_gpu_deepseek_sizes_decode_selects_what_prefill_selects(method):
     def layer():
         return Indexer(256, top_k=2048, method=method, rngs=nnx.Rngs(0))
 
-    whole, _ = nnx.jit(lambda m, x, c: m(x, c))(layer(), x, layer().init_cache(b, 8192))
+    @nnx.jit
+    def step(m, x, c):  # the queries beside the step: XLA computes them once (CSE)
+        pos = c.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
+        top, grown = m(x, c)
+        return top, grown, *m.queries(x, pos)
+
     index = layer()
+    whole = step(index, x, index.init_cache(b, 8192))
     cache = index.init_cache(b, 8192)
-    step = nnx.jit(lambda m, x, c: m(x, c))
     picked = []
     for lo, hi in [(0, 4096), (4096, prompt)] + [(i, i + 1) for i in range(prompt, t)]:
-        top, cache = step(index, x[:, lo:hi], cache)
+        top, cache, q, w = step(index, x[:, lo:hi], cache)
+        rows = sorted({0, (hi - lo) // 3, hi - lo - 1})
+        for bi in range(b):
+            problems = _own_inputs_mismatches(top, q, w, cache, rows, bi)
+            assert not problems, (lo, bi, problems[:3])
         picked.append(np.asarray(top.indices))
-    np.testing.assert_array_equal(np.concatenate(picked, axis=1), np.asarray(whole.indices))
-    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    s = oracle_scores(index, x, pos, asking=slice(t - 2, None))
+    top, full_cache, q, w = whole
     for bi in range(b):
-        problems = topk_mismatches(whole.indices[bi, -2:], whole.scores[bi, -2:], s[bi], 2048,
-                                   atol=1e-4)  # fmt: skip
-        assert not problems, problems[:3]
+        problems = _own_inputs_mismatches(top, q, w, full_cache, [0, 3000, t - 2, t - 1], bi)
+        assert not problems, ("whole", bi, problems[:3])
+    # near-ties only: a wrong cache row or range would differ in far more places
+    differ = np.mean(np.concatenate(picked, axis=1) != np.asarray(top.indices))
+    assert differ < 1e-3, differ
 
 
 @pytest.mark.gpu
 def test_gpu_deepseek_sizes_dsa_layer_equals_its_reference():
     """An MLA layer with V3.2's rows (512 + 64) and indexer (64 × 128, FP8, K = 2048),
     compiled, BF16 rows: after a 4096-token prompt, a 64-token chunk and a decode step
-    give the reference layer's output on the same cache (the selections are exact, so
-    only the attention's rounding differs)."""
+    give the output of the same layer with the reference attention on the same cache.
+    Both select with the kernels: a GPU's FP8 tensor cores and the reference scorer may
+    break near-ties at the K-th score differently, both exact for their own arithmetic
+    (the selection has its own test above), so only the attention's rounding differs."""
     b, prompt = 2, 4096
     x = jax.random.normal(jax.random.key(7), (b, prompt + 65, 256), jnp.float32)
 
-    def layer(impl):
-        index = Indexer(256, top_k=2048, implementation=impl, rngs=nnx.Rngs(0))
-        return MLAAttention(256, 16, core=SelectedMLA(implementation=impl), indexer=index,
+    def layer(core_impl):
+        index = Indexer(256, top_k=2048, rngs=nnx.Rngs(0))
+        return MLAAttention(256, 16, core=SelectedMLA(implementation=core_impl), indexer=index,
                             rngs=nnx.Rngs(1))  # fmt: skip
 
     kernels, reference = layer(None), layer("reference")

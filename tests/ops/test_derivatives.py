@@ -146,9 +146,12 @@ def test_the_scorer_reference_differentiates_like_its_loops(op):
 
 
 def _oracle(q, weights, keys, scale, ids):
-    """Σ_h w·relu(q·k)·scale of the given rows ([T, N, D] keys), -1 ids: 0."""
-    logits = jnp.einsum("thd,tnd->thn", q.astype(jnp.float32), keys.astype(jnp.float32))
-    scores = jnp.einsum("th,thn->tn", weights, jnp.maximum(logits, 0.0)) * scale
+    """Σ_h w·relu(q·k)·scale of the given rows ([T, N, D] keys), -1 ids: 0. In f32: a
+    GPU's default f32 matmul is TF32, 1e-3 off (run 225)."""
+    f32, highest = jnp.float32, jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("thd,tnd->thn", q.astype(f32), keys.astype(f32), precision=highest)
+    scores = jnp.einsum("th,thn->tn", weights, jnp.maximum(logits, 0.0), precision=highest)
+    scores = scores * scale
     return jnp.where(ids >= 0, scores, 0.0)
 
 

@@ -172,10 +172,16 @@ def test_under_check_vma_every_kernel_declares_varying_outputs_and_lowers_to_cud
     def local(*xs):
         return fn(dict(ARRAYS, **dict(zip(names, xs, strict=True))), "triton")
 
-    body = shard_map(local, mesh=h200_mesh(("x",)), in_specs=specs, out_specs=P("x"))
-    lowered = lower_for_h200(body, *(ARRAYS[n] for n in names))
+    mesh = h200_mesh(("x",))
+    body = shard_map(local, mesh=mesh, in_specs=specs, out_specs=P("x"))
+    # placed as in_specs says (jax 0.11 checks the arguments' shardings against it)
+    structs = [
+        jax.ShapeDtypeStruct(ARRAYS[n].shape, ARRAYS[n].dtype, sharding=NamedSharding(mesh, p))
+        for n, p in zip(names, specs, strict=True)
+    ]
+    lowered = lower_for_h200(body, *structs)
     with backend.interpret_mode(False):
-        jaxpr = jax.make_jaxpr(body)(*(ARRAYS[n] for n in names)).jaxpr
+        jaxpr = jax.make_jaxpr(body)(*structs).jaxpr
     kernels = list(_kernel_types(jaxpr))
     assert any(inputs == {"x"} for inputs, _ in kernels), "no kernel reads the sharded input"
     for inputs, outputs in kernels:  # an output varies where its kernel's inputs do
