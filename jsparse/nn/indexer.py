@@ -37,7 +37,7 @@ from jsparse.certified.decode import indexer_topk_decode
 from jsparse.models.llama import apply_rope, rope_angles
 from jsparse.ops.indexer import IndexerTopK, indexer_scores, indexer_topk, indexer_topk_batch
 from jsparse.ops.indexer.api import METHODS
-from jsparse.ops.indexer.prepare import hadamard, quantize_fp8
+from jsparse.ops.indexer.prepare import hadamard, quantize_fp8, quantize_fp8_straight_through
 
 CACHE_DTYPES = (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32)
 BATCH_METHODS = ("xla", "base")  # what indexer_topk_batch selects with
@@ -130,10 +130,17 @@ class Indexer(nnx.Module):
         return hadamard(x) if self.rotate else x
 
     def queries(
-        self, x: Float[Array, "B T C"], positions: Int[Array, "B T"], query_input=None
+        self,
+        x: Float[Array, "B T C"],
+        positions: Int[Array, "B T"],
+        query_input=None,
+        *,
+        straight_through: bool = False,
     ) -> tuple[Float[Array, "B T H D"], Float[Array, "B T H"]]:
         """(queries in ``cache_dtype``, float32 head weights with each FP8 query head's
-        scale folded in) of the tokens ``x`` at ``positions``."""
+        scale folded in) of the tokens ``x`` at ``positions``. ``straight_through``
+        (training): FP8 queries come as their values in bfloat16, differentiable
+        (:func:`~jsparse.ops.indexer.prepare.quantize_fp8_straight_through`)."""
         if (query_input is None) != (self.query_dim is None):
             raise ValueError(
                 "query_input: " + ("required" if self.query_dim else "not taken")
@@ -154,18 +161,20 @@ class Indexer(nnx.Module):
         weights = self.weights_proj(x.astype(jnp.float32)) * (h**-0.5 * d**-0.5)
         if not self.fp8:
             return q.astype(self.cache_dtype), weights
-        q8, q_scale = quantize_fp8(q)  # one scale per (token, head)
+        quantize = quantize_fp8_straight_through if straight_through else quantize_fp8
+        q8, q_scale = quantize(q)  # one scale per (token, head)
         return q8, weights * q_scale
 
     def keys(
-        self, x: Float[Array, "B T C"], positions: Int[Array, "B T"]
+        self, x: Float[Array, "B T C"], positions: Int[Array, "B T"], *, straight_through=False
     ) -> tuple[Float[Array, "B T D"], Float[Array, "B T"] | None]:
-        """(keys in ``cache_dtype``, their FP8 scales or None) of the tokens ``x``."""
+        """(keys in ``cache_dtype``, their FP8 scales or None) of the tokens ``x``;
+        ``straight_through`` as in :meth:`queries`."""
         k = self.k_norm(self.wk(x.astype(jnp.float32)))
         k = self._rope_and_rotate(k[:, :, None], positions)[:, :, 0]
         if not self.fp8:
             return k.astype(self.cache_dtype), None
-        return quantize_fp8(k)
+        return (quantize_fp8_straight_through if straight_through else quantize_fp8)(k)
 
     def init_cache(self, batch: int, max_len: int) -> IndexerCache:
         """An empty cache for ``max_len`` tokens per sequence."""
@@ -271,8 +280,9 @@ class Indexer(nnx.Module):
         _checks.check_rank("x", x, 3, "[B, T, d_model]")
         b, t, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        q, weights = self.queries(x, positions, query_input)
-        k, scale = self.keys(x, positions)
+        # FP8 values carried in bfloat16: a float8 array would round the gradient to E4M3
+        q, weights = self.queries(x, positions, query_input, straight_through=True)
+        k, scale = self.keys(x, positions, straight_through=True)
         if scale is None:  # a unit scale multiplies exactly
             scale = jnp.ones((b, t), jnp.float32)
         end = jnp.arange(1, t + 1, dtype=jnp.int32)
