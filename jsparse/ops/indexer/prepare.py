@@ -24,10 +24,14 @@ def quantize_fp8(x: Float[Array, "... D"], axis: int = -1):
     Returns (payload float8_e4m3fn, scale float32 with ``axis`` dropped), ``x ≈ payload ·
     scale``; an all-zero row gets scale 1.
     """
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    scale = _fp8_scale(x, axis)
     payload = (x / scale).astype(jnp.float8_e4m3fn)
     return payload, jnp.squeeze(scale, axis)
+
+
+def _fp8_scale(x, axis):
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    return jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
 
 
 def quantize_fp8_straight_through(x: Float[Array, "... D"], axis: int = -1):
@@ -40,8 +44,7 @@ def quantize_fp8_straight_through(x: Float[Array, "... D"], axis: int = -1):
     indexer's projection gradients then point elsewhere (cosine 0.24 and -0.01 to the
     f32 indexer's on the same data; 0.995 through this, the rest being FP8's forward
     rounding)."""
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    scale = _fp8_scale(x, axis)
     scaled = x / scale
     payload = jax.lax.stop_gradient(scaled.astype(jnp.float8_e4m3fn).astype(jnp.bfloat16))
     through = (scaled - jax.lax.stop_gradient(scaled)).astype(jnp.bfloat16)  # 0, derivative 1
