@@ -22,16 +22,18 @@ def test_check_accepts_every_method_and_flags_a_wrong_answer():
     for method in ("xla", "dense", "dsa"):
         out[method] = dsa_step.step_fn(method, "reference", CASE)(queries, *cache)
         assert dsa_step.check(method, out[method], **inputs) == [], method
-    attended, ids = out["dsa"]
+    attended, top = out["dsa"]
+    ids = top.indices
     assert attended.shape == out["xla"].shape == (2, 8, 32)
     np.testing.assert_array_equal(ids, lists)  # one scorer on the CPU
     assert dsa_step.check("dense", attended, **inputs) != []  # 12 of 96 rows
     wrong = attended.at[1, 3, 0].add(jnp.bfloat16(1.0))
-    assert dsa_step.check("dsa", (wrong, ids), **inputs) != []
+    assert dsa_step.check("dsa", (wrong, top), **inputs) != []
     # dsa is checked on its own selection, which must be an exact Top-K
     outside = jnp.setdiff1d(jnp.arange(96), ids[1])[0]
     swapped = ids.at[1, 0].set(outside)  # a winner replaced by a loser
-    assert any("sequence 1" in p for p in dsa_step.check("dsa", (attended, swapped), **inputs))
+    swapped_top = top.replace(indices=swapped)
+    assert any("sequence 1" in p for p in dsa_step.check("dsa", (attended, swapped_top), **inputs))
     assert dsa_step.check("xla", out["xla"], **inputs | {"want_lists": swapped}) != []
 
 
