@@ -66,7 +66,13 @@ def oracle_scores(layer: Indexer, x, positions, query_input=None, asking=slice(N
     ql = None if query_input is None else query_input[:, asking]
     q, w = layer.queries(x[:, asking], positions[:, asking], ql)
     k, scale = layer.keys(x, positions)
-    positions = positions[:, asking]
+    return numpy_scores(q, w, k, scale, positions[:, asking])
+
+
+def numpy_scores(q, w, k, scale, positions):
+    """[B, T, S] float64 scores of queries q [B, T, H, D] (weights w [B, T, H]) against
+    keys k [B, S, D] times ``scale`` [B, S] (or None); -inf past each query's
+    position [B, T]."""
     q, w, k = (np.asarray(a.astype(jnp.float32), np.float64) for a in (q, w, k))
     if scale is not None:
         k = k * np.asarray(scale, np.float64)[..., None]
@@ -400,13 +406,10 @@ def _own_inputs_mismatches(top, q, w, cache, rows, b):
     """``topk_mismatches`` of a step's rows ``rows`` against numpy scores of the FP8
     queries ``q`` / weights ``w`` it computed and the cache it read; tolerance: the FP8
     tensor cores' accumulation (1e-3 of the row's largest score, the indexer bench's)."""
-    keys = np.asarray(cache.keys[b].astype(jnp.float32), np.float64)
-    keys = keys * np.asarray(cache.scale[b], np.float64)[:, None]
-    qb = np.asarray(q[b, rows].astype(jnp.float32), np.float64)
-    scores = np.einsum("th,ths->ts", np.asarray(w[b, rows], np.float64),
-                       np.maximum(np.einsum("thd,sd->ths", qb, keys), 0.0))  # fmt: skip
     seen = np.asarray(cache.lengths[b]) - q.shape[1] + np.asarray(rows)  # each row's position
-    scores = np.where(np.arange(keys.shape[0])[None] <= seen[:, None], scores, -np.inf)
+    one = slice(b, b + 1)
+    scores = numpy_scores(q[one, rows], w[one, rows], cache.keys[one], cache.scale[one],
+                          seen[None])[0]  # fmt: skip
     atol = 1e-3 * np.max(np.abs(scores[np.isfinite(scores)]))
     k = top.indices.shape[-1]
     return topk_mismatches(top.indices[b, rows], top.scores[b, rows], scores, k, atol)
