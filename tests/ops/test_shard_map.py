@@ -111,10 +111,15 @@ ALL_OPS = dict(
 )
 
 
+def _specs(names):
+    """Every input sharded over "x" by its leading axis, shared keys replicated."""
+    return tuple(P() if n.startswith("keys") else P("x") for n in names)
+
+
 def _sharded(op, implementation, check_vma):
     fn, names = ALL_OPS[op]
     mesh = jax.make_mesh((len(jax.devices()),), ("x",))
-    specs = tuple(P() if n.startswith("keys") else P("x") for n in names)
+    specs = _specs(names)
     placed = [
         jax.device_put(ARRAYS[n], NamedSharding(mesh, s)) for n, s in zip(names, specs, strict=True)
     ]
@@ -167,7 +172,7 @@ def _kernel_types(jaxpr):
 def test_under_check_vma_every_kernel_declares_varying_outputs_and_lowers_to_cuda(op, monkeypatch):
     monkeypatch.setattr(backend, "has_nvidia_gpu", lambda: True)
     fn, names = ALL_OPS[op]
-    specs = tuple(P() if n.startswith("keys") else P("x") for n in names)
+    specs = _specs(names)
 
     def local(*xs):
         return fn(dict(ARRAYS, **dict(zip(names, xs, strict=True))), "triton")
