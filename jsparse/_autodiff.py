@@ -1,7 +1,9 @@
-"""Derivatives of the library's ops, which run Pallas kernels that have no backward.
+"""Derivatives of the library's ops, which run Pallas kernels.
 
-Three rules (user-facing summary in :mod:`jsparse.backend`'s module doc):
+Four rules (user-facing summary in :mod:`jsparse.backend`'s module doc):
 
+* :func:`reverse_kernel`: an op with a backward kernel of its own (``indexer_scores``)
+  runs it in reverse mode (``jax.custom_vjp``; forward mode then needs the reference).
 * :func:`smooth_kernel`: an op whose outputs are smooth in its float inputs (scores,
   attention over given lists) runs the kernel forward and takes the tangent from the
   op's jnp reference, the same function; forward and reverse mode.
@@ -79,6 +81,43 @@ def smooth_kernel(kernel: Callable, reference: Callable, args: tuple, kwargs: di
         return out, jax.tree.map(_tangent_like, out, tangent_out)
 
     return smooth(*arrays)
+
+
+def reverse_kernel(kernel: Callable, backward: Callable, args: tuple) -> Any:
+    """``kernel(*args)``, whose reverse-mode derivative is ``backward(cotangent, *args)``:
+    one cotangent per positional argument (None: no cotangent). ``args`` are flat:
+    arrays, None or static values (their derivative is by position)."""
+    if any(len(jax.tree.leaves(a)) > 1 for a in args):
+        raise TypeError("reverse_kernel: every argument must be an array, None or a static value")
+    arrays, bind = _explicit_arrays(args, {})
+    run = bind(kernel)
+    if not _traced(arrays):
+        return run(*arrays)
+    positions = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+    op = jax.custom_vjp(run)
+
+    def forward(*arrays):
+        return run(*arrays), arrays
+
+    def backward_rule(arrays, cotangent):
+        from jsparse._pallas import varying_axes  # imports Pallas, as the kernels do
+
+        per_arg = bind(functools.partial(backward, cotangent))(*arrays)
+
+        def typed(ct, primal):
+            # Inside a checked shard_map a primal that does not vary over a mesh axis
+            # (replicated keys) takes the sum of every shard's cotangent, as JAX's own
+            # transpose of the cast to varying does.
+            extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+            return jax.lax.psum(ct, extra) if extra else ct
+
+        return tuple(
+            typed(per_arg[i], a) if jnp.issubdtype(a.dtype, jnp.inexact) else None
+            for i, a in zip(positions, arrays, strict=True)
+        )
+
+    op.defvjp(forward, backward_rule)
+    return op(*arrays)
 
 
 def no_derivative(op: str, name: str, kernel: Callable, args: tuple, kwargs: dict) -> Any:

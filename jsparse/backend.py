@@ -12,10 +12,12 @@ Every public op takes ``implementation=``:
   errors propagate, nothing falls back silently.
 * a sequence of names: tried in order, falling back on ``NotImplementedError``.
 
-Derivatives. The Pallas kernels have no backward kernels; every op is still
-differentiable where its math is (``jsparse._autodiff``):
+Derivatives. Every op is differentiable where its math is (``jsparse._autodiff``):
 
-* ops smooth in their float inputs (``indexer_scores``, ``indexed_attention``,
+* ``indexer_scores``' Triton and Mosaic kernels have a backward of their own (two Triton
+  kernels, :mod:`jsparse.ops.indexer.backward`): reverse mode only; forward mode
+  through them raises, and ``implementation="reference"`` has both;
+* the other ops smooth in their float inputs (``indexed_attention``,
   ``indexed_mla_attention``, ``projected_scores``, ``projected_step``:
   ``dispatch(..., differentiable=True)``) run the kernel forward and take the derivative
   of their jnp reference, the same function, in forward and reverse mode (at the
@@ -159,6 +161,7 @@ def dispatch(
     /,
     *args: Any,
     differentiable: bool = False,
+    backward: dict[str, Callable[..., Any]] | None = None,
     **kwargs: Any,
 ) -> Any:
     """Calls the first implementation of ``op`` that accepts the input.
@@ -167,6 +170,9 @@ def dispatch(
     one signature. ``differentiable``: the op's outputs are smooth functions of its float
     inputs, so a kernel's derivative is its ``"reference"``'s (module doc); otherwise a
     gradient reaching a kernel's float outputs raises ``NotImplementedError``.
+    ``backward``: Pallas implementations with a backward kernel of their own,
+    ``backward[name](cotangent, *args)`` (positional arguments only), used in reverse
+    mode in place of the reference's derivative.
     """
     names, may_fall_back = resolve(implementation, tuple(implementations))
     errors: list[str] = []
@@ -186,6 +192,10 @@ def dispatch(
             if name not in PALLAS_IMPLEMENTATIONS:
                 return implementations[name](*args, **kwargs)
             kernel = _with_default_types(implementations[name])
+            if backward and name in backward:
+                if kwargs:
+                    raise TypeError(f"{op}: a backward kernel takes positional arguments only")
+                return _autodiff.reverse_kernel(kernel, backward[name], args)
             if differentiable:
                 reference = implementations["reference"]
                 return _autodiff.smooth_kernel(kernel, reference, args, kwargs)

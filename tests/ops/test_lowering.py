@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jsparse
-from jsparse.ops.indexer import methods
+from jsparse.ops.indexer import backward, methods
 from jsparse.ops.indexer import triton as indexer_triton
 from jsparse.ops.topk import triton as select
 from tests.lowering import lower_for_h200
@@ -32,6 +32,10 @@ KERNELS = {
     "scores": lambda q, w, k, s, a, b: indexer_triton.indexer_scores_triton(q, w, k, s, a, b),
     "base": lambda q, w, k, s, a, b: methods.topk_base(q, w, k, K, s, a, b),
     "full": lambda q, w, k, s, a, b: methods.topk_full(q, w, k, K, s, a, b),
+    # the scores' derivative (cotangent: the scores themselves, which have its shape)
+    "scores_backward": lambda q, w, k, s, a, b: backward.indexer_scores_vjp_triton(
+        indexer_triton.indexer_scores_triton(q, w, k, s, a, b), q, w, k, s, a, b
+    ),
 }
 
 

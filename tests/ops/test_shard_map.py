@@ -101,11 +101,18 @@ ALL_OPS = dict(
         ),
         ["q64", "w", "keys64"],
     ),
-    # the scorer's derivative (the reference's) beside the kernel's value
+    # the scorer's derivative (its backward kernels) for sharded queries and for the
+    # replicated keys, whose cotangent sums every shard's
     indexer_scores_grad=(
         lambda a, i: jax.grad(
             lambda q: jnp.sum(jsparse.indexer_scores(q, a["w"], a["keys"], implementation=i) ** 2)
         )(a["q"]),
+        ["q", "w", "keys"],
+    ),
+    indexer_scores_grad_keys=(
+        lambda a, i: jax.grad(
+            lambda k: jnp.sum(jsparse.indexer_scores(a["q"], a["w"], k, implementation=i) ** 2)
+        )(a["keys"]),
         ["q", "w", "keys"],
     ),
 )

@@ -39,6 +39,9 @@ from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 from jsparse.ops.topk.reference import select_topk_reference
 
 METHODS = ("xla", "base", "full", "dense", "dosa")
+# False: the kernels' scores take the reference's derivative (XLA einsums in f32) in
+# place of the backward kernels; for side-by-side timing (WORKSPACE.md, run 228).
+SCORES_BACKWARD_KERNELS = True
 
 
 def _validate(q, weights, k, k_scale, kv_start, kv_end):
@@ -113,6 +116,7 @@ def indexer_scores(
         return backend.dispatch(
             "indexer_scores", _score_implementations(), implementation,
             q, weights, k, k_scale, start, end, differentiable=True,
+            backward=_score_backward() if SCORES_BACKWARD_KERNELS else None,
         )  # fmt: skip
 
     chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
@@ -352,6 +356,21 @@ def _score_implementations():
         "mosaic": _clamping(_mosaic("indexer_scores_mosaic"), 4),
         "reference": _clamping(jax.jit(reference.indexer_scores_reference), 4),
     }
+
+
+def _score_backward():
+    from jsparse.ops.indexer.backward import indexer_scores_vjp_triton
+
+    # the derivative of the scores' function: one backward for either forward kernel.
+    # Cotangents take their primal's dtype (a float8 one rounds to E4M3, as JAX's own).
+    def backward(cotangent, q, weights, k, k_scale, start, end):
+        grads = indexer_scores_vjp_triton(cotangent, q, weights, k, k_scale, start, end)
+        primals = (q, weights, k, k_scale)
+        pairs = zip(grads, primals, strict=True)
+        typed = (None if x is None else g.astype(x.dtype) for g, x in pairs)
+        return *typed, None, None
+
+    return {"triton": backward, "mosaic": backward}
 
 
 def _topk_implementations(method):

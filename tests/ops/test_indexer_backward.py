@@ -1,0 +1,165 @@
+"""The indexer scores' backward kernels (``jsparse.ops.indexer.backward``) against the
+reference's derivative: f32 einsums, the same function (interpreted on the CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse import backend
+from jsparse.ops.indexer import api
+from jsparse.ops.indexer.backward import BackwardConfig, indexer_scores_vjp_triton
+from jsparse.ops.indexer.reference import indexer_scores_einsum
+from tests.implementations import running
+
+RNG = np.random.default_rng(11)
+
+
+def _inputs(t, h, d, s, dtype, ranges, scaled=True):
+    q = jnp.asarray(RNG.standard_normal((t, h, d)), dtype)
+    w = jnp.asarray(RNG.standard_normal((t, h)), jnp.float32)
+    k = jnp.asarray(RNG.standard_normal((s, d)), dtype)
+    scale = jnp.asarray(RNG.uniform(0.5, 2.0, s), jnp.float32) if scaled else None
+    if ranges == "causal":  # the last T of S positions
+        start = np.zeros(t, np.int32)
+        end = np.arange(1, t + 1, dtype=np.int32) + (s - t)
+    elif ranges == "packed":  # three sequences packed, each causal within itself
+        cuts = np.sort(RNG.choice(np.arange(1, s), 2, replace=False))
+        pos = np.sort(RNG.integers(0, s, t))
+        start = np.select([pos < cuts[0], pos < cuts[1]], [0, cuts[0]], cuts[1]).astype(np.int32)
+        end = (pos + 1).astype(np.int32)
+    else:  # any ranges, some empty
+        start = RNG.integers(0, s, t).astype(np.int32)
+        end = np.minimum(start + RNG.integers(0, s, t), s).astype(np.int32)
+    cotangent = jnp.asarray(RNG.standard_normal((t, s)), jnp.float32)
+    return q, w, k, scale, jnp.asarray(start), jnp.asarray(end), cotangent
+
+
+def _oracle(cotangent, q, w, k, scale, start, end):
+    """The reference's derivative: f32 einsums at full precision, widened inputs."""
+    f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
+
+    def scores(q, w, k, scale):
+        return indexer_scores_einsum(q, w, k, scale, start, end, f32=True)
+
+    primals = (f32(q), w, f32(k), scale)
+    if scale is None:
+        _, vjp = jax.vjp(lambda q, w, k: scores(q, w, k, None), *primals[:3])
+        return (*vjp(cotangent), None)
+    _, vjp = jax.vjp(scores, *primals)
+    return vjp(cotangent)
+
+
+def _compare(got, want, rtol):
+    for name, a, b in zip(("dq", "dweights", "dk", "dk_scale"), got, want, strict=True):
+        if b is None:
+            assert a is None, name
+            continue
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == np.float32 and a.shape == b.shape, name
+        scale = np.abs(b).max()
+        assert scale > 0, name
+        np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale, err_msg=name)
+
+
+CASES = {
+    # T, H, D, S: odd sizes (padded heads and dims, partial tiles), T < 16, several tiles
+    "f32-causal": (37, 5, 24, 101, jnp.float32, "causal", True),
+    "f32-packed-unscaled": (70, 3, 16, 150, jnp.float32, "packed", False),
+    "bf16-any": (37, 5, 24, 101, jnp.bfloat16, "any", True),
+    "fp8-causal": (70, 8, 16, 150, jnp.float8_e4m3fn, "causal", False),
+    "fp8-one-query": (1, 4, 32, 77, jnp.float8_e4m3fn, "any", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_backward_kernels_equal_the_reference_derivative(case):
+    t, h, d, s, dtype, ranges, scaled = CASES[case]
+    cotangent, *args = (lambda x: (x[-1], *x[:-1]))(_inputs(t, h, d, s, dtype, ranges, scaled))
+    want = _oracle(cotangent, *args)
+    cfg = BackwardConfig(block_t=16, block_s=32, head_groups=2)  # several tiles each way
+    with running("triton"):
+        got = indexer_scores_vjp_triton(cotangent, *args, cfg=cfg)
+    # f32: the same products in another order; bf16 / FP8: the gated cotangent is
+    # rounded to bf16 for the second dot (relative 2^-9 a term)
+    _compare(got, want, 2e-5 if dtype == jnp.float32 else 4e-3)
+
+
+def test_backward_reads_the_cotangent_only_where_visible():
+    # a cotangent that is huge where no key is visible must not leak into the result
+    t, h, d, s = 20, 2, 16, 40
+    q, w, k, scale, start, end, cotangent = _inputs(t, h, d, s, jnp.float32, "any")
+    ids = jnp.arange(s)[None, :]
+    visible = (ids >= start[:, None]) & (ids < end[:, None])
+    poisoned = jnp.where(visible, cotangent, 1e30)
+    want = _oracle(cotangent, q, w, k, scale, start, end)
+    with running("triton"):
+        got = indexer_scores_vjp_triton(poisoned, q, w, k, scale, start, end)
+    _compare(got, want, 2e-5)
+
+
+def _loss(q, w, k, scale, start, end, target, implementation):
+    scores = jsparse.indexer_scores(
+        q, w, k, k_scale=scale, kv_start=start, kv_end=end, implementation=implementation
+    )
+    return jnp.sum(jnp.where(jnp.isfinite(scores), jnp.sin(scores) * target, 0.0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_grad_through_indexer_scores_uses_the_kernels(dtype, monkeypatch):
+    q, w, k, scale, start, end, target = _inputs(19, 4, 16, 45, dtype, "causal")
+    grad = jax.jit(jax.grad(_loss, argnums=(0, 1, 2, 3)), static_argnums=7)
+    want = grad(q, w, k, scale, start, end, target, "reference")
+    called = []
+    real = api._score_backward
+
+    def counting():
+        return {n: (lambda *a, n=n, f=f: called.append(n) or f(*a)) for n, f in real().items()}
+
+    monkeypatch.setattr(api, "_score_backward", counting)
+    with running("triton") as name:
+        got = grad(q, w, k, scale, start, end, target, name)
+    assert called == ["triton"]
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        tol = 2e-5 if dtype == jnp.float32 else 1e-2  # bf16: the cotangent's own rounding
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
+
+
+def test_forward_mode_needs_the_reference():
+    q, w, k, scale, start, end, target = _inputs(5, 2, 16, 20, jnp.float32, "causal")
+    tangent = jnp.ones_like(q)
+    jax.jvp(lambda q: _loss(q, w, k, scale, start, end, target, "reference"), (q,), (tangent,))
+    with running("triton") as name, pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda q: _loss(q, w, k, scale, start, end, target, name), (q,), (tangent,))
+
+
+def test_vmapped_grad_matches_the_reference():
+    # the Indexer's training loss vmaps the scores over a batch
+    batch = [_inputs(12, 2, 16, 12, jnp.bfloat16, "causal") for _ in range(2)]
+    q, w, k, scale, start, end, target = (jnp.stack(x) for x in zip(*batch, strict=True))
+
+    def grads(implementation):
+        loss = lambda q, w, k, s: _loss(q, w, k, s, start[0], end[0], target[0], implementation)  # noqa: E731
+        return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 2))))(q, w, k, scale)
+
+    want = grads("reference")
+    with running("triton") as name:
+        got = grads(name)
+    for a, b in zip(got, want, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * np.abs(b).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_gpu_backward_at_indexer_training_size(dtype):
+    # DeepSeek-V3.2's indexer (64 heads of 128), one causal 2048-token window
+    q, w, k, scale, start, end, cotangent = _inputs(2048, 64, 128, 2048, dtype, "causal")
+    w = w / 8.0
+    want = _oracle(cotangent, q, w, k, scale, start, end)
+    with backend.interpret_mode(False):
+        got = indexer_scores_vjp_triton(cotangent, q, w, k, scale, start, end)
+    _compare(got, want, 4e-3)
