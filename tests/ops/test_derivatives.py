@@ -213,7 +213,7 @@ SELECTIONS = {
 }
 
 
-def _assert_scores_differentiate_at_the_returned_ids(select, oracle, impl):
+def _assert_scores_differentiate_at_the_returned_ids(select, oracle, impl, tol=1e-5):
     keys = BATCH_KEYS if oracle is _batch_keys else KEYS
     ids = select(Q, keys, impl).indices
 
@@ -226,12 +226,16 @@ def _assert_scores_differentiate_at_the_returned_ids(select, oracle, impl):
     got, want = jax.grad(loss, (0, 1))(Q, keys), jax.grad(expected, (0, 1))(Q, keys)
     for g, e in zip(got, want, strict=True):
         assert np.abs(np.asarray(e)).max() > 0
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(e)).max())
+        np.testing.assert_allclose(g, e, rtol=0, atol=tol * np.abs(np.asarray(e)).max())
 
 
 @pytest.mark.parametrize("op", sorted(SELECTIONS))
 def test_topk_scores_differentiate_as_the_scores_of_the_returned_ids(op, implementation):
-    _assert_scores_differentiate_at_the_returned_ids(*SELECTIONS[op], implementation)
+    # The xla baseline is what a JAX user writes: einsums at XLA's default precision,
+    # forward and backward, which on a GPU is TF32 (~1e-3 a product; run 228: up to
+    # 2.5e-3 of the largest entry against the f32 oracle). A wrong id is off by O(1).
+    tol = 1e-2 if op == "indexer_topk[xla]" and backend.has_nvidia_gpu() else 1e-5
+    _assert_scores_differentiate_at_the_returned_ids(*SELECTIONS[op], implementation, tol)
 
 
 def test_dosa_topk_scores_differentiate_likewise():

@@ -51,16 +51,21 @@ def _oracle(cotangent, q, w, k, scale, start, end):
     return vjp(cotangent)
 
 
-def _compare(got, want, rtol):
+def _compare(got, want, tol):
+    """Relative Frobenius error ≤ ``tol`` for each cotangent. Not entry by entry: where a
+    logit is within rounding of 0, the ReLU's gate (and so a whole term of that entry's
+    sum) can differ between any two arithmetics (run 228: one such term was 5.8e-3 of
+    the largest dq entry at 4096 tokens, bf16)."""
     for name, a, b in zip(("dq", "dweights", "dk", "dk_scale"), got, want, strict=True):
         if b is None:
             assert a is None, name
             continue
         a, b = np.asarray(a), np.asarray(b)
         assert a.dtype == np.float32 and a.shape == b.shape, name
-        scale = np.abs(b).max()
-        assert scale > 0, name
-        np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale, err_msg=name)
+        size = np.linalg.norm(b)
+        assert size > 0, name
+        error = float(np.linalg.norm(a - b) / size)
+        assert error <= tol, f"{name}: relative error {error:.2e} > {tol:.0e}"
 
 
 CASES = {
@@ -82,8 +87,8 @@ def test_backward_kernels_equal_the_reference_derivative(case):
     with running("triton"):
         got = indexer_scores_vjp_triton(cotangent, *args, cfg=cfg)
     # f32: the same products in another order; bf16 / FP8: the gated cotangent is
-    # rounded to bf16 for the second dot (relative 2^-9 a term)
-    _compare(got, want, 2e-5 if dtype == jnp.float32 else 4e-3)
+    # rounded to bf16 for the second dot (≤ 2^-9 a term; measured 1.1-1.8e-3)
+    _compare(got, want, 1e-6 if dtype == jnp.float32 else 4e-3)
 
 
 def test_backward_reads_the_cotangent_only_where_visible():
@@ -96,7 +101,7 @@ def test_backward_reads_the_cotangent_only_where_visible():
     want = _oracle(cotangent, q, w, k, scale, start, end)
     with running("triton"):
         got = indexer_scores_vjp_triton(poisoned, q, w, k, scale, start, end)
-    _compare(got, want, 2e-5)
+    _compare(got, want, 1e-6)
 
 
 def _loss(q, w, k, scale, start, end, target, implementation):
