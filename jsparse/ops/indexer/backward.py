@@ -41,13 +41,16 @@ from jsparse._pallas import pallas_call
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-    """Tiles of both kernels (powers of two, ≥ 16: the smallest tensor-core tile)."""
+    """Tiles of both kernels (powers of two, ≥ 16: the smallest tensor-core tile).
+    Measured best of 19 on an H100 at T = S = 4096 causal, H 64, D 128, bf16 (runs
+    230-231, GPU busy): 1.53 ms (dq 0.88, dk 0.64) against 2.20 at 4 groups and 2 stages;
+    8 warps, or 128-row tiles, were 1.5-2.5× slower."""
 
     block_t: int = 64  # queries a tile
     block_s: int = 64  # keys a tile
-    head_groups: int = 4  # dk programs per key tile, each over H / head_groups heads
+    head_groups: int = 8  # dk programs per key tile, each over H / head_groups heads
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
