@@ -147,8 +147,8 @@ def indexer_scores_reference(
     Its derivative is taken through :func:`indexer_scores_einsum` in f32, the same
     function as matmuls: differentiating the elementwise loops above would keep every
     step of them (the gradient of a 1024-token causal window, 16 heads of 64, took 2.4 s
-    on two CPU cores that way, 0.75 s now), and the kernels borrow this derivative
-    (``jsparse._autodiff``)."""
+    on two CPU cores that way, 0.75 s now). It is the oracle of the kernels' own
+    backward (:mod:`jsparse.ops.indexer.backward`)."""
     ids = visible_key_ids(kv_start, kv_end, k.shape[0])
     return score_keys_reference(q, weights, k, ids, k_scale)
 
