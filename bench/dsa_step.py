@@ -113,8 +113,8 @@ def check(method, got, *, queries, rows, keys, k_scale, lengths, want_lists, dc)
     """The first and last sequence against the f32 reference attention: over
     ``want_lists`` (``dense``: every row), or for ``dsa`` over its own selection once
     that passes as an exact Top-K of the reference scores."""
+    src = dict(cache=rows, cache_scale=None, page_table=None)
     if method != "dsa":
-        src = dict(cache=rows, cache_scale=None, page_table=None)
         return mla.check(method, got, q=queries[0], idx=want_lists, src=src, dc=dc)
     out, top = got
     _, q_idx, weights = queries
@@ -127,7 +127,6 @@ def check(method, got, *, queries, rows, keys, k_scale, lengths, want_lists, dc)
         problems += [f"sequence {i}: {p}" for p in indexer.check(case, one, mine, rows=1)]
     if problems:
         return problems
-    src = dict(cache=rows, cache_scale=None, page_table=None)
     return mla.check(method, out, q=queries[0], idx=top.indices, src=src, dc=dc)
 
 

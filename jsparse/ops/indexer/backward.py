@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
 from jsparse._pallas import pallas_call
+from jsparse.ops.indexer.triton import next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _key_tile(j, k_ref, scale_ref, p):
     ok = ids < p.s
     k_tile = plt.load(k_ref.at[pl.ds(j * p.block_s, p.block_s), :], mask=ok[:, None], other=0.0)
     scale = plt.load(scale_ref.at[pl.ds(j * p.block_s, p.block_s)], mask=ok, other=0.0)
-    return ids, ok, k_tile.astype(p.compute), scale
+    return ids, ok, k_tile, scale
 
 
 def _cotangent_tile(g_ref, i, j, row_ok, ok, p):
@@ -110,7 +111,7 @@ def _dq_kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, g_ref, dq_ref
     i = pl.program_id(1)
     row_ok, start, end = _query_rows(i, start_ref, end_ref, p)
     tile = pl.ds(i * p.block_t, p.block_t)
-    q = plt.load(q_ref.at[tile, h, :], mask=row_ok[:, None], other=0.0).astype(p.compute)
+    q = plt.load(q_ref.at[tile, h, :], mask=row_ok[:, None], other=0.0)
     w = plt.load(w_ref.at[tile, h], mask=row_ok, other=0.0)
     # only the key tiles some query of the tile sees
     lo = jnp.min(jnp.where(row_ok & (end > start), start, p.s))
@@ -155,7 +156,7 @@ def _dk_kernel(
         def head(hh, carry):
             dk, raw = carry
             h = group * p.heads_per_group + hh
-            q = plt.load(q_ref.at[tile, h, :], mask=row_ok[:, None], other=0.0).astype(p.compute)
+            q = plt.load(q_ref.at[tile, h, :], mask=row_ok[:, None], other=0.0)
             w = plt.load(w_ref.at[tile, h], mask=row_ok, other=0.0)
             logits = _dot(k_tile, q, 1, p)  # [BS, BT]
             relu = jnp.where(logits < 0, 0.0, logits)
@@ -200,34 +201,31 @@ def _compute_dtype(q_dtype, k_dtype):
     return jnp.dtype(jnp.bfloat16)
 
 
-def _pow2(n: int, minimum: int) -> int:
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def indexer_scores_vjp_triton(cotangent, q, weights, k, k_scale, start, end, *, cfg=None):
     """Cotangents (dq, dweights, dk, dk_scale), all f32, of ``indexer_scores`` at (q,
     weights, k, k_scale, start, end) for the scores' cotangent [T, S] (read where
     visible only); dk_scale is None when k_scale is."""
     cfg = cfg or BackwardConfig()
-    backend.check_triton_offsets("indexer scores derivative", k=k, cotangent=cotangent)
     t, h, d = q.shape
     s = k.shape[0]
-    dp = _pow2(d, 16)
+    dp = next_pow2(d, 16)
     hp = -(-h // cfg.head_groups) * cfg.head_groups
     p = _Plan(
-        t=t, s=s, heads=hp, dim=dp, block_t=min(cfg.block_t, _pow2(t, 16)),
-        block_s=min(cfg.block_s, _pow2(s, 16)), heads_per_group=hp // cfg.head_groups,
+        t=t, s=s, heads=hp, dim=dp, block_t=min(cfg.block_t, next_pow2(t, 16)),
+        block_s=min(cfg.block_s, next_pow2(s, 16)), heads_per_group=hp // cfg.head_groups,
         compute=_compute_dtype(q.dtype, k.dtype),
     )  # fmt: skip
     # FP8 widened once in memory, not tile by tile after each load (run 232: the FP8
     # kernels took 2.55 ms against bf16's 1.56; a tile widened in registers cannot be
-    # streamed into shared memory asynchronously)
+    # streamed into shared memory asynchronously), so the kernels load p.compute
     qp = jnp.pad(q.astype(p.compute), ((0, 0), (0, hp - h), (0, dp - d)))
     wp = jnp.pad(weights, ((0, 0), (0, hp - h)))
     kp = jnp.pad(k.astype(p.compute), ((0, 0), (0, dp - d)))
     scale = jnp.ones((s,), jnp.float32) if k_scale is None else k_scale.astype(jnp.float32)
     g = cotangent.astype(jnp.float32)
+    # the operands the kernels read (after widening no 1-byte one is left)
+    backend.check_triton_offsets("indexer scores derivative", q=qp, k=kp, cotangent=g)
     n_tb, n_sb = -(-t // p.block_t), -(-s // p.block_s)
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     inputs = (qp, wp, kp, scale, start, end, g)
