@@ -80,10 +80,20 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_backward_kernels_equal_the_reference_derivative(case):
+    _check_case(case, dq_heads=1)
+
+
+@pytest.mark.parametrize("case", ["bf16-any", "f32-packed-unscaled"])  # odd H: padded heads
+def test_backward_kernels_with_several_heads_a_dq_program(case):
+    _check_case(case, dq_heads=2)
+
+
+def _check_case(case, dq_heads):
     t, h, d, s, dtype, ranges, scaled = CASES[case]
     cotangent, *args = (lambda x: (x[-1], *x[:-1]))(_inputs(t, h, d, s, dtype, ranges, scaled))
     want = _oracle(cotangent, *args)
-    cfg = BackwardConfig(block_t=16, block_s=32, head_groups=2)  # several tiles each way
+    # several tiles each way
+    cfg = BackwardConfig(block_t=16, block_s=32, head_groups=2, dq_heads=dq_heads)
     with running("triton"):
         got = indexer_scores_vjp_triton(cotangent, *args, cfg=cfg)
     # f32: the same products in another order; bf16 / FP8: the gated cotangent is

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,7 @@ class BackwardConfig:
     block_t: int = 64  # queries a tile
     block_s: int = 64  # keys a tile
     head_groups: int = 8  # dk programs per key tile, each over H / head_groups heads
+    dq_heads: int = 1  # heads a dq program owns (each key and cotangent tile loaded once for them)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -65,6 +67,7 @@ class _Plan:
     block_t: int
     block_s: int
     heads_per_group: int
+    dq_heads: int
     compute: jnp.dtype
 
 
@@ -107,12 +110,11 @@ def _cotangent_tile(g_ref, i, j, row_ok, ok, p):
 
 
 def _dq_kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, g_ref, dq_ref, dw_ref, *, p):
-    h = pl.program_id(0)
+    heads = [pl.program_id(0) * p.dq_heads + hh for hh in range(p.dq_heads)]
     i = pl.program_id(1)
     row_ok, start, end = _query_rows(i, start_ref, end_ref, p)
     tile = pl.ds(i * p.block_t, p.block_t)
-    q = plt.load(q_ref.at[tile, h, :], mask=row_ok[:, None], other=0.0)
-    w = plt.load(w_ref.at[tile, h], mask=row_ok, other=0.0)
+    qs = [plt.load(q_ref.at[tile, h, :], mask=row_ok[:, None], other=0.0) for h in heads]
     # only the key tiles some query of the tile sees
     lo = jnp.min(jnp.where(row_ok & (end > start), start, p.s))
     hi = jnp.max(jnp.where(row_ok & (end > start), end, 0))
@@ -120,20 +122,24 @@ def _dq_kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, g_ref, dq_ref
     last = jnp.where(hi > lo, (hi + p.block_s - 1) // p.block_s, first)
 
     def body(j, carry):
-        dq, dw = carry
         ids, ok, k_tile, scale = _key_tile(j, k_ref, scale_ref, p)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
         a = jnp.where(visible, _cotangent_tile(g_ref, i, j, row_ok, ok, p) * scale[None, :], 0.0)
-        logits = _dot(q, k_tile, 1, p)  # [BT, BS]
-        gated = jnp.where(logits < 0, 0.0, a)
-        dw = dw + jnp.sum(gated * logits, axis=1)
-        dq = dq + _dot(gated.astype(p.compute), k_tile, 0, p)  # [BT, D]
-        return dq, dw
+        out = []
+        for q, (dq, dw) in zip(qs, carry, strict=True):
+            logits = _dot(q, k_tile, 1, p)  # [BT, BS]
+            gated = jnp.where(logits < 0, 0.0, a)
+            dw = dw + jnp.sum(gated * logits, axis=1)
+            dq = dq + _dot(gated.astype(p.compute), k_tile, 0, p)  # [BT, D]
+            out.append((dq, dw))
+        return tuple(out)
 
     zeros = (jnp.zeros((p.block_t, p.dim), jnp.float32), jnp.zeros((p.block_t,), jnp.float32))
-    dq, dw = jax.lax.fori_loop(first, last, body, zeros)
-    plt.store(dq_ref.at[tile, h, :], dq * w[:, None], mask=row_ok[:, None])
-    plt.store(dw_ref.at[tile, h], dw, mask=row_ok)
+    sums = jax.lax.fori_loop(first, last, body, (zeros,) * p.dq_heads)
+    for h, (dq, dw) in zip(heads, sums, strict=True):
+        w = plt.load(w_ref.at[tile, h], mask=row_ok, other=0.0)
+        plt.store(dq_ref.at[tile, h, :], dq * w[:, None], mask=row_ok[:, None])
+        plt.store(dw_ref.at[tile, h], dw, mask=row_ok)
 
 
 def _dk_kernel(
@@ -210,10 +216,12 @@ def indexer_scores_vjp_triton(cotangent, q, weights, k, k_scale, start, end, *, 
     t, h, d = q.shape
     s = k.shape[0]
     dp = next_pow2(d, 16)
-    hp = -(-h // cfg.head_groups) * cfg.head_groups
+    multiple = cfg.head_groups * cfg.dq_heads // math.gcd(cfg.head_groups, cfg.dq_heads)
+    hp = -(-h // multiple) * multiple
     p = _Plan(
         t=t, s=s, heads=hp, dim=dp, block_t=min(cfg.block_t, next_pow2(t, 16)),
         block_s=min(cfg.block_s, next_pow2(s, 16)), heads_per_group=hp // cfg.head_groups,
+        dq_heads=cfg.dq_heads,
         compute=_compute_dtype(q.dtype, k.dtype),
     )  # fmt: skip
     # FP8 widened once in memory, not tile by tile after each load (run 232: the FP8
@@ -231,7 +239,8 @@ def indexer_scores_vjp_triton(cotangent, q, weights, k, k_scale, start, end, *, 
     inputs = (qp, wp, kp, scale, start, end, g)
     dq, dw = pallas_call(
         functools.partial(_dq_kernel, p=p),
-        grid=(hp, n_tb),  # heads vary fastest: a query tile's programs share g and q rows
+        # heads vary fastest: a query tile's programs share g and q rows
+        grid=(hp // cfg.dq_heads, n_tb),
         out_shape=(
             jax.ShapeDtypeStruct((t, hp, dp), jnp.float32),
             jax.ShapeDtypeStruct((t, hp), jnp.float32),
