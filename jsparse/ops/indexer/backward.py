@@ -12,8 +12,8 @@ The reference's derivative (the jnp einsums of ``reference.py`` in f32, every ch
 oracle. Like a flash-attention backward, each kernel recomputes the logits of its tile
 on the tensor cores and never stores them:
 
-* ``dq``/``dw``: a program owns BT queries and one head and loops over the key tiles
-  its queries can see (causal: about half), two dots a tile.
+* ``dq``/``dw``: a program owns BT queries and a few heads and loops over the key
+  tiles its queries can see (causal: about half), two dots a tile and head.
 * ``dk``/``dc``: a program owns BS keys and a group of heads and loops over the query
   tiles that can see them (found before the launch from the ranges), two dots a tile
   and head; the groups' partial sums are added afterwards (more programs at short S).
@@ -48,12 +48,14 @@ class BackwardConfig:
     """Tiles of both kernels (powers of two, ≥ 16: the smallest tensor-core tile).
     Measured best of 19 on an H100 at T = S = 4096 causal, H 64, D 128, bf16 (runs
     230-231, GPU busy): 1.53 ms (dq 0.88, dk 0.64) against 2.20 at 4 groups and 2 stages;
-    8 warps, or 128-row tiles, were 1.5-2.5× slower."""
+    8 warps, or 128-row tiles, were 1.5-2.5× slower. Two heads a dq program load each
+    key and cotangent tile once for both: dq 0.90 → 0.69 ms (run 235; the launch was
+    bound by those loads from L2)."""
 
     block_t: int = 64  # queries a tile
     block_s: int = 64  # keys a tile
     head_groups: int = 8  # dk programs per key tile, each over H / head_groups heads
-    dq_heads: int = 1  # heads a dq program owns (each key and cotangent tile loaded once for them)
+    dq_heads: int = 2  # heads a dq program owns (each key and cotangent tile loaded once for them)
     num_warps: int = 4
     num_stages: int = 3
 
