@@ -54,7 +54,9 @@ def quantize_fp8_straight_through(x: Float[Array, "... D"], axis: int = -1):
 def hadamard(x: Float[Array, "... D"]) -> Float[Array, "... D"]:
     """Orthonormal Walsh-Hadamard transform of the last axis (``rotate_activation``);
     D must be a power of two. Full f32 precision: a TF32 rotation would round keys
-    before their FP8 cast."""
+    before their FP8 cast. One dense GEMM, though a butterfly or Kronecker factors do
+    fewer FLOPs: each factor is a pass over the whole tensor, and at V3.2's query size
+    they were 2-5× slower (WORKSPACE.md, run 237)."""
     d = x.shape[-1]
     if d < 1 or d & (d - 1):
         raise ValueError(f"x: last axis {d}; the Hadamard rotation needs a power of two")
