@@ -4,6 +4,7 @@
     python bench/run.py --backend pallas-gpu --preset prefill-chunk --method xla base full
     python bench/run.py --op indexer --preset decode --json out/decode.json
     python bench/run.py --op topk --preset selection --unsorted --device-time   # selection alone
+    python bench/run.py --op indexer-grad --preset training --device-time   # the scores' derivative
     python bench/run.py --op attention --preset decode --device-time  # indexed decode attention
     python bench/run.py --op decode-step --preset decode --device-time  # a sparse decode step
     python bench/run.py --op mla --preset decode --device-time  # indexed MLA decode attention
@@ -35,6 +36,7 @@ OPS = {
     "decode-step": "bench.decode_step",
     "dsa-step": "bench.dsa_step",
     "indexer": "bench.indexer",
+    "indexer-grad": "bench.indexer_grad",
     "mla": "bench.mla",
     "mla-step": "bench.mla_step",
     "topk": "bench.topk",
