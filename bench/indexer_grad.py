@@ -40,6 +40,7 @@ DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 CHECK_RTOL = {"bf16": 4e-3, "f32": 1e-5}
 HIGHEST = jax.lax.Precision.HIGHEST
 NAMES = ("dq", "dweights", "dk", "dk_scale")
+CONFIG_FIELDS = ("block_t", "block_s", "head_groups", "num_warps", "num_stages", "dq_heads")
 
 
 def add_arguments(parser):
@@ -47,6 +48,41 @@ def add_arguments(parser):
         "--device-time", action="store_true",
         help="also the GPU busy time per call from a profiler trace (kernels only), by kernel",
     )  # fmt: skip
+    parser.add_argument(
+        "--backward-config", default=None,
+        help="block_t,block_s,head_groups,num_warps,num_stages,dq_heads of the backward "
+        "kernels for base (default: BackwardConfig()); several, separated by ';', each a row",
+    )  # fmt: skip
+
+
+def backward_configs(text: str | None) -> list:
+    """``--backward-config`` as BackwardConfigs ([None]: the default)."""
+    from jsparse.ops.indexer.backward import BackwardConfig
+
+    if not text:
+        return [None]
+    configs = []
+    for spec in text.split(";"):
+        values = [int(v) for v in spec.split(",")]
+        if len(values) != 6:
+            raise SystemExit(
+                f"--backward-config: {spec!r}; expected six integers {','.join(CONFIG_FIELDS)}"
+            )
+        configs.append(BackwardConfig(**dict(zip(CONFIG_FIELDS, values, strict=True))))
+    return configs
+
+
+def kernels_fn(cfg):
+    """inputs -> the backward kernels' cotangents (f32) at tiles ``cfg``."""
+    from jsparse.ops.indexer.backward import indexer_scores_vjp_triton
+
+    def pullback(a):
+        return indexer_scores_vjp_triton(
+            a["cotangent"], a["q"], a["weights"], a["k"], a["k_scale"], a["kv_start"],
+            a["kv_end"], cfg=cfg,
+        )  # fmt: skip
+
+    return pullback
 
 
 def make_inputs(case: dict, seed: int) -> dict:
@@ -162,8 +198,12 @@ def counts(case, inputs):
 
 def run(args, floors: common.Floors, impl: str) -> list[dict]:
     cases = common.expand_cases(common.load_presets("indexer-grad")[args.preset])
+    configs = backward_configs(args.backward_config)
+    if configs != [None] and impl != "triton":
+        raise SystemExit("--backward-config: the Triton kernels' tiles; not with --backend xla")
+    variants = [(m, cfg) for m in args.method for cfg in (configs if m == "base" else [None])]
     rows = []
-    progress = tqdm(total=len(cases) * len(args.method), desc="indexer-grad", disable=args.quiet)
+    progress = tqdm(total=len(cases) * len(variants), desc="indexer-grad", disable=args.quiet)
     for case in cases:
         label = f"T{case['t']} S{case['s']} H{case['h']} {case['ranges']} {case['dtype']}"
         inputs = make_inputs(case, seed=0)
@@ -174,13 +214,16 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
         floor_s = max(floor_flops / rate, nbytes / floors.copy_bytes_per_s)
         want = oracle(inputs)
         case_rows = []
-        for method in args.method:
+        for method, cfg in variants:
             if method not in DEFAULT_METHODS:
                 raise SystemExit(f"--op indexer-grad has methods xla and base, not {method!r}")
             progress.set_postfix_str(f"{label} {method}")
             row = dict(case=label, method=method, dtype=case["dtype"], flops=flops, bytes=nbytes)
-            row["floor_ms"] = 1e3 * floor_s
-            fn = jax.jit(pullback_fn("reference" if method == "xla" else impl))
+            row.update(floor_ms=1e3 * floor_s, config="" if cfg is None else _short(cfg))
+            if cfg is not None:
+                fn = jax.jit(kernels_fn(cfg))
+            else:
+                fn = jax.jit(pullback_fn("reference" if method == "xla" else impl))
             common.check_then_time(
                 row, fn, sets, functools.partial(check, want, tol=CHECK_RTOL[case["dtype"]]),
                 budget_s=args.budget, device_time=args.device_time, nbytes=nbytes,
@@ -195,9 +238,14 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     return rows
 
 
+def _short(cfg) -> str:
+    return ",".join(str(getattr(cfg, name)) for name in CONFIG_FIELDS)
+
+
 COLUMNS = [
     ("case", "case"),
     ("method", "method"),
+    ("config", "backward config"),
     ("ms", "median ms"),
     ("spread_ms", "p10-p90 ms"),
     ("tflops", "TFLOP/s"),

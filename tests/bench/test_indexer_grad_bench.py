@@ -48,3 +48,13 @@ def test_the_cli_runs_the_smoke_preset(tmp_path):
     out = tmp_path / "grad.json"
     assert main(["--op", "indexer-grad", "--quiet", "--json", str(out)]) == 0
     assert out.exists()
+
+
+def test_backward_configs_parse_and_a_wrong_one_is_refused():
+    (cfg,) = indexer_grad.backward_configs("16,32,4,4,3,2")
+    assert (cfg.block_t, cfg.block_s, cfg.head_groups, cfg.dq_heads) == (16, 32, 4, 2)
+    assert (cfg.num_warps, cfg.num_stages) == (4, 3)
+    assert indexer_grad.backward_configs(None) == [None]
+    with pytest.raises(SystemExit, match="six integers"):
+        indexer_grad.backward_configs("16,32")
+    assert main(["--op", "indexer-grad", "--quiet", "--backward-config", "16,16,2,4,2,1"]) == 0
