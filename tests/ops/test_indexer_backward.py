@@ -101,6 +101,16 @@ def _check_case(case, dq_heads):
     _compare(got, want, 1e-6 if dtype == jnp.float32 else 4e-3)
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("block_t", 48, "a power of two"), ("block_s", 8, "≥ 16"), ("dq_heads", 0, "≥ 1"),
+     ("head_groups", 0, "≥ 1"), ("num_warps", 3, "a power of two"), ("num_stages", 0, "≥ 1")],
+)  # fmt: skip
+def test_backward_config_refuses_bad_tiles_by_name(field, value, message):
+    with pytest.raises(ValueError, match=f"BackwardConfig.{field} must be {message}, got {value}"):
+        BackwardConfig(**{field: value})
+
+
 def test_backward_reads_the_cotangent_only_where_visible():
     # a cotangent that is huge where no key is visible must not leak into the result
     t, h, d, s = 20, 2, 16, 40

@@ -59,6 +59,18 @@ class BackwardConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __post_init__(self):
+        for name in ("block_t", "block_s", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"BackwardConfig.{name} must be a power of two, got {value}")
+        for name, least in (("block_t", 16), ("block_s", 16), ("head_groups", 1),
+                            ("dq_heads", 1), ("num_stages", 1)):  # fmt: skip
+            if getattr(self, name) < least:
+                raise ValueError(
+                    f"BackwardConfig.{name} must be ≥ {least}, got {getattr(self, name)}"
+                )
+
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
