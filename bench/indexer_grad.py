@@ -198,6 +198,9 @@ def counts(case, inputs):
 
 def run(args, floors: common.Floors, impl: str) -> list[dict]:
     cases = common.expand_cases(common.load_presets("indexer-grad")[args.preset])
+    unknown = [m for m in args.method if m not in DEFAULT_METHODS]
+    if unknown:
+        raise SystemExit(f"--op indexer-grad has methods xla and base, not {unknown[0]!r}")
     configs = backward_configs(args.backward_config)
     if configs != [None] and impl != "triton":
         raise SystemExit("--backward-config: the Triton kernels' tiles; not with --backend xla")
@@ -215,8 +218,6 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
         want = oracle(inputs)
         case_rows = []
         for method, cfg in variants:
-            if method not in DEFAULT_METHODS:
-                raise SystemExit(f"--op indexer-grad has methods xla and base, not {method!r}")
             progress.set_postfix_str(f"{label} {method}")
             row = dict(case=label, method=method, dtype=case["dtype"], flops=flops, bytes=nbytes)
             row.update(floor_ms=1e3 * floor_s, config="" if cfg is None else _short(cfg))

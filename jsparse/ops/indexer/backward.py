@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
 from jsparse._pallas import pallas_call
+from jsparse.ops.indexer.methods import block_ranges
 from jsparse.ops.indexer.triton import next_pow2
 
 
@@ -201,10 +202,7 @@ def _query_tiles_of_key_tiles(start, end, p):
     two that do are visited too, and masked: packed ranges keep them contiguous)."""
     n_tb = -(-p.t // p.block_t)
     n_sb = -(-p.s // p.block_s)
-    pad = n_tb * p.block_t - p.t
-    nonempty = jnp.pad(end > start, (0, pad))
-    lo = jnp.where(nonempty, jnp.pad(start, (0, pad)), p.s).reshape(n_tb, p.block_t).min(1)
-    hi = jnp.where(nonempty, jnp.pad(end, (0, pad)), 0).reshape(n_tb, p.block_t).max(1)
+    lo, hi = block_ranges(start, end, p.block_t, p.s)
     tile_lo = jnp.arange(n_sb, dtype=jnp.int32)[:, None] * p.block_s
     sees = (lo[None, :] < tile_lo + p.block_s) & (hi[None, :] > tile_lo) & (hi > lo)[None, :]
     any_tile = sees.any(axis=1)
