@@ -148,11 +148,8 @@ def _screen_kernel(
 
     lo = jnp.min(jnp.where(q_ok, start, p.s))
     hi = jnp.max(jnp.where(q_ok & (end > start), end, 0))
-    first = lo // bs
-    last = jnp.where(hi > lo, (hi + bs - 1) // bs, first)
-    per_split = (last - first + p.splits - 1) // p.splits
-    begin = first + split * per_split
-    stop = jnp.minimum(begin + per_split, last)
+    first, last = scorer.tile_span(lo, hi, bs)
+    begin, stop = scorer.split_span(first, last, p.splits, split)
     precision = jax.lax.Precision.HIGHEST if p.screen_dtype == "float32" else None
 
     def body(j, kept_count):
@@ -226,8 +223,7 @@ def _expand_kernel(lo_ref, hi_ref, words_ref, _lists_in, lists_ref, count_ref, *
     b = pl.program_id(0)
     n_blocks = pl.num_programs(0)
     lo, hi = plt.load(lo_ref.at[b]), plt.load(hi_ref.at[b])
-    first = lo // EXPAND_CHUNK
-    last = jnp.where(hi > lo, (hi + EXPAND_CHUNK - 1) // EXPAND_CHUNK, first)
+    first, last = scorer.tile_span(lo, hi, EXPAND_CHUNK)
     n_words = EXPAND_CHUNK // 4
 
     def body(c, filled):

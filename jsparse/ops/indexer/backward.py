@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plt
 from jsparse import backend
 from jsparse._pallas import pallas_call
 from jsparse.ops.indexer.methods import block_ranges
-from jsparse.ops.indexer.triton import next_pow2
+from jsparse.ops.indexer.triton import next_pow2, tile_span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +133,7 @@ def _dq_kernel(q_ref, w_ref, k_ref, scale_ref, start_ref, end_ref, g_ref, dq_ref
     # only the key tiles some query of the tile sees
     lo = jnp.min(jnp.where(row_ok & (end > start), start, p.s))
     hi = jnp.max(jnp.where(row_ok & (end > start), end, 0))
-    first = lo // p.block_s
-    last = jnp.where(hi > lo, (hi + p.block_s - 1) // p.block_s, first)
+    first, last = tile_span(lo, hi, p.block_s)
 
     def body(j, carry):
         ids, ok, k_tile, scale = _key_tile(j, k_ref, scale_ref, p)

@@ -161,12 +161,9 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
     bs = p.block_s
     dims = jnp.arange(p.dim, dtype=jnp.int32)
     # the scorer's tile ranges, as base's split scorer assigns them
-    first_tile = lo // bs
-    last_tile = jnp.where(hi > lo, (hi + bs - 1) // bs, first_tile)
-    per = (last_tile - first_tile + n_scorers - 1) // n_scorers
+    first_tile, last_tile = scorer.tile_span(lo, hi, bs)
     own = g - q_sample  # index among the scoring programs
-    begin = first_tile + own * per
-    stop = jnp.minimum(begin + per, last_tile)
+    begin, stop = scorer.split_span(first_tile, last_tile, n_scorers, own)
 
     def tile_scores(ids, ok):
         """Scores [BS] of keys ``ids`` where ``ok`` (elsewhere: what masked loads give)."""

@@ -131,6 +131,22 @@ def _widen_in_memory(t: int, q_dtype, k_dtype, compute, *, shared_keys: bool) ->
     return bool(has_fp8 and jnp.dtype(compute) != fp8 and shared_keys and widens_fp8_in_memory(t))
 
 
+def tile_span(lo, hi, tile: int):
+    """In a kernel: [first, last) of the ``tile``-position tiles covering [lo, hi), empty
+    (first == last) when hi ≤ lo. The scorer, the screening kernel, the expansion and the
+    ``dq`` backward visit only these."""
+    first = lo // tile
+    return first, jnp.where(hi > lo, (hi + tile - 1) // tile, first)
+
+
+def split_span(first, last, splits: int, split):
+    """In a kernel: split ``split``'s share [begin, stop) of tiles [first, last) cut into
+    ``splits`` equal runs (the last ones short or empty)."""
+    per_split = (last - first + splits - 1) // splits
+    begin = first + split * per_split
+    return begin, jnp.minimum(begin + per_split, last)
+
+
 def next_pow2(n: int, minimum: int = 1) -> int:
     """The smallest power of two ≥ ``n`` and ≥ ``minimum`` (Triton blocks are powers of two)."""
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
@@ -295,15 +311,12 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         # Only the key tiles some query of this block can see (causal: about half).
         lo = jnp.min(jnp.where(row_ok, start, p.s))
         hi = jnp.max(jnp.where(row_ok & (end > start), end, 0))
-        first = lo // bs
-        last = jnp.where(hi > lo, (hi + bs - 1) // bs, first)
+        first, last = tile_span(lo, hi, bs)
 
         def tile_ids(j):
             return j * bs + jnp.arange(bs, dtype=jnp.int32)
 
-    per_split = (last - first + p.splits - 1) // p.splits
-    begin = first + split * per_split
-    stop = jnp.minimum(begin + per_split, last)
+    begin, stop = split_span(first, last, p.splits, split)
 
     if p.records or p.list_scores:
         tau = jnp.where(row_ok, plt.load(tau_ref.at[row_safe]), codes_lib.EMPTY_CODE)
