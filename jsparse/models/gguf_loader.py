@@ -199,7 +199,9 @@ def model_from_tensors(
         if tuple(tensors[name].shape) != shape:
             raise ValueError(f"{source}: {name} has shape {tensors[name].shape}, expected {shape}")
 
-    abstract = nnx.eval_shape(lambda: Llama(config, core, rngs=nnx.Rngs(0)))
+    # The weights' tree without the core: a core's own state (a selector's calibrated
+    # bases) is not among the tensors, and an abstract core would keep only its shapes.
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     pure["embed"] = tensors["token_embd.weight"]
@@ -219,7 +221,10 @@ def model_from_tensors(
             node[where[-1]] = w
     pure = _to_jax(pure)
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    if core is not None:
+        model.set_core(core)
+    return model
 
 
 def _to_jax(tree):

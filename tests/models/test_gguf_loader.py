@@ -134,3 +134,26 @@ def test_missing_tensor(tmp_path, weights):
     )
     with pytest.raises(ValueError, match=r"missing \['blk.1.ffn_up.weight'\]"):
         load_model(path)
+
+
+def test_load_model_with_a_calibrated_core_keeps_its_params(gguf_path):
+    """``load_model(core=...)`` (the README's example): each layer's core holds the
+    calibrated params it was given (not the abstract shapes of the weights' tree), and
+    with a budget covering the context the sparse model's logits are the dense model's."""
+    import jax.numpy as jnp
+
+    import jsparse
+
+    rng = np.random.default_rng(3)
+    sel = jsparse.make_selector("jssa", rank=4)
+    q_cal = jnp.asarray(rng.standard_normal((64, CFG.n_heads, CFG.head_dim)), jnp.float32)
+    k_cal = jnp.asarray(rng.standard_normal((64, CFG.n_kv_heads, CFG.head_dim)), jnp.float32)
+    params = [sel.calibrate(q_cal * (i + 1), k_cal) for i in range(CFG.n_layers)]
+    sparse = load_model(gguf_path, core=lambda i: jsparse.SparseAttention(sel, params[i], 64))
+    for i, layer in enumerate(sparse.layers):
+        held = layer.attn.core.params.get_value()
+        np.testing.assert_array_equal(np.asarray(held["basis"]), np.asarray(params[i]["basis"]))
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 17)
+    dense_logits, _ = forward_fn(load_model(gguf_path))(ids[None])
+    sparse_logits, _ = forward_fn(sparse)(ids[None])
+    np.testing.assert_allclose(np.asarray(sparse_logits), np.asarray(dense_logits), atol=1e-5)
