@@ -409,6 +409,24 @@ def test_xla_baseline_matches_oracle():
     check_against_oracle(result, inputs, case.top_k, 1e-5)
 
 
+MIXED_PAIRS = [(a, b) for a in DTYPES for b in DTYPES if a != b and "fp8" in (a, b)]
+
+
+@pytest.mark.parametrize(("q_dtype", "k_dtype"), MIXED_PAIRS, ids=lambda x: str(x))
+def test_fp8_with_another_dtype_matches_oracle_in_every_method(q_dtype, k_dtype):
+    """q and k each in any of the three dtypes: FP8 beside f32 or bf16 has no implicit
+    promotion in jnp, and the ``xla`` baseline's einsum must still take it."""
+    case = CASES[0]
+    inputs = make_inputs(case, jnp.float32)
+    inputs["q"] = inputs["q"].astype(DTYPES[q_dtype])
+    inputs["k"] = inputs["k"].astype(DTYPES[k_dtype])
+    base = jsparse.indexer_topk(**inputs, top_k=case.top_k, implementation="reference")
+    check_against_oracle(base, inputs, case.top_k, 1e-5)
+    xla = jsparse.indexer_topk(**inputs, top_k=case.top_k, method="xla")
+    # XLA's f32 dot may round through TF32 on a GPU
+    check_against_oracle(xla, inputs, case.top_k, 5e-3 if "f32" in (q_dtype, k_dtype) else 1e-5)
+
+
 def test_ties_resolve_by_id(kernel_impl):
     """All-equal scores: the K smallest visible ids, in ascending order."""
     # The all-equal case in its call (the oracle test's compile): its first query's range

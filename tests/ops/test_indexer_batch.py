@@ -84,6 +84,15 @@ def test_reference_and_xla_match_the_oracle(dtype):
     assert_matches_oracle(xla, batch, rtol=5e-3 if dtype == "f32" else 1e-5)
 
 
+@pytest.mark.parametrize(("q_dtype", "k_dtype"), [("f32", "fp8"), ("fp8", "bf16")])
+def test_xla_takes_fp8_beside_another_dtype(q_dtype, k_dtype):
+    batch = make_batch(jnp.float32)
+    batch = dict(batch, q=batch["q"].astype(DTYPES[q_dtype]))
+    batch = dict(batch, k_cache=batch["k_cache"].astype(DTYPES[k_dtype]))
+    xla = jsparse.indexer_topk_batch(top_k=K, method="xla", **batch)
+    assert_matches_oracle(xla, batch, rtol=5e-3 if "f32" in (q_dtype, k_dtype) else 1e-5)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_base_kernels_match_the_oracle(dtype, kernel_impl):
     batch = make_batch(DTYPES[dtype], seed=1)

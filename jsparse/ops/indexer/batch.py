@@ -327,9 +327,7 @@ def _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table):
     k_cache, k_scale, on_page = dense_view(k_cache, k_scale, page_table)
     b, h, d = q.shape
     s_max = k_cache.shape[1]
-    compute = jnp.promote_types(q.dtype, k_cache.dtype)
-    if compute == jnp.float8_e4m3fn:
-        compute = jnp.bfloat16  # XLA has no generic fp8 einsum; fp8 widens to bf16 exactly
+    compute = reference.einsum_dtype(q.dtype, k_cache.dtype)
     # The largest chunk that divides B: padding B would copy the whole cache.
     chunk = max(c for c in range(1, XLA_SEQUENCES_PER_STEP + 1) if b % c == 0)
 

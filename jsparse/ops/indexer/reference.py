@@ -159,6 +159,14 @@ def _scores_reference_jvp(primals, tangents):
     return indexer_scores_reference(*primals), jax.jvp(dense, primals, tangents)[1]
 
 
+def einsum_dtype(q_dtype, k_dtype):
+    """The dtype the ``xla`` formulation's einsum takes both operands in. XLA has no
+    generic FP8 einsum and FP8 promotes with no other type, so FP8 widens to bf16
+    (exactly) first; then the wider of the two."""
+    widened = [jnp.bfloat16 if jnp.dtype(x) == jnp.float8_e4m3fn else x for x in (q_dtype, k_dtype)]
+    return jnp.promote_types(*widened)
+
+
 def indexer_scores_einsum(
     q: Float[Array, "T H D"],
     weights: Float[Array, "T H"],
@@ -179,9 +187,7 @@ def indexer_scores_einsum(
     """
     t, h, d = q.shape
     s = k.shape[0]
-    compute = jnp.float32 if f32 else jnp.promote_types(q.dtype, k.dtype)
-    if compute == jnp.float8_e4m3fn:
-        compute = jnp.bfloat16  # XLA has no generic fp8 einsum; fp8 widens to bf16 exactly
+    compute = jnp.float32 if f32 else einsum_dtype(q.dtype, k.dtype)
     precision = jax.lax.Precision.HIGHEST if f32 else None
     kc = k.astype(compute)
     chunk = max(1, min(query_chunk, t))
