@@ -256,6 +256,7 @@ class MLAAttention(nnx.Module):
     ):
         if rope_dim % 2:
             raise ValueError(f"rope_dim: got {rope_dim}; expected an even number (RoPE pairs)")
+        self.d_model = d_model
         self.n_heads, self.latent_dim, self.rope_dim = n_heads, latent_dim, rope_dim
         self.nope_dim, self.v_dim, self.rope_theta = nope_dim, v_dim, rope_theta
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
@@ -276,6 +277,31 @@ class MLAAttention(nnx.Module):
         self.scale = 1.0 / math.sqrt(nope_dim + rope_dim)
         self.fp8_headroom = float(fp8_headroom)
 
+    def _check_call(self, x, cache: MLACache) -> None:
+        """``x`` and a cache this layer made for its batch, with room for the new tokens:
+        otherwise the write fails deep inside XLA, or (a full cache) clamps silently."""
+        _checks.check_rank("x", x, 3, f"[B, T, {self.d_model}]")
+        _checks.check_floating("x", x)
+        b, t, c = x.shape
+        if c != self.d_model or t < 1 or b < 1:
+            raise ValueError(f"x: shape {tuple(x.shape)}; expected [B ≥ 1, T ≥ 1, {self.d_model}]")
+        rows = cache.rows
+        if rows.ndim != 3 or rows.shape[0] != b or rows.shape[2] != self.row_width:
+            raise ValueError(
+                f"cache.rows: shape {tuple(rows.shape)}; expected [{b}, max_len, "
+                f"{self.row_width}] (this layer's init_cache for x's batch of {b})"
+            )
+        if cache.lengths.shape != (b,):
+            raise ValueError(f"cache.lengths: shape {tuple(cache.lengths.shape)}; expected ({b},)")
+        max_len = rows.shape[1]
+        lengths = _checks.concrete(cache.lengths)
+        if t > max_len or (lengths is not None and (lengths + t > max_len).any()):
+            seen = "?" if lengths is None else lengths.tolist()
+            raise ValueError(
+                f"cache: lengths {seen} + T = {t} new tokens exceed max_len = {max_len}; "
+                "make it larger with init_cache(batch, max_len)"
+            )
+
     @property
     def row_width(self) -> int:
         return self.latent_dim + self.rope_dim
@@ -284,6 +310,12 @@ class MLAAttention(nnx.Module):
         """An empty cache of ``max_len`` rows in ``dtype``: a float dtype, or
         ``float8_e4m3fn`` with one scale per sequence, the amax of its first write (the
         prompt) times ``fp8_headroom`` over 448; later rows keep it and saturate."""
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"batch, max_len: got {batch}, {max_len}; expected ≥ 1")
+        if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            raise ValueError(
+                f"dtype: got {jnp.dtype(dtype).name}; expected a float dtype or float8_e4m3fn"
+            )
         state = None
         if hasattr(self.core, "init_core_state"):
             state = self.core.init_core_state(batch, max_len, self.row_width)
@@ -316,6 +348,10 @@ class MLAAttention(nnx.Module):
         return jnp.concatenate([q_c, q_rope], axis=-1), jnp.concatenate([c, k_rope], axis=-1)
 
     def __call__(self, x: Float[Array, "B T C"], cache: MLACache):
+        """``x`` [B, T, d_model] written at each sequence's ``cache.lengths``; the caller
+        keeps ``lengths + T ≤ max_len`` (checked when the lengths are concrete; under
+        ``jit`` XLA would clamp the write)."""
+        self._check_call(x, cache)
         b, t, _ = x.shape
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         q, new_rows = self.absorbed(x, positions)

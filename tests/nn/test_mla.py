@@ -158,6 +158,31 @@ def test_bad_configuration():
         layer(SparseMLA(sel, params, budget=4)).init_cache(1, 8)
 
 
+def test_bad_inputs_and_caches_are_refused_by_name():
+    mla = layer()
+    with pytest.raises(ValueError, match="dtype: got int8"):
+        mla.init_cache(1, 8, jnp.int8)  # rows would be truncated to integers
+    with pytest.raises(ValueError, match="batch, max_len: got 0, 4"):
+        mla.init_cache(0, 4)
+    cache = mla.init_cache(1, 4)
+    with pytest.raises(ValueError, match=r"x: expected rank 3 \[B, T, 48\]"):
+        mla(inputs(1, 3)[0], cache)
+    with pytest.raises(ValueError, match=r"x: shape \(1, 3, 16\)"):
+        mla(inputs(1, 3)[..., :16], cache)
+    with pytest.raises(ValueError, match=r"x: shape \(1, 0, 48\)"):
+        mla(inputs(1, 0), cache)
+    with pytest.raises(ValueError, match=r"cache.rows: shape \(1, 4, 40\); expected \[2,"):
+        mla(inputs(2, 3), cache)
+    with pytest.raises(ValueError, match=r"lengths \[0\] \+ T = 5 new tokens exceed max_len = 4"):
+        mla(inputs(1, 5), cache)
+    _, cache = mla(inputs(1, 3), cache)
+    # a full cache would clamp the write and attend wrong rows without a word
+    with pytest.raises(ValueError, match=r"lengths \[3\] \+ T = 2 new tokens exceed max_len = 4"):
+        mla(inputs(1, 2), cache)
+    _, cache = mla(inputs(1, 1), cache)  # the last row fits
+    np.testing.assert_array_equal(cache.lengths, [4])
+
+
 def _decode(mla, x, prefill, dtype):
     y, cache = mla(x[:, :prefill], mla.init_cache(x.shape[0], 32, dtype))
     outs = [y]
