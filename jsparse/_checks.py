@@ -133,6 +133,12 @@ def check_top_k(top_k) -> int:
     return int(top_k)
 
 
+def check_bool(name: str, x) -> None:
+    """A Python or numpy bool: a string or a number would be taken by its truth value."""
+    if not isinstance(x, bool | np.bool_):
+        raise ValueError(f"{name}: expected True or False, got {x!r}")
+
+
 def check_positive_finite(name: str, x) -> None:
     """Every value of ``x`` finite and > 0 (checked when concrete)."""
     values = concrete(x)

@@ -99,6 +99,7 @@ def certified_topk(
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
     planner.check_variant(variant)
     _check_options(options)
+    _checks.check_bool("sorted", sorted)
     if policy not in POLICIES:
         raise ValueError(f"policy: got {policy!r}; expected one of {POLICIES}")
     start, end = _checks.clamp_ranges(start, end, k.shape[0])

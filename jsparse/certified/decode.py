@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _autodiff, _checks, backend
@@ -51,7 +52,28 @@ def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_tabl
         _checks.check_dtype("witnesses", witnesses, (jnp.int32,))
         if witnesses.shape[0] != b:
             raise ValueError(f"witnesses: shape {tuple(witnesses.shape)}; expected [B, W]")
+        ids = _checks.concrete(witnesses)
+        for row in range(b if ids is not None else 0):
+            r = ids[row][ids[row] >= 0]
+            if np.unique(r).size != r.size:
+                raise ValueError(f"witnesses: row {row} lists a key more than once")
     return _checks.check_top_k(top_k)
+
+
+def _capacity(witness_capacity, top_k: int, n_witnesses: int) -> int:
+    """W of the returned witness buffer: ``witness_capacity``, a Python int ≥ K, or
+    by default max(2·K, the W given)."""
+    if witness_capacity is None:
+        return max(2 * top_k, n_witnesses)
+    if isinstance(witness_capacity, bool) or not isinstance(witness_capacity, int | np.integer):
+        raise ValueError(
+            f"witness_capacity: expected a Python int or None, got {witness_capacity!r}"
+        )
+    if witness_capacity < top_k:
+        raise ValueError(
+            f"witness_capacity: {witness_capacity} < top_k = {top_k}; expected ≥ top_k"
+        )
+    return int(witness_capacity)
 
 
 def indexer_topk_decode(
@@ -102,9 +124,7 @@ def indexer_topk_decode(
     b = q.shape[0]
     if witnesses is None:
         witnesses = jnp.full((b, 1), -1, jnp.int32)
-    capacity = witness_capacity or max(2 * top_k, witnesses.shape[1])
-    if capacity < top_k:
-        raise ValueError(f"witness_capacity: {capacity} < top_k = {top_k}; expected ≥ top_k")
+    capacity = _capacity(witness_capacity, top_k, witnesses.shape[1])
     if batch.holds_no_keys(k_cache, page_table):
         return batch.nothing_visible(b, top_k), jnp.full((b, capacity), -1, jnp.int32)
 

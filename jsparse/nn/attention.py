@@ -178,7 +178,7 @@ class SparseAttention(nnx.Module):
         if not self.keeps_projected_cache:
             return None
         params = self.params.get_value()
-        key_map = self.selector.maps(params)[1]
+        key_map = self.selector.checked_maps(params)[1]
         if key_map.shape[0] != n_kv_heads or key_map.shape[-1] != head_dim:
             raise ValueError(
                 f"params: calibrated for {key_map.shape[0]} KV heads of dim "

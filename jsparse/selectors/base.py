@@ -321,7 +321,19 @@ class ProjectedSelector(Selector):
         raise NotImplementedError
 
     def _head_dim(self, params: Params) -> int | None:
-        return self.maps(params)[1].shape[-1]
+        return self.checked_maps(params)[1].shape[-1]
+
+    def checked_maps(self, params: Params):
+        """:meth:`maps`, or a ValueError naming ``params`` when they are not this
+        selector's calibrated params (empty, or another selector's)."""
+        try:
+            return self.maps(params)
+        except KeyError as missing:
+            raise ValueError(
+                f"params: the {self.name} selector needs its calibrated params (no "
+                f"{missing.args[0]!r} in {sorted(params)}); make them with "
+                "selector.calibrate(q, k)"
+            ) from None
 
     def bytes_per_token(self, head_dim: int) -> float:
         return float(self.rank * CACHE_DTYPES[self.cache_dtype][1])

@@ -86,6 +86,11 @@ def test_decode_validates_inputs():
             indexer_topk_decode(qs[0], ws[0], k_cache, bad, lengths=jnp.asarray(lengths0))
     res, _ = indexer_topk_decode(qs[0], ws[0], k_cache, np.int32(K), lengths=jnp.asarray(lengths0))
     assert res.indices.shape == (B, K)  # a numpy integer is an int, as everywhere else
+    for bad, message in ((5.5, "a Python int or None, got 5.5"), (0, f"0 < top_k = {K}")):
+        with pytest.raises(ValueError, match=f"witness_capacity: (expected )?{message}"):
+            indexer_topk_decode(
+                qs[0], ws[0], k_cache, K, lengths=jnp.asarray(lengths0), witness_capacity=bad
+            )
 
 
 P = 16  # page size of the paged tests (S_MAX = 10 pages)
@@ -215,20 +220,26 @@ def test_fp8_decode_never_widens_the_cache_and_still_equals_base(interpret, fp8_
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_repeated_witnesses_fall_back_exactly(impl, request):
-    # Witnesses must be distinct; a list that repeats one key K times makes the seed
-    # threshold that key's score, which K - 1 other keys' scores lie above. The step
-    # must notice that the records fall short of K and score every key, not return
-    # fewer than K ids.
+    # Witnesses must be distinct (refused when concrete; under jit they cannot be
+    # checked); a list that repeats one key K times makes the seed threshold that key's
+    # score, which K - 1 other keys' scores lie above. The step must notice that the
+    # records fall short of K and score every key, not return fewer than K ids.
     if impl == "triton":
         request.getfixturevalue("interpret")
     k_cache, scale, qs, ws, lengths0 = _sequence(steps=1)
     lengths = jnp.asarray(lengths0, jnp.int32)
     ids, scores = _base(qs[0], ws[0], k_cache, scale, lengths, impl)
     witnesses = jnp.full((B, 2 * K), -1, jnp.int32).at[0, :K].set(ids[0, K // 2])
-    res, _ = indexer_topk_decode(
-        qs[0], ws[0], k_cache, K, k_scale=scale, lengths=lengths, witnesses=witnesses,
-        implementation=impl,
-    )  # fmt: skip
+
+    def step(witnesses):
+        return indexer_topk_decode(
+            qs[0], ws[0], k_cache, K, k_scale=scale, lengths=lengths, witnesses=witnesses,
+            implementation=impl,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="witnesses: row 0 lists a key more than once"):
+        step(witnesses)
+    res, _ = jax.jit(step)(witnesses)
     np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
     np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(scores))
     np.testing.assert_array_equal(np.asarray(res.fallback), [True, False, False])

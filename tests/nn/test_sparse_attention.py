@@ -102,6 +102,14 @@ def test_bad_arguments_are_named():
         jsparse.SparseAttention(3, {}, 8)
     with pytest.raises(ValueError, match=r"selector_options \['rank'\]"):
         jsparse.SparseAttention(jsparse.make_selector("jssa"), {}, 8, rank=4)
+    uncalibrated = jsparse.SparseAttention("jssa", {}, 8, rank=4)
+    with pytest.raises(ValueError, match=r"params: the jssa selector needs its calibrated params"):
+        uncalibrated.init_core_state(1, 16, 1, 8)
+    with pytest.raises(ValueError, match=r"no 'basis' in \['kernel'\]"):
+        jsparse.make_selector("jssa", rank=4).select(
+            {"kernel": jnp.ones(3)}, jnp.ones((1, 2, 8)), jnp.ones((1, 6, 1, 8)),
+            jnp.asarray([6], jnp.int32), 4,
+        )  # fmt: skip
     core = jsparse.SparseAttention("oracle", {}, 4)
     q = jnp.ones((1, 1, 2, 8))
     k = jnp.ones((1, 6, 1, 8))

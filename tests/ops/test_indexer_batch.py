@@ -214,6 +214,8 @@ def test_bad_input_raises_value_errors():
         (dict(top_k=K, k_scale=batch["k_scale"].at[2, 7].set(0.0)), r"k_scale\[\(2, 7\)\]"),
         (dict(top_k=K, weights=batch["weights"].astype(jnp.bfloat16)), "weights: dtype"),
         (dict(top_k=K, q=batch["q"][:, :, :8]), "k_cache: shape"),
+        (dict(top_k=K, k_scale=[1.0] * 4), r"k_scale: got a list; expected an array of rank 2"),
+        (dict(top_k=K, sorted="no"), "sorted: expected True or False, got 'no'"),
     ]
     for override, message in cases:
         with pytest.raises(ValueError, match=message):

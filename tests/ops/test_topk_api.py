@@ -141,6 +141,7 @@ def test_traced_ranges_are_clamped(impl, interpret):
         (lambda x: jsparse.topk(x, 3, kv_start=jnp.zeros((3,), jnp.int32)),
          r"expected \[T\] = \(2,\)"),
         (lambda x: jsparse.topk(x, 3, implementation="cuda"), "implementation: got 'cuda'"),
+        (lambda x: jsparse.topk(x, 3, sorted="no"), "sorted: expected True or False"),
     ],
 )  # fmt: skip
 def test_bad_input_names_the_argument(call, message):

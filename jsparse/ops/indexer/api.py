@@ -148,9 +148,10 @@ def indexer_topk(
       q, weights, k, k_scale, kv_start, kv_end: as in :func:`indexer_scores`.
       top_k: K, the number of keys to return per query.
       method: ``"xla"``, ``"base"``, ``"full"``, ``"dense"`` or ``"dosa"`` (module doc).
-      seeds: for the thresholded methods: the number of seed keys per query (default
-        a heuristic, see :func:`default_seed_ids`) or explicit [T, N] int32 seed ids
-        (-1 = unused slot; each must be visible to its query and distinct).
+      seeds: for the thresholded methods (``full``, ``dense``, ``dosa``; ``base`` and
+        ``xla`` score every key and ignore it): the number of seed keys per query
+        (default a heuristic, see :func:`default_seed_ids`) or explicit [T, N] int32
+        seed ids (-1 = unused slot; each must be visible to its query and distinct).
       sorted: order each row by score descending, then id ascending (default). With
         False the row holds the same exact Top-K set in an order the implementation
         chooses (the Triton kernels: ascending id when the key range was not split and
@@ -165,6 +166,7 @@ def indexer_topk(
     top_k = _checks.check_top_k(top_k)
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
+    _checks.check_bool("sorted", sorted)
     seeds = None if method == "xla" else _check_seeds(seeds, q.shape[0], start, end)
 
     def select(q, weights, k, k_scale, start, end, seeds):

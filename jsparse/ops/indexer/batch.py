@@ -71,6 +71,7 @@ def validate_cache(q, weights, k_cache, k_scale, lengths, page_table, *, chunked
     else:
         s_max = k_cache.shape[1]
     if k_scale is not None:
+        _checks.check_rank("k_scale", k_scale, 2, cache_layout[:-4] + "]")
         _checks.check_dtype("k_scale", k_scale, (jnp.float32,))
         want = k_cache.shape[:2]
         if k_scale.shape != want:
@@ -223,6 +224,7 @@ def indexer_topk_batch(
     top_k = _checks.check_top_k(top_k)
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
+    _checks.check_bool("sorted", sorted)
     if holds_no_keys(k_cache, page_table):
         return nothing_visible(q.shape[0], top_k)
 

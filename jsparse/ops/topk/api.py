@@ -103,6 +103,7 @@ def _select(scores, start, end, top_k, sort, implementation):
     rows (a [T] range: groups of one)."""
     t, s = scores.shape
     top_k = _checks.check_top_k(top_k)
+    _checks.check_bool("sorted", sort)
     if s == 0:  # nothing to select: every slot is padding
         return jnp.full((t, top_k), -1, jnp.int32), jnp.full((t, top_k), -jnp.inf, jnp.float32)
 
