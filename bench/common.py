@@ -258,8 +258,9 @@ class Floors:
 
     def describe(self) -> str:
         rates = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in self.matmul_flops_per_s.items())
-        copy = self.copy_bytes_per_s / 1e9
-        return f"floors: copy {copy:.4g} GB/s (read+write) | XLA matmul {rates}"
+        copy = f"floors: copy {self.copy_bytes_per_s / 1e9:.4g} GB/s (read+write)"
+        # ops bound by bytes alone (selection, decode steps) measure no matmul rate
+        return f"{copy} | XLA matmul {rates}" if rates else copy
 
 
 def measure_floors(dtypes: Sequence[str], *, on_gpu: bool) -> Floors:

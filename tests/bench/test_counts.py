@@ -46,3 +46,11 @@ def test_paged_batch_inputs_hold_the_dense_keys_and_the_check_catches_a_wrong_id
     assert check(case, paged, wrong, rows=3)
     ref = jsparse.indexer_topk_batch(top_k=16, implementation="reference", **dense)
     assert jnp.array_equal(ref.indices, result.indices)
+
+
+def test_floors_line_names_only_what_was_measured():
+    from bench.common import Floors
+
+    assert Floors(3.0e12, {}).describe() == "floors: copy 3000 GB/s (read+write)"
+    line = Floors(3.0e12, {"bfloat16": 7.15e14}).describe()
+    assert line == "floors: copy 3000 GB/s (read+write) | XLA matmul bfloat16 715 TFLOP/s"
