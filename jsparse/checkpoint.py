@@ -87,20 +87,19 @@ def save_bases(
         raise ValueError(
             f"save_bases: bases must be a non-empty dict of arrays, got {type(bases).__name__}"
         )
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"save_bases: overwrite must be True or False, got {overwrite!r}")
     flat = {name: np.asarray(value) for name, value in _flatten(bases).items()}
     _check_shapes({n: a.shape for n, a in flat.items()}, metadata, "save_bases")
+    for name, a in flat.items():  # jax restores 64-bit arrays as 32-bit unless x64 is on
+        if a.dtype.itemsize == 8 and a.dtype.kind in "fiuc":
+            raise ValueError(
+                f"save_bases: {name} is {a.dtype.name}; save 32-bit or narrower arrays (jax "
+                "restores 64-bit ones as 32-bit, so they would not load back as saved)"
+            )
     for name, a in flat.items():  # a NaN basis (calibrated on non-finite data) selects nothing
         if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
             raise ValueError(f"save_bases: {name} has non-finite values; a basis must be finite")
-    if path.exists():
-        if not overwrite:
-            raise FileExistsError(f"save_bases: {path} exists (pass overwrite=True to replace it)")
-        import shutil
-
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path / _ARRAYS, _unflatten(flat))
     meta = dict(metadata)
     meta["format"] = FORMAT
     meta["jsparse_version"] = __version__
@@ -108,9 +107,34 @@ def save_bases(
         name: {"shape": list(a.shape), "dtype": a.dtype.name, "sha256": _digest(a)}
         for name, a in flat.items()
     }
+    # encoded before anything is written: metadata JSON cannot hold leaves no partial save
+    meta_text = json.dumps(meta, indent=2, sort_keys=True, default=_json_default)
+    if path.exists():
+        if not overwrite:
+            raise FileExistsError(f"save_bases: {path} exists (pass overwrite=True to replace it)")
+        _remove_checkpoint(path)
+    path.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path / _ARRAYS, _unflatten(flat))
     # Written last: a directory without metadata.json is an incomplete save.
-    (path / _META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=_json_default))
+    (path / _META).write_text(meta_text)
     return path
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Removes a checkpoint directory (complete or not) that ``overwrite`` replaces, and
+    refuses anything else: a file, or a directory holding other entries."""
+    import shutil
+
+    if not path.is_dir():
+        raise ValueError(f"save_bases: {path} exists and is not a directory; not replacing it")
+    others = sorted(e.name for e in path.iterdir() if e.name not in (_ARRAYS, _META))
+    if others:
+        raise ValueError(
+            f"save_bases: {path} holds {others[:5]}, so it is not a jsparse checkpoint; "
+            "overwrite=True replaces only a checkpoint"
+        )
+    shutil.rmtree(path)
 
 
 def _check_shapes(shapes: Mapping[str, Any], meta: Mapping[str, Any], where: str) -> None:

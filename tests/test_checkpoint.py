@@ -85,6 +85,42 @@ def test_save_refuses_inconsistent_shapes_and_existing_dirs(tmp_path):
     assert read_metadata(path)["model"] == "again"
 
 
+def test_overwrite_replaces_only_a_checkpoint(tmp_path):
+    """overwrite=True must never delete a directory that is not a checkpoint (a wrong
+    --out would take the user's files with it), nor a file."""
+    other = tmp_path / "results"
+    (other / "sub").mkdir(parents=True)
+    (other / "important.txt").write_text("x")
+    with pytest.raises(
+        ValueError, match=r"holds \['important.txt', 'sub'\], so it is not a jsparse"
+    ):
+        jsparse.save_bases(other, _bases(), _meta(), overwrite=True)
+    assert (other / "important.txt").read_text() == "x" and (other / "sub").is_dir()
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("y")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        jsparse.save_bases(a_file, _bases(), _meta(), overwrite=True)
+    assert a_file.read_text() == "y"
+    with pytest.raises(ValueError, match="overwrite must be True or False, got 'no'"):
+        jsparse.save_bases(tmp_path / "x", _bases(), _meta(), overwrite="no")
+    incomplete = tmp_path / "incomplete"
+    (incomplete / "arrays").mkdir(parents=True)  # a save cut before its metadata
+    jsparse.save_bases(incomplete, _bases(), _meta(), overwrite=True)
+    assert read_metadata(incomplete)["model"] == "test-model"
+
+
+def test_save_refuses_what_would_not_load_back_and_writes_nothing(tmp_path):
+    wide = _bases()
+    wide["basis"] = wide["basis"].astype(np.float64)  # numpy's eigh gives float64
+    with pytest.raises(ValueError, match="basis is float64; save 32-bit or narrower"):
+        jsparse.save_bases(tmp_path / "f64", wide, _meta())
+    assert not (tmp_path / "f64").exists()
+    with pytest.raises(TypeError):
+        jsparse.save_bases(tmp_path / "meta", _bases(), _meta(note=object()))
+    assert not (tmp_path / "meta").exists()  # no partial directory blocks the next save
+    jsparse.save_bases(tmp_path / "meta", _bases(), _meta())
+
+
 def test_corrupt_metadata(tmp_path):
     path = jsparse.save_bases(tmp_path / "ckpt", _bases(), _meta())
     meta_file = path / "metadata.json"
