@@ -338,6 +338,41 @@ class ProjectedSelector(Selector):
     def bytes_per_token(self, head_dim: int) -> float:
         return float(self.rank * CACHE_DTYPES[self.cache_dtype][1])
 
+    def check_cache(self, params: Params, cache) -> tuple[int, int]:
+        """(B, S) of ``cache`` when it is this selector's cache for ``params`` (what
+        :meth:`empty_cache` or :meth:`project_keys` makes, leaf for leaf), else a
+        ValueError naming ``cache``: a decode step would otherwise write or read another
+        layout, or another sequence's rows."""
+        leaves = jax.tree.leaves(cache)
+        if not isinstance(cache, tuple) or not leaves or leaves[0].ndim < 2:
+            raise ValueError(
+                f"cache: got {type(cache).__name__}; expected this selector's cache "
+                "(empty_cache or project_keys)"
+            )
+        b, s = leaves[0].shape[:2]
+        want = jax.eval_shape(lambda: self.empty_cache(params, b, s))
+        got_leaves = [(tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves]
+        want_leaves = [(tuple(x.shape), jnp.dtype(x.dtype).name) for x in jax.tree.leaves(want)]
+        if jax.tree.structure(cache) != jax.tree.structure(want) or got_leaves != want_leaves:
+            raise ValueError(
+                f"cache: {type(cache).__name__} {got_leaves}; expected {type(want).__name__} "
+                f"{want_leaves} (this selector's cache for these params, B = {b}, S = {s})"
+            )
+        return b, s
+
+    def check_step_inputs(self, params, q, cache, lengths, budget, k_new=None, slots=None):
+        """The decode path's checks (``select``'s, against the cache): q, lengths and
+        budget; with ``k_new`` and ``slots``, :meth:`append_keys`' too."""
+        hkv, _, d = self.checked_maps(params)[1].shape
+        b, s = self.check_cache(params, cache)
+        _checks.check_rank("q", q, 3, "[B, H, D]")
+        _checks.check_dim("q", q, 0, b, "sequences B of the cache")
+        _checks.check_dim("q", q, 2, d, "head_dim the selector was calibrated for")
+        keys = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.float32)  # what the cache stands for
+        check_select_inputs(q, keys, lengths, budget, head_dim=d)
+        if k_new is not None:
+            self._check_append(params, cache, k_new, slots)
+
     @property
     def keeps_projection(self) -> bool:
         """Whether decoding scores from a kept cache of projected keys (``project_keys``,
@@ -385,9 +420,22 @@ class ProjectedSelector(Selector):
         """``cache`` with sequence b's slot ``slots[b]`` holding the projection of
         ``k_new[b]``, quantised with the cache's scales (FP8 values beyond them saturate).
         One decode step's update: it reads one key per sequence, not the context."""
+        self._check_append(params, cache, k_new, slots)
         proj = self._project(params, k_new[:, None])[:, 0]  # [B, Hkv, R]
         row = quantize_with_scale(proj, cache.scale, self.cache_dtype)
         return cache._replace(values=write_token_rows(cache.values, row, slots))
+
+    def _check_append(self, params, cache, k_new, slots) -> None:
+        """:meth:`append_keys`' checks: the cache, ``k_new`` [B, Hkv, D], ``slots`` [B]."""
+        hkv, _, d = self.checked_maps(params)[1].shape
+        b, _ = self.check_cache(params, cache)
+        _checks.check_rank("k_new", k_new, 3, "[B, Hkv, D]")
+        _checks.check_floating("k_new", k_new)
+        if tuple(k_new.shape) != (b, hkv, d):
+            raise ValueError(
+                f"k_new: shape {tuple(k_new.shape)}; expected [B, Hkv, D] = {(b, hkv, d)}"
+            )
+        _check_slots(slots, b)
 
     def scores_projected(self, params: Params, q, cache: ProjectedKeys) -> Float[Array, "B Hkv S"]:
         # The per-head scale goes on the query: one pass over the scores fewer.
@@ -414,6 +462,7 @@ class ProjectedSelector(Selector):
         selector that keeps this class's projections and where it pays
         (:func:`fused_step_pays`), both projections and the cache write are one
         ``projected_step`` launch."""
+        self.check_step_inputs(params, q, cache, lengths, budget, k_new, slots)
         fused = _selection_kernels() and self._plain_projections()
         if fused and fused_step_pays(q.shape, k_new.shape[1]):
             a, b = self.maps(params)
@@ -441,8 +490,17 @@ class ProjectedSelector(Selector):
         ordered: bool = True,
     ) -> Int[Array, "B Hkv budget"]:
         """``select`` from an already projected cache (the decoding path)."""
+        self.check_step_inputs(params, q, cache, lengths, budget)
         scores = self.scores_projected(params, q, cache)
         return top_budget(scores, lengths, budget, ordered=ordered)
+
+
+def _check_slots(slots, b: int) -> None:
+    """[B] integer slots (one outside [0, S) writes nothing: a sequence not stepping)."""
+    _checks.check_rank("slots", slots, 1, "[B]")
+    _checks.check_dim("slots", slots, 0, b, "sequences B of the cache")
+    if not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"slots: expected an integer dtype, got {slots.dtype}")
 
 
 def quantize_cache(

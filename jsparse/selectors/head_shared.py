@@ -86,6 +86,7 @@ class HeadSharedSelector(ProjectedSelector):
                 "head_shared(basis='full') keeps no projected cache; use select(params, q, k, "
                 "lengths, budget)"
             )
+        self.check_step_inputs(params, q, cache, lengths, budget)
         votes = self._projected_votes(params, q, cache, lengths)
         return top_budget(votes, lengths, budget, ordered=ordered)
 

@@ -220,6 +220,7 @@ class JSSARDSelector(ProjectedSelector):
         )
 
     def append_keys(self, params, cache: MixedKeys, k_new, slots) -> MixedKeys:
+        self._check_append(params, cache, k_new, slots)
         x = self._centred(params, k_new[:, None])  # [B, 1, Hkv, R]
         row = self._quantize(x, cache.high_scale, cache.low_scale)
         return cache._replace(

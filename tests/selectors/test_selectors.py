@@ -389,3 +389,33 @@ def test_the_fused_step_is_taken_where_it_measured_faster(monkeypatch):
     assert pays((1, 128, 576), 1)
     monkeypatch.setattr(base, "FUSED_STEP", False)
     assert not pays((32, 32, 128), 8)
+
+
+@pytest.mark.parametrize("name", ["jssa", "jssa_rd"])
+def test_the_decode_path_refuses_mismatched_inputs_by_name(name):
+    """append_keys / select_projected / decode_step check what select checks, against the
+    cache: a batch-1 key into a batch-2 cache once wrote sequence 0's key into sequence
+    1's slot too (broadcast), and other mismatches failed deep inside jax."""
+    sel, params = _calibrated(name)
+    _, _, q, k = _data_for(name)  # q [B, H, D], k [B, S, Hkv, D]
+    b, s = k.shape[:2]
+    cache = sel.empty_cache(params, b, s)
+    slots = jnp.zeros((b,), jnp.int32)
+    lengths = jnp.full((b,), 5, jnp.int32)
+    with pytest.raises(ValueError, match=r"k_new: shape \(1, "):
+        sel.append_keys(params, cache, k[:1, 0], slots[:1])
+    with pytest.raises(ValueError, match="slots: axis 0"):
+        sel.append_keys(params, cache, k[:, 0], slots[:1])
+    with pytest.raises(ValueError, match=r"q: axis 0 .* expected 3 \(sequences B of the cache"):
+        sel.select_projected(params, q[:1], cache, lengths, 4)
+    with pytest.raises(ValueError, match="lengths: expected rank 1"):
+        sel.select_projected(params, q, cache, lengths[:, None], 4)
+    with pytest.raises(ValueError, match="budget: expected a static int"):
+        sel.decode_step(params, q, cache, k[:, 0], slots, lengths, 0)
+    with pytest.raises(ValueError, match="cache: got ArrayImpl"):
+        sel.select_projected(params, q, jnp.zeros((b, s, 2, 4)), lengths, 4)
+    other = jax.tree.map(lambda x: x[..., :-1] if x.ndim == 4 else x, cache)
+    with pytest.raises(ValueError, match="this selector's cache for these params"):
+        sel.select_projected(params, q, other, lengths, 4)
+    ids, _ = sel.decode_step(params, q, cache, k[:, 0], slots, lengths, 4)
+    assert ids.shape == (b, k.shape[2], 4)
