@@ -48,6 +48,7 @@ from jsparse.selectors.base import (
     write_token_rows,
 )
 from jsparse.selectors.kq_svd import _fit as _kq_svd_fit
+from jsparse.selectors.kq_svd import check_rcond
 
 __all__ = ["JSSARDSelector", "MixedKeys", "component_weights", "plan_bit_allocation"]
 
@@ -133,6 +134,11 @@ class JSSARDSelector(ProjectedSelector):
     name: ClassVar[str] = "jssa_rd"
 
     def __post_init__(self):
+        for field in ("fp8_dims", "int4_dims"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise ValueError(f"jssa_rd: {field} must be an int, got {value!r}")
+        check_rcond(self.rcond)
         if self.fp8_dims < 0 or self.int4_dims < 0 or self.fp8_dims + self.int4_dims < 1:
             raise ValueError(
                 f"jssa_rd: need fp8_dims, int4_dims >= 0 and a positive total, got "

@@ -17,6 +17,13 @@ __all__ = ["KQSVDSelector", "psd_sqrt"]
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def check_rcond(rcond) -> None:
+    """rcond in [0, 1): NaN or ≥ 1 would zero every eigenvalue and the maps with them
+    (selection by position)."""
+    if isinstance(rcond, bool) or not isinstance(rcond, int | float) or not 0 <= rcond < 1:
+        raise ValueError(f"rcond: got {rcond!r}; expected a number in [0, 1)")
+
+
 def psd_sqrt(gram: jnp.ndarray, rcond: float) -> tuple[jnp.ndarray, jnp.ndarray]:
     """``(G^{1/2}, G^{-1/2})`` of symmetric PSD matrices; eigenvalues below
     ``rcond · λ_max`` count as zero (pseudo-inverse)."""
@@ -49,6 +56,10 @@ class KQSVDSelector(ProjectedSelector):
     rcond: float = 1e-6
 
     name: ClassVar[str] = "kq_svd"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_rcond(self.rcond)
 
     def calibrate_from_moments(self, moments: Moments):
         d = moments.gram_q.shape[-1]

@@ -419,3 +419,22 @@ def test_the_decode_path_refuses_mismatched_inputs_by_name(name):
         sel.select_projected(params, q, other, lengths, 4)
     ids, _ = sel.decode_step(params, q, cache, k[:, 0], slots, lengths, 4)
     assert ids.shape == (b, k.shape[2], 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("kq_svd", {"rank": 4, "rcond": float("nan")}, "rcond: got nan; expected a number in"),
+        ("kq_svd", {"rank": 4, "rcond": 2.0}, r"rcond: got 2.0"),  # zeroed every map
+        ("jssa_rd", {"rcond": -1.0}, r"rcond: got -1.0"),
+        ("jssa_rd", {"fp8_dims": 2.5}, "fp8_dims must be an int, got 2.5"),
+        ("jssa", {"rank": True}, "rank: expected an int >= 1, got True"),
+    ],
+)  # fmt: skip
+def test_bad_selector_options_are_refused_by_name(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        make_selector(name, **options)
+
+
+def test_a_numpy_int_rank_is_an_int():
+    assert make_selector("jssa", rank=np.int64(8)).rank == 8
