@@ -73,3 +73,11 @@ def test_an_unknown_preset_names_the_ones_there_are(capsys):
         main(["--op", "attention", "--preset", "no-such"])
     err = capsys.readouterr().err
     assert "--preset 'no-such': configs/attention.toml has decode, gpu-smoke" in err
+
+
+def test_an_unknown_indexer_method_stops_the_run():
+    """It used to print error rows and exit 0; now it stops before building inputs."""
+    from bench.run import main
+
+    with pytest.raises(SystemExit, match=r"--op indexer has methods .*, not \['nope'\]"):
+        main(["--op", "indexer", "--method", "nope", "--quiet"])
