@@ -105,6 +105,32 @@ def _synthetic_moments(n_tokens: int, window: int, timings: dict):
     return finalize_moments(state), info
 
 
+def _selector(args, make_selector):
+    """(the selector ``--method``, ``--rank`` and ``--set`` name, whether jssa_rd plans
+    its split from ``--bytes``, the ``--set`` options); a bad flag stops with a message
+    naming it."""
+    from jsparse.selectors import SELECTORS
+
+    bad = [item for item in args.set if "=" not in item or not item.split("=", 1)[0]]
+    if bad:
+        raise SystemExit(f"--set: expected KEY=VALUE, got {bad}")
+    options = dict(item.split("=", 1) for item in args.set)
+    options = {key: _parse_value(value) for key, value in options.items()}
+    if "rank" in options:
+        raise SystemExit("--set rank=...: give the rank with --rank (jssa_rd: --bytes)")
+    cls = SELECTORS.get(args.method)
+    if cls is None:
+        raise SystemExit(f"--method: got {args.method!r}; expected one of {sorted(SELECTORS)}")
+    if not cls.calibrated:
+        raise SystemExit(f"--method {args.method}: this selector has nothing to calibrate")
+    planned = args.method == "jssa_rd" and not {"fp8_dims", "int4_dims"} & set(options)
+    extra = {} if args.method == "jssa_rd" else {"rank": args.rank}
+    try:
+        return make_selector(args.method, **extra, **options), planned, options
+    except (ValueError, TypeError) as err:
+        raise SystemExit(f"--method {args.method} with --set {args.set}: {err}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from jsparse.calibration.stream import moments_from_captures, stack_moments
     from jsparse.checkpoint import save_bases
@@ -113,15 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = environment()
     print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "commit")))
-    options = dict(item.split("=", 1) for item in args.set)
-    options = {key: _parse_value(value) for key, value in options.items()}
-    planned = args.method == "jssa_rd" and not {"fp8_dims", "int4_dims"} & set(options)
-    if args.method == "jssa_rd":
-        selector = make_selector(args.method, **options)
-    else:
-        selector = make_selector(args.method, rank=args.rank, **options)
-    if not selector.calibrated:
-        raise SystemExit(f"--method {args.method}: this selector has nothing to calibrate")
+    selector, planned, options = _selector(args, make_selector)
 
     timings = {"data_s": 0.0, "moments_s": 0.0}
     t_start = time.perf_counter()

@@ -28,6 +28,17 @@ class JSSASelector(ProjectedSelector):
     refine_steps: int = 0
     refine_lr: float = 0.05
 
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize: expected True or False, got {self.normalize!r}")
+        steps = self.refine_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"refine_steps: expected an int >= 0, got {steps!r}")
+        lr = self.refine_lr
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf"):
+            raise ValueError(f"refine_lr: expected a positive number, got {lr!r}")
+
     name: ClassVar[str] = "jssa"
 
     def calibrate_from_moments(self, moments: Moments):

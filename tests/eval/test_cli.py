@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import jax
+import pytest
 
 import jsparse
 from jsparse.calibration.cli import main as calibrate_main
@@ -61,3 +62,21 @@ def test_calibration_cli_plans_jssa_rd(tmp_path):
     assert meta["bytes_per_token"] <= 8
     assert bases["query_map"].shape == (2, 3, meta["rank"], 64)
     assert bases["key_offset"].shape == (2, 3, meta["rank"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--method", "full"], "--method full: this selector has nothing to calibrate"),
+        (["--method", "nope"], r"--method: got 'nope'; expected one of \["),
+        (["--set", "foo"], r"--set: expected KEY=VALUE, got \['foo'\]"),
+        (["--set", "rank=8"], "give the rank with --rank"),
+        (["--set", "refine_steps=abc"], "refine_steps: expected an int >= 0, got 'abc'"),
+        (["--method", "jssa_rd", "--set", "fp8_dims=2.5"], "fp8_dims must be an int, got 2.5"),
+    ],
+)  # fmt: skip
+def test_calibration_cli_refuses_bad_flags_before_any_work(tmp_path, flags, message):
+    out = tmp_path / "bases"
+    with pytest.raises(SystemExit, match=message):
+        calibrate_main(["--synthetic-tokens", "512", "--window", "512", "--out", str(out), *flags])
+    assert not out.exists()
