@@ -259,6 +259,7 @@ def _bad_inputs():
         ("head dim", dict(k=k[..., :8]), r"k: axis 3 .* expected 16"),
         ("v length", dict(v=v[:, :29]), r"v: axis 1 .* expected 30"),
         ("groups", dict(q=jnp.concatenate([q, q[:, :1]], axis=1)), r"q: 7 heads with 2 KV heads"),
+        ("no head dim", dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]), "a head dimension D >= 1"),
         ("list heads", dict(indices=idx[:, :1]), r"indices: axis 1 .* expected 2"),
         ("beyond S", dict(indices=idx.at[1, 0, 3].set(30)),
          r"indices: indices\[1, 0, 3\] = 30 is outside \[0, S\) = \[0, 30\)"),

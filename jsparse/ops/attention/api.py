@@ -72,6 +72,8 @@ def indexed_attention(
     _checks.check_dtype("v", v, CACHE_FLOATS)
     _checks.check_dtype("indices", indices, (jnp.int32,))
     b, h, d = q.shape
+    if d == 0:  # the logits' default scale is 1/sqrt(D)
+        raise ValueError(f"q: shape {tuple(q.shape)}; expected a head dimension D >= 1")
     hkv = k.shape[2]
     paged = page_table is not None
     if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
