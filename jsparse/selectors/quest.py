@@ -62,8 +62,9 @@ def page_metadata(
     def widen(x, direction):
         y = x / scale
         y = y + direction * (2 * u * jnp.abs(y) + margin)
-        y = jnp.where(jnp.isfinite(x), y, x)
-        return y.astype(store).astype(jnp.float32) * scale
+        y = y.astype(store).astype(jnp.float32) * scale
+        # ±inf (an empty page's marker, or a non-finite key) as they were: FP8 has no inf
+        return jnp.where(jnp.isfinite(x), y, x)
 
     return widen(lo, -1.0), widen(hi, 1.0)
 
@@ -71,11 +72,14 @@ def page_metadata(
 def page_bounds(
     q: Float[Array, "B Hkv D"], lo: Float[Array, "B P Hkv D"], hi: Float[Array, "B P Hkv D"]
 ) -> Float[Array, "B Hkv P"]:
-    """``Σ_d max(q_d m_d, q_d M_d)`` ≥ ``q·k`` for every key ``k`` of the page."""
-    lo_t = jnp.where(jnp.isfinite(lo), lo, 0.0)
-    hi_t = jnp.where(jnp.isfinite(hi), hi, 0.0)
+    """``Σ_d max(q_d m_d, q_d M_d)`` ≥ ``q·k`` for every key ``k`` of the page; -inf for
+    a page with no visible key (``page_metadata``'s min = +inf, max = -inf). A page
+    holding a non-finite key gets the bound its arithmetic gives (+inf, or NaN, which
+    ranks first as a NaN score does), not the empty page's -inf."""
+    empty = ((lo == jnp.inf) & (hi == -jnp.inf)).all(axis=-1)  # [B, P, Hkv]
+    lo_t = jnp.where(empty[..., None], 0.0, lo)  # no 0·inf on an empty page
+    hi_t = jnp.where(empty[..., None], 0.0, hi)
     bound = jnp.maximum(q[:, None] * lo_t, q[:, None] * hi_t).sum(axis=-1)  # [B, P, Hkv]
-    empty = ~jnp.isfinite(hi).all(axis=-1)
     return jnp.swapaxes(jnp.where(empty, -jnp.inf, bound), 1, 2)
 
 

@@ -438,3 +438,21 @@ def test_bad_selector_options_are_refused_by_name(name, options, message):
 
 def test_a_numpy_int_rank_is_an_int():
     assert make_selector("jssa", rank=np.int64(8)).rank == 8
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_quest_ranks_a_page_holding_a_non_finite_key_first_not_as_empty(bad, dtype):
+    """A +inf or NaN key scores first for every other selector (NaN ranks above +inf);
+    QUEST once took the page's non-finite bound for an empty page's and ranked it last."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(np.abs(rng.standard_normal((1, 2, 8))), jnp.float32)
+    k = rng.standard_normal((1, 32, 1, 8)).astype(np.float32)
+    k[0, 3, 0, 0] = bad
+    lengths = jnp.array([32], jnp.int32)
+    sel = make_selector("quest", page_size=16, cache_dtype=dtype)
+    ids = np.asarray(sel.select({}, q, jnp.asarray(k), lengths, 4)).ravel()
+    np.testing.assert_array_equal(ids, [0, 1, 2, 3])  # page 0, tokens in position order
+    assert (
+        np.asarray(make_selector("oracle").select({}, q, jnp.asarray(k), lengths, 1))[0, 0, 0] == 3
+    )
