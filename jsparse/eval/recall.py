@@ -22,8 +22,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from jsparse import _checks
 from jsparse.selectors.base import Selector, top_budget
 
 __all__ = ["RecallReference", "select_causal", "selection_mask"]
@@ -157,6 +159,17 @@ class RecallReference:
             raise ValueError(
                 f"idx: expected [T={self.q.shape[0]}, Hkv={self.k.shape[1]}, W], got {idx.shape}"
             )
+        if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or budget < 1:
+            raise ValueError(f"budget: expected an int >= 1, got {budget!r}")
+        ids = _checks.concrete(idx)
+        if ids is not None and ids.size:
+            if ids.max() >= self.n_keys:
+                raise ValueError(
+                    f"idx: ids must be < S = {self.n_keys} (-1 = empty), got {ids.max()}"
+                )
+            ordered = np.sort(ids, axis=-1)
+            if ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any():
+                raise ValueError("idx: a row lists a key more than once (recall counts each once)")
         denom = jnp.minimum(budget, self.lengths).astype(jnp.float32)
         fn = _metrics_gather if 4 * idx.shape[-1] <= self.n_keys else _metrics_dense
         return fn(self.probs, self.out, self.v, idx, self.oracle_mask(budget), denom)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jsparse.eval import recall
 from jsparse.eval.recall import RecallReference, select_causal, selection_mask
@@ -97,3 +98,21 @@ def test_select_causal_equals_per_query_select():
 def test_selection_mask_ignores_padding():
     idx = jnp.array([[[0, 2, -1]]], jnp.int32)
     np.testing.assert_array_equal(selection_mask(idx, 4)[0, 0], [True, False, True, False])
+
+
+def test_metrics_refuse_selections_they_would_miscount():
+    """A duplicate id counted twice on the gather path (recall 4.0), once on the dense
+    one (0.25); an id past S read out of range; budget 0 gave NaN."""
+    q, k, v = synthetic_qkv(jax.random.key(6), 64, n_heads=4, n_kv_heads=2, head_dim=8, latent=4)
+    pos = jnp.arange(60, 64)
+    ref = RecallReference(q[pos], k, v, pos + 1)
+    good = select_causal(make_selector("oracle"), {}, q[pos], k, pos + 1, 4)
+    ref.metrics(good, 4)
+    repeated = good.at[0, 0, 1].set(good[0, 0, 0])
+    with pytest.raises(ValueError, match="idx: a row lists a key more than once"):
+        ref.metrics(repeated, 4)
+    with pytest.raises(ValueError, match="idx: ids must be < S = 64"):
+        ref.metrics(good.at[1, 1, 0].set(64), 4)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="budget: expected an int >= 1"):
+            ref.metrics(good, bad)
