@@ -32,15 +32,24 @@ from jsparse.eval import protocol  # noqa: E402
 from jsparse.eval.captures import read_layer, read_meta  # noqa: E402
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench/recall.py", description=__doc__.split("\n")[0])
     p.add_argument("--calib", nargs="+", help="calibration capture directories")
     p.add_argument("--eval", help="held-out capture directory")
     p.add_argument("--synthetic", action="store_true", help="tiny synthetic smoke run")
-    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8192])
-    p.add_argument("--queries", type=int, default=256, help="last positions of each window")
-    p.add_argument("--ranks", nargs="+", type=int, default=[8, 16])
-    p.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512])
+    p.add_argument("--contexts", nargs="+", type=_positive_int, default=[2048, 4096, 8192])
+    p.add_argument(
+        "--queries", type=_positive_int, default=256, help="last positions of each window"
+    )
+    p.add_argument("--ranks", nargs="+", type=_positive_int, default=[8, 16])
+    p.add_argument("--budgets", nargs="+", type=_positive_int, default=[64, 128, 256, 512])
     p.add_argument("--layers", nargs="+", type=int, help="default: every layer")
     p.add_argument("--families", nargs="+", help="only these method families")
     p.add_argument("--calib-tokens", type=int, help="cap on calibration tokens")

@@ -73,6 +73,13 @@ def apply_settings(argv: list[str]) -> tuple[list[str], list[str]]:
     return rest, applied
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, settings = apply_settings(argv)
@@ -101,7 +108,9 @@ def main(argv=None) -> int:
         help="pallas-gpu: compiled Pallas kernels; interpret: the same kernels in Pallas "
         "interpret mode (any machine); xla: the jnp reference implementation",
     )  # fmt: skip
-    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per case")
+    parser.add_argument(
+        "--budget", type=_positive_seconds, default=1.0, help="seconds of timing per case"
+    )
     parser.add_argument("--json", default=None, help="write rows and environment here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     module_args, _ = parser.parse_known_args(argv)

@@ -81,3 +81,16 @@ def test_an_unknown_indexer_method_stops_the_run():
 
     with pytest.raises(SystemExit, match=r"--op indexer has methods .*, not \['nope'\]"):
         main(["--op", "indexer", "--method", "nope", "--quiet"])
+
+
+def test_timing_budget_and_recall_budgets_must_be_positive(capsys):
+    from bench import recall
+    from bench.run import main
+
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--op", "indexer", "--budget", bad])
+        assert "expected a positive number of seconds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        recall._parser().parse_args(["--synthetic", "--budgets", "0"])
+    assert "expected an int >= 1, got 0" in capsys.readouterr().err
