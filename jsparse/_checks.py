@@ -139,6 +139,17 @@ def check_bool(name: str, x) -> None:
         raise ValueError(f"{name}: expected True or False, got {x!r}")
 
 
+def first_repeating_row(ids: np.ndarray) -> int | None:
+    """The first row of concrete ids ``[..., N]`` (rows flattened over the leading axes)
+    that lists a non-negative id more than once (-1 is an empty slot), else None."""
+    if ids.shape[-1] < 2 or ids.size == 0:
+        return None
+    rows = np.sort(ids.reshape(-1, ids.shape[-1]), axis=1)
+    repeated = (rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)
+    hits = np.flatnonzero(repeated.any(axis=1))
+    return int(hits[0]) if hits.size else None
+
+
 def check_positive_finite(name: str, x) -> None:
     """Every value of ``x`` finite and > 0 (checked when concrete)."""
     values = concrete(x)

@@ -53,12 +53,9 @@ def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_tabl
         if witnesses.shape[0] != b:
             raise ValueError(f"witnesses: shape {tuple(witnesses.shape)}; expected [B, W]")
         ids = _checks.concrete(witnesses)
-        if ids is not None and ids.shape[1] > 1:
-            ordered = np.sort(ids, axis=1)
-            repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-            if repeated.any():
-                row = int(np.argwhere(repeated)[0, 0])
-                raise ValueError(f"witnesses: row {row} lists a key more than once")
+        row = None if ids is None else _checks.first_repeating_row(ids)
+        if row is not None:
+            raise ValueError(f"witnesses: row {row} lists a key more than once")
     return _checks.check_top_k(top_k)
 
 

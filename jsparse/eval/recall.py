@@ -167,8 +167,7 @@ class RecallReference:
                 raise ValueError(
                     f"idx: ids must be < S = {self.n_keys} (-1 = empty), got {ids.max()}"
                 )
-            ordered = np.sort(ids, axis=-1)
-            if ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any():
+            if _checks.first_repeating_row(ids) is not None:
                 raise ValueError("idx: a row lists a key more than once (recall counts each once)")
         denom = jnp.minimum(budget, self.lengths).astype(jnp.float32)
         fn = _metrics_gather if 4 * idx.shape[-1] <= self.n_keys else _metrics_dense

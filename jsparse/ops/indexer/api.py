@@ -241,10 +241,9 @@ def _check_seeds(seeds, t, start, end):
                 f"seeds: seeds[{row}, {col}] = {ids[row, col]} is not visible to query {row} "
                 f"(range [{s_np[row]}, {e_np[row]}))"
             )
-        for row in range(ids.shape[0]):
-            r = ids[row][used[row]]
-            if np.unique(r).size != r.size:
-                raise ValueError(f"seeds: row {row} lists a key more than once")
+        row = _checks.first_repeating_row(ids)
+        if row is not None:
+            raise ValueError(f"seeds: row {row} lists a key more than once")
     return seeds
 
 
