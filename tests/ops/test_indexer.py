@@ -562,6 +562,10 @@ class TestBadInput:
         bad = jnp.zeros((5, 3), jnp.int32).at[1, 0].set(299)  # query 1 sees [start, end)
         with pytest.raises(ValueError, match="seeds"):
             jsparse.indexer_topk(**inputs, top_k=4, method="full", seeds=bad)
+        first = int(inputs["kv_start"][2])  # visible to query 2
+        repeated = jnp.full((5, 3), -1, jnp.int32).at[2, :2].set(first)
+        with pytest.raises(ValueError, match="seeds: row 2 lists a key more than once"):
+            jsparse.indexer_topk(**inputs, top_k=4, method="full", seeds=repeated)
 
     @pytest.mark.skipif(backend.has_nvidia_gpu(), reason="checks the no-GPU message")
     def test_explicit_kernel_without_gpu_says_so(self):
