@@ -376,7 +376,7 @@ class ProjectedSelector(Selector):
         keys = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.float32)  # what the cache stands for
         check_select_inputs(q, keys, lengths, budget, head_dim=d)
         if k_new is not None:
-            self._check_append(params, cache, k_new, slots)
+            _check_new_keys(k_new, slots, (b, hkv, d))
 
     @property
     def keeps_projection(self) -> bool:
@@ -434,13 +434,7 @@ class ProjectedSelector(Selector):
         """:meth:`append_keys`' checks: the cache, ``k_new`` [B, Hkv, D], ``slots`` [B]."""
         hkv, _, d = self.checked_maps(params)[1].shape
         b, _ = self.check_cache(params, cache)
-        _checks.check_rank("k_new", k_new, 3, "[B, Hkv, D]")
-        _checks.check_floating("k_new", k_new)
-        if tuple(k_new.shape) != (b, hkv, d):
-            raise ValueError(
-                f"k_new: shape {tuple(k_new.shape)}; expected [B, Hkv, D] = {(b, hkv, d)}"
-            )
-        _check_slots(slots, b)
+        _check_new_keys(k_new, slots, (b, hkv, d))
 
     def scores_projected(self, params: Params, q, cache: ProjectedKeys) -> Float[Array, "B Hkv S"]:
         # The per-head scale goes on the query: one pass over the scores fewer.
@@ -467,8 +461,9 @@ class ProjectedSelector(Selector):
         selector that keeps this class's projections and where it pays
         (:func:`fused_step_pays`), both projections and the cache write are one
         ``projected_step`` launch."""
-        self.check_step_inputs(params, q, cache, lengths, budget, k_new, slots)
         fused = _selection_kernels() and self._plain_projections()
+        if fused:  # before fused_step_pays reads the shapes; unfused, the two calls check
+            self.check_step_inputs(params, q, cache, lengths, budget, k_new, slots)
         if fused and fused_step_pays(q.shape, k_new.shape[1]):
             a, b = self.maps(params)
             qp, values = projected_step(q, k_new, a, b, cache.values, cache.scale, slots)
@@ -500,8 +495,14 @@ class ProjectedSelector(Selector):
         return top_budget(scores, lengths, budget, ordered=ordered)
 
 
-def _check_slots(slots, b: int) -> None:
-    """[B] integer slots (one outside [0, S) writes nothing: a sequence not stepping)."""
+def _check_new_keys(k_new, slots, shape: tuple[int, int, int]) -> None:
+    """A decode step's new keys, ``shape`` = (B, Hkv, D) of the cache and params, and
+    their [B] integer slots (one outside [0, S) writes nothing: a sequence not stepping)."""
+    _checks.check_rank("k_new", k_new, 3, "[B, Hkv, D]")
+    _checks.check_floating("k_new", k_new)
+    if tuple(k_new.shape) != shape:
+        raise ValueError(f"k_new: shape {tuple(k_new.shape)}; expected [B, Hkv, D] = {shape}")
+    b = shape[0]
     _checks.check_rank("slots", slots, 1, "[B]")
     _checks.check_dim("slots", slots, 0, b, "sequences B of the cache")
     if not jnp.issubdtype(slots.dtype, jnp.integer):
