@@ -133,6 +133,13 @@ def check_top_k(top_k) -> int:
     return int(top_k)
 
 
+def check_int(name: str, x, minimum: int) -> int:
+    """A Python or numpy int ≥ ``minimum`` (not a bool), returned as an int."""
+    if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {x!r}")
+    return int(x)
+
+
 def check_bool(name: str, x) -> None:
     """A Python or numpy bool: a string or a number would be taken by its truth value."""
     if not isinstance(x, bool | np.bool_):

@@ -22,7 +22,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jsparse import _checks
@@ -159,8 +158,7 @@ class RecallReference:
             raise ValueError(
                 f"idx: expected [T={self.q.shape[0]}, Hkv={self.k.shape[1]}, W], got {idx.shape}"
             )
-        if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or budget < 1:
-            raise ValueError(f"budget: expected an int >= 1, got {budget!r}")
+        _checks.check_int("budget", budget, 1)
         ids = _checks.concrete(idx)
         if ids is not None and ids.size:
             if ids.max() >= self.n_keys:

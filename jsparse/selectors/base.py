@@ -314,13 +314,7 @@ class ProjectedSelector(Selector):
             raise ValueError(
                 f"cache_dtype: got {self.cache_dtype!r}; expected one of {sorted(CACHE_DTYPES)}"
             )
-        if (
-            isinstance(self.rank, bool)
-            or not isinstance(self.rank, int | np.integer)
-            or self.rank < 1
-        ):
-            raise ValueError(f"rank: expected an int >= 1, got {self.rank!r}")
-        object.__setattr__(self, "rank", int(self.rank))
+        object.__setattr__(self, "rank", _checks.check_int("rank", self.rank, 1))
 
     def maps(self, params: Params) -> tuple[Float[Array, "Hkv R D"], Float[Array, "Hkv R D"]]:
         raise NotImplementedError

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from jsparse import _checks
 from jsparse.calibration.eigenbasis import jssa_basis
 from jsparse.calibration.moments import Moments, normalize_trace
 from jsparse.calibration.stiefel import refine_basis
@@ -30,11 +31,10 @@ class JSSASelector(ProjectedSelector):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize: expected True or False, got {self.normalize!r}")
-        steps = self.refine_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"refine_steps: expected an int >= 0, got {steps!r}")
+        _checks.check_bool("normalize", self.normalize)
+        object.__setattr__(
+            self, "refine_steps", _checks.check_int("refine_steps", self.refine_steps, 0)
+        )
         lr = self.refine_lr
         if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf"):
             raise ValueError(f"refine_lr: expected a positive number, got {lr!r}")
