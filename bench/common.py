@@ -26,6 +26,13 @@ L2_BYTES = 60 * 2**20  # H200; rotating inputs only matters when a set fits in L
 MAX_INPUT_SETS = 16
 
 
+def refuse_unknown_methods(op: str, methods: Sequence[str], known: Sequence[str]) -> None:
+    """Stops the run, before any input is built, when ``--method`` names one ``op`` lacks."""
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise SystemExit(f"--op {op} has methods {', '.join(known)}, not {unknown}")
+
+
 def rotation_sets(bytes_per_set: int) -> int:
     """How many input sets a timing loop rotates over so that a set's bytes have left the
     L2 before the set comes round again: the others span ≥ 2× the L2 (at most

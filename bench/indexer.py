@@ -165,9 +165,7 @@ def _scorer_config(text):
 def run(args, floors: common.Floors, impl: str) -> list[dict]:
     from jsparse.ops.indexer.api import METHODS
 
-    unknown = [m for m in args.method if m not in METHODS]
-    if unknown:  # before any input is built (a bad name used to print error rows, rc 0)
-        raise SystemExit(f"--op indexer has methods {', '.join(METHODS)}, not {unknown}")
+    common.refuse_unknown_methods("indexer", args.method, METHODS)
     presets = common.load_presets("indexer")
     cases = common.expand_cases(presets[args.preset])
     cfg = _scorer_config(args.scorer_config)

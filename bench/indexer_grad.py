@@ -198,9 +198,7 @@ def counts(case, inputs):
 
 def run(args, floors: common.Floors, impl: str) -> list[dict]:
     cases = common.expand_cases(common.load_presets("indexer-grad")[args.preset])
-    unknown = [m for m in args.method if m not in DEFAULT_METHODS]
-    if unknown:
-        raise SystemExit(f"--op indexer-grad has methods xla and base, not {unknown[0]!r}")
+    common.refuse_unknown_methods("indexer-grad", args.method, DEFAULT_METHODS)
     configs = backward_configs(args.backward_config)
     if configs != [None] and impl != "triton":
         raise SystemExit("--backward-config: the Triton kernels' tiles; not with --backend xla")
