@@ -71,6 +71,19 @@ def concrete(x):
         return None
 
 
+def check_cache_room(lengths, t: int, max_len: int) -> None:
+    """A cache of ``max_len`` rows holding ``lengths`` tokens (one per sequence, or one
+    for all) has room for ``t`` more: under ``jit`` XLA would clamp the write silently,
+    so this checks whenever the lengths are concrete (``t > max_len`` always)."""
+    seen = concrete(lengths)
+    if t > max_len or (seen is not None and (seen + t > max_len).any()):
+        shown = "?" if seen is None else seen.tolist()
+        raise ValueError(
+            f"cache: lengths {shown} + T = {t} new tokens exceed max_len = {max_len}; "
+            "make it larger with init_cache(batch, max_len)"
+        )
+
+
 def check_ranges(kv_start, kv_end, t: int, s: int, rows: str):
     """Validated [T] int32 visible ranges kv_start ≤ i < kv_end within [0, S] (defaults:
     every key); ``rows`` names what fixes T in the messages (e.g. "q (8, 64, 128)").

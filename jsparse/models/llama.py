@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jsparse._checks import concrete
+from jsparse._checks import check_cache_room, concrete
 from jsparse.selectors.base import fp8_first_write
 
 __all__ = [
@@ -539,13 +539,7 @@ def _check_tokens(tokens, config: LlamaConfig, cache) -> None:
     if cache is not None:
         if len(cache) != config.n_layers:
             raise ValueError(f"cache: {len(cache)} layers, the model has {config.n_layers}")
-        slots = cache[0].k.shape[1]
-        length = concrete(cache[0].length)
-        if length is not None and int(length) + tokens.shape[1] > slots:
-            raise ValueError(
-                f"cache: {int(length)} tokens cached + {tokens.shape[1]} new exceed its "
-                f"{slots} slots; make it larger with init_cache(batch, max_len)"
-            )
+        check_cache_room(cache[0].length, tokens.shape[1], cache[0].k.shape[1])
         if cache[0].k.shape[0] != tokens.shape[0]:
             raise ValueError(f"cache: batch {cache[0].k.shape[0]}, tokens batch {tokens.shape[0]}")
     values = concrete(tokens)

@@ -203,12 +203,7 @@ class Indexer(nnx.Module):
         _checks.check_rank("x", x, 3, "[B, T, d_model]")
         b, t, _ = x.shape
         self._check_cache(cache, b)
-        s_max = cache.keys.shape[1]
-        lengths = _checks.concrete(cache.lengths)
-        if lengths is not None and (lengths + t > s_max).any():
-            raise ValueError(
-                f"cache: lengths {lengths.tolist()} + T = {t} new tokens exceed max_len = {s_max}"
-            )
+        _checks.check_cache_room(cache.lengths, t, cache.keys.shape[1])
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         q, weights = self.queries(x, positions, query_input)
         k_new, scale_new = self.keys(x, positions)

@@ -293,14 +293,7 @@ class MLAAttention(nnx.Module):
             )
         if cache.lengths.shape != (b,):
             raise ValueError(f"cache.lengths: shape {tuple(cache.lengths.shape)}; expected ({b},)")
-        max_len = rows.shape[1]
-        lengths = _checks.concrete(cache.lengths)
-        if t > max_len or (lengths is not None and (lengths + t > max_len).any()):
-            seen = "?" if lengths is None else lengths.tolist()
-            raise ValueError(
-                f"cache: lengths {seen} + T = {t} new tokens exceed max_len = {max_len}; "
-                "make it larger with init_cache(batch, max_len)"
-            )
+        _checks.check_cache_room(cache.lengths, t, rows.shape[1])
 
     @property
     def row_width(self) -> int:
