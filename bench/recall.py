@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", nargs="+", type=_positive_int, default=[8, 16])
     p.add_argument("--budgets", nargs="+", type=_positive_int, default=[64, 128, 256, 512])
     p.add_argument("--layers", nargs="+", type=int, help="default: every layer")
-    p.add_argument("--families", nargs="+", help="only these method families")
+    p.add_argument(
+        "--families", nargs="+", choices=protocol.FAMILIES, help="only these method families"
+    )
     p.add_argument("--calib-tokens", type=int, help="cap on calibration tokens")
     p.add_argument("--query-chunk", type=int, default=64)
     p.add_argument("--json", help="write every record and the summary here")

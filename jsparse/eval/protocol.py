@@ -56,12 +56,26 @@ class Method:
         return self.selector.bytes_per_token(head_dim)
 
 
+FAMILIES = (
+    "oracle", "full", "jssa", "jssa-raw", "jssa-refined", "loki", "fasa", "kq_svd",
+    "head_shared", "quest", "jssa_rd", "jssa_rd-shared",
+)  # fmt: skip
+
+
+def _check_families(families) -> None:
+    unknown = sorted(set(families) - set(FAMILIES)) if families is not None else []
+    if unknown:
+        raise ValueError(f"families: unknown {unknown}; expected some of {list(FAMILIES)}")
+
+
 def default_methods(
     ranks: Sequence[int], head_dim: int = 64, families: Sequence[str] | None = None
 ):
     """The comparison set. For each rank ``r``: JSSA (paper default, without trace
     normalisation, refined), Loki, FASA, KQ-SVD, head-shared voting, and QUEST at the
-    same bytes per token; plus oracle and full once."""
+    same bytes per token; plus oracle and full once. ``families``: keep only these
+    (names from :data:`FAMILIES`)."""
+    _check_families(families)
     methods = [
         Method("oracle", "oracle", make_selector("oracle"), None),
         Method("full", "full", make_selector("full"), None),
@@ -106,6 +120,7 @@ def rate_distortion_methods(ranks: Sequence[int], moments: Moments, families=Non
     (leading layer axis); ``jssa_rd-shared`` uses JSSA's shared basis (ablation)."""
     from jsparse.selectors.jssa_rd import JSSARDSelector
 
+    _check_families(families)
     methods = []
     for r in ranks:
         for kind, family in (("exact", "jssa_rd"), ("shared", "jssa_rd-shared")):

@@ -83,7 +83,7 @@ def test_an_unknown_indexer_method_stops_the_run():
         main(["--op", "indexer", "--method", "nope", "--quiet"])
 
 
-def test_timing_budget_and_recall_budgets_must_be_positive(capsys):
+def test_timing_budget_and_recall_flags_are_checked_by_the_parser(capsys):
     from bench import recall
     from bench.run import main
 
@@ -94,3 +94,6 @@ def test_timing_budget_and_recall_budgets_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         recall._parser().parse_args(["--synthetic", "--budgets", "0"])
     assert "expected an int >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        recall._parser().parse_args(["--synthetic", "--families", "jssa", "lokii"])
+    assert "--families: invalid choice: 'lokii'" in capsys.readouterr().err

@@ -116,3 +116,12 @@ def test_metrics_refuse_selections_they_would_miscount():
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="budget: expected an int >= 1"):
             ref.metrics(good, bad)
+
+
+def test_families_name_every_method_family_and_nothing_else():
+    from jsparse.eval import protocol
+
+    made = {m.family for m in protocol.default_methods([8, 16], head_dim=64)}
+    assert made | {"jssa_rd", "jssa_rd-shared"} == set(protocol.FAMILIES)
+    with pytest.raises(ValueError, match=r"families: unknown \['lokii'\]; expected some of"):
+        protocol.default_methods([8], families=["jssa", "lokii"])
