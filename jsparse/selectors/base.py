@@ -324,18 +324,31 @@ class ProjectedSelector(Selector):
 
     def checked_maps(self, params: Params):
         """:meth:`maps`, or a ValueError naming ``params`` when they are not this
-        selector's calibrated params (empty, or another selector's)."""
+        selector's calibrated params (empty, another selector's, or of another rank: the
+        cache and ``bytes_per_token`` follow ``rank``)."""
         try:
-            return self.maps(params)
+            maps = self.maps(params)
         except KeyError as missing:
             raise ValueError(
                 f"params: the {self.name} selector needs its calibrated params (no "
                 f"{missing.args[0]!r} in {sorted(params)}); make them with "
                 "selector.calibrate(q, k)"
             ) from None
+        widths, want = {m.shape[1] for m in maps}, self.projected_width(maps[1].shape[-1])
+        if widths != {want}:
+            raise ValueError(
+                f"params: maps of {sorted(widths)} rows for a {self.name} selector of rank "
+                f"{self.rank} ({want} rows); calibrate this selector, or make one with the "
+                "params' rank"
+            )
+        return maps
+
+    def projected_width(self, head_dim: int) -> int:
+        """Values per token and KV head in the scoring cache (the maps' rows): ``rank``."""
+        return self.rank
 
     def bytes_per_token(self, head_dim: int) -> float:
-        return float(self.rank * CACHE_DTYPES[self.cache_dtype][1])
+        return float(self.projected_width(head_dim) * CACHE_DTYPES[self.cache_dtype][1])
 
     def check_cache(self, params: Params, cache) -> tuple[int, int]:
         """(B, S) of ``cache`` when it is this selector's cache for ``params`` (what
@@ -394,7 +407,7 @@ class ProjectedSelector(Selector):
         return quantize_cache(self._project(params, k), self.cache_dtype, headroom=headroom)
 
     def _project(self, params: Params, k: Float[Array, "B S Hkv D"]) -> Float[Array, "B S Hkv R"]:
-        _, b = self.maps(params)
+        _, b = self.checked_maps(params)
         _checks.check_rank("k", k, 4, "[B, S, Hkv, D]")
         _checks.check_dim("k", k, 2, b.shape[0], "KV heads of the calibrated params")
         _checks.check_dim("k", k, 3, b.shape[-1], "head_dim of the calibrated params")
@@ -403,7 +416,7 @@ class ProjectedSelector(Selector):
     def empty_cache(self, params: Params, batch: int, slots: int) -> ProjectedKeys:
         """A zero cache of ``slots`` tokens per sequence, scales 1 (``project_keys`` of a
         prefill replaces it; decoding from it directly keeps scale 1)."""
-        hkv, rank, _ = self.maps(params)[1].shape
+        hkv, rank, _ = self.checked_maps(params)[1].shape
         dtype, _ = CACHE_DTYPES[self.cache_dtype]
         return ProjectedKeys(
             jnp.zeros((batch, slots, hkv, rank), dtype), jnp.ones((batch, hkv), jnp.float32)

@@ -21,7 +21,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from jsparse.calibration.moments import Moments
-from jsparse.selectors.base import CACHE_DTYPES, register
+from jsparse.selectors.base import register
 from jsparse.selectors.jssa import JSSASelector
 
 __all__ = ["JSSAMLASelector", "embed_latent_basis"]
@@ -68,9 +68,9 @@ class JSSAMLASelector(JSSASelector):
         basis = super().calibrate_from_moments(latent)["basis"]
         return {"basis": embed_latent_basis(basis, d)}
 
-    def bytes_per_token(self, head_dim: int) -> float:
+    def projected_width(self, head_dim: int) -> int:
         """``[M c ; k_r]``: r + (D - Dc) values per token (128 bytes in FP8 for V3)."""
-        return float((self.rank + head_dim - self.latent_dim) * CACHE_DTYPES[self.cache_dtype][1])
+        return self.rank + head_dim - self.latent_dim
 
 
 def embed_latent_basis(basis, width: int):

@@ -421,6 +421,23 @@ def test_the_decode_path_refuses_mismatched_inputs_by_name(name):
     assert ids.shape == (b, k.shape[2], 4)
 
 
+@pytest.mark.parametrize("name", [*RANKED, "jssa_mla"])
+def test_params_of_another_rank_are_refused_by_name(name):
+    """A rank-2 selector given rank-4 params once scored with rank 4 while its cache
+    layout and bytes_per_token said 2."""
+    _, params = _calibrated(name, rank=4)
+    other = make_selector(name, **_config(name, 2))
+    _, _, q, k = _data_for(name)
+    lengths = jnp.full((k.shape[0],), 5, jnp.int32)
+    match = rf"params: maps of \[\d+\] rows for a {name} selector of rank 2"
+    with pytest.raises(ValueError, match=match):
+        other.select(params, q, k, lengths, 4)
+    with pytest.raises(ValueError, match=match):
+        other.project_keys(params, k)
+    with pytest.raises(ValueError, match=match):
+        other.empty_cache(params, 1, 8)
+
+
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
