@@ -198,7 +198,6 @@ def counts(case, inputs):
 
 def run(args, floors: common.Floors, impl: str) -> list[dict]:
     cases = common.expand_cases(common.load_presets("indexer-grad")[args.preset])
-    common.refuse_unknown_methods("indexer-grad", args.method, DEFAULT_METHODS)
     configs = backward_configs(args.backward_config)
     if configs != [None] and impl != "triton":
         raise SystemExit("--backward-config: the Triton kernels' tiles; not with --backend xla")

@@ -41,6 +41,7 @@ OPS = {
     "mla-step": "bench.mla_step",
     "topk": "bench.topk",
 }
+# Each op module has DEFAULT_METHODS, and METHODS where it knows more than it runs by default.
 # Ops with a command line of their own: `--op NAME` forwards every other argument.
 CLIS = {"dosa": "bench.dosa", "model": "bench.model", "recall": "bench.recall"}
 
@@ -119,6 +120,10 @@ def main(argv=None) -> int:
     parser.add_argument("-h", "--help", action="help", help="show this help message and exit")
     args = parser.parse_args(argv)
     args.method = args.method or module.DEFAULT_METHODS
+    # Before the floors are measured: an unknown method used to stop the run only there.
+    common.refuse_unknown_methods(
+        args.op, args.method, getattr(module, "METHODS", module.DEFAULT_METHODS)
+    )
     if args.preset is None:
         args.preset = "gpu-smoke" if on_gpu else "smoke"
     if args.backend == "pallas-gpu" and not on_gpu:

@@ -75,12 +75,22 @@ def test_an_unknown_preset_names_the_ones_there_are(capsys):
     assert "--preset 'no-such': configs/attention.toml has decode, gpu-smoke" in err
 
 
-def test_an_unknown_indexer_method_stops_the_run():
-    """It used to print error rows and exit 0; now it stops before building inputs."""
+@pytest.mark.parametrize(
+    "op", ["attention", "decode-step", "dsa-step", "indexer", "indexer-grad", "mla", "mla-step",
+           "topk"],
+)  # fmt: skip
+def test_an_unknown_method_stops_the_run_before_any_work(op, monkeypatch):
+    """The indexer once printed error rows and exited 0; the other ops stopped only when
+    the method was dispatched, after the floors were measured and inputs built."""
+    from bench import common
     from bench.run import main
 
-    with pytest.raises(SystemExit, match=r"--op indexer has methods .*, not \['nope'\]"):
-        main(["--op", "indexer", "--method", "nope", "--quiet"])
+    def no_work(*args, **kwargs):
+        raise AssertionError("measured floors before refusing the method")
+
+    monkeypatch.setattr(common, "measure_floors", no_work)
+    with pytest.raises(SystemExit, match=rf"--op {op} has methods .*, not \['nope'\]"):
+        main(["--op", op, "--method", "xla", "nope", "--quiet"])
 
 
 def test_timing_budget_and_recall_flags_are_checked_by_the_parser(capsys):
