@@ -39,7 +39,16 @@ def _check_options(options: dict) -> None:
             raise ValueError(
                 f"{name}: not an option of the certified methods; expected one of {sorted(OPTIONS)}"
             )
-        if value is None or name == "screen_cfg":
+        if value is None:
+            continue
+        if name == "screen_cfg":
+            from jsparse.certified.triton import ScreenConfig
+
+            if not isinstance(value, ScreenConfig):
+                raise ValueError(
+                    f"screen_cfg: expected a jsparse.certified.triton.ScreenConfig or None, "
+                    f"got {value!r}"
+                )
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive Python int or None, got {value!r}")
@@ -100,6 +109,7 @@ def certified_topk(
     planner.check_variant(variant)
     _check_options(options)
     _checks.check_bool("sorted", sorted)
+    _checks.check_bool("return_info", return_info)
     if policy not in POLICIES:
         raise ValueError(f"policy: got {policy!r}; expected one of {POLICIES}")
     start, end = _checks.clamp_ranges(start, end, k.shape[0])

@@ -52,10 +52,11 @@ def _validate(q, weights, k_cache, k_scale, lengths, witnesses, top_k, page_tabl
         _checks.check_dtype("witnesses", witnesses, (jnp.int32,))
         if witnesses.shape[0] != b:
             raise ValueError(f"witnesses: shape {tuple(witnesses.shape)}; expected [B, W]")
-        ids = _checks.concrete(witnesses)
-        row = None if ids is None else _checks.first_repeating_row(ids)
-        if row is not None:
-            raise ValueError(f"witnesses: row {row} lists a key more than once")
+        ids, n = _checks.concrete(witnesses), _checks.concrete(lengths)
+        if ids is not None and n is not None:  # ids ≥ lengths are ignored, repeats too
+            row = _checks.first_repeating_row(np.where(ids < n[:, None], ids, -1))
+            if row is not None:
+                raise ValueError(f"witnesses: row {row} lists a key more than once")
     return _checks.check_top_k(top_k)
 
 

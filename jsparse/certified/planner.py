@@ -754,7 +754,8 @@ def make_plan(
 ) -> Plan:
     """The screening plan of every query with the reference scorer's τ.
 
-    ``seed_ids`` [T, N]: distinct visible seed keys per query (-1 unused), for example
+    ``seed_ids`` [T, N]: distinct visible seed keys per query (-1 unused; others are
+    dropped, :func:`jsparse.ops.indexer.methods.usable_seed_ids`), for example
     :func:`jsparse.ops.indexer.api.default_seed_ids`. τ is their K-th score under
     :func:`jsparse.ops.indexer.reference.score_keys_reference`. The Triton methods build
     their plan the same way from their own scorer (:mod:`jsparse.certified.triton`).
@@ -763,6 +764,7 @@ def make_plan(
     everything; "always" screens every query whose certificate is valid.
     """
     from jsparse.ops.indexer.api import seed_threshold_code
+    from jsparse.ops.indexer.methods import usable_seed_ids
     from jsparse.ops.indexer.reference import score_keys_reference
 
     check_variant(variant)
@@ -770,6 +772,7 @@ def make_plan(
         raise ValueError(f"policy: got {policy!r}; expected 'auto' or 'always'")
     t, h, d = q.shape
     widths, r_arr = resolve_r(r, t, h)
+    seed_ids = usable_seed_ids(seed_ids, start, end)
     seed_scores = score_keys_reference(q, weights, k, seed_ids, k_scale)
     tau = seed_threshold_code(seed_scores, seed_ids, top_k)
     n = seed_ids.shape[1]

@@ -137,8 +137,10 @@ def _pipeline(
     top_k, widths, policy, skip, capacity,
 ):  # fmt: skip
     from jsparse.ops.indexer.api import seed_threshold_code
+    from jsparse.ops.indexer.methods import usable_seed_ids
 
     s = k.shape[0]
+    seed_ids = usable_seed_ids(seed_ids, start, end)
     seed_scores = scorer.score_keys_reference(q, weights, k, seed_ids, k_scale)
     tau = seed_threshold_code(seed_scores, seed_ids, top_k)
     knorm, kmax, smax = planner.key_norms(k, k_scale)

@@ -245,6 +245,21 @@ def test_repeated_witnesses_fall_back_exactly(impl, request):
     np.testing.assert_array_equal(np.asarray(res.fallback), [True, False, False])
 
 
+def test_a_witness_past_the_length_is_ignored_even_when_repeated():
+    # The docs say ids ≥ lengths[b] are ignored; the distinctness check once counted them.
+    k_cache, scale, qs, ws, lengths0 = _sequence(steps=1)
+    lengths = jnp.asarray(lengths0, jnp.int32)
+    ids, scores = _base(qs[0], ws[0], k_cache, scale, lengths, "reference")
+    past = int(lengths0[0]) + 7
+    witnesses = jnp.full((B, 2 * K), -1, jnp.int32).at[0, :3].set(jnp.array([past, past, 0]))
+    res, _ = indexer_topk_decode(
+        qs[0], ws[0], k_cache, K, k_scale=scale, lengths=lengths, witnesses=witnesses,
+        implementation="reference",
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(scores))
+
+
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_carried_witnesses_are_the_top_k_then_the_best_fresh_seeds(impl, request):
     from jsparse.certified import decode

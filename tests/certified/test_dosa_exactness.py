@@ -182,6 +182,74 @@ def test_bad_implementation_options_name_the_option(options, message):
         dosa_topk(q, w, k, 4, kv_start=start, kv_end=end, implementation="reference", **options)
 
 
+def _seed_trap():
+    """Two queries over keys [0, 32) of 64; keys 40+ score ten times higher."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32)
+    w = jnp.asarray(np.abs(rng.standard_normal((2, 4))), jnp.float32)
+    k = rng.standard_normal((64, 16)).astype(np.float32)
+    k[40:] *= 10
+    return q, w, jnp.asarray(k), jnp.full((2,), 32, jnp.int32)
+
+
+@pytest.mark.parametrize("bad", ["repeated", "invisible"])
+@pytest.mark.parametrize(
+    ("impl", "method"),
+    [("reference", "dosa"), ("reference", "dense"), ("reference", "full"), ("triton", "dosa")],
+)
+def test_traced_seeds_that_repeat_or_are_not_visible_keep_the_answer_exact(impl, method, bad):
+    """Explicit seeds are checked only when concrete. Under jit the reference once took
+    τ from the best key listed K times (or from keys past the range) and returned one id
+    and three -1 per row, without a fallback."""
+    q, w, k, end = _seed_trap()
+    top_k = 4
+    want = jsparse.indexer_topk(q, w, k, top_k, kv_end=end, implementation="reference")
+    if bad == "repeated":
+        seeds = jnp.repeat(want.indices[:, :1], top_k, axis=1)
+    else:
+        seeds = jnp.tile(jnp.arange(40, 40 + top_k, dtype=jnp.int32), (2, 1))
+    with pytest.raises(ValueError, match="seeds: "):  # concrete: refused by name
+        jsparse.indexer_topk(q, w, k, top_k, kv_end=end, seeds=seeds, method=method)
+
+    @jax.jit
+    def select(seeds):
+        if method == "full":
+            return jsparse.indexer_topk(
+                q, w, k, top_k, kv_end=end, seeds=seeds, method="full", implementation=impl
+            )
+        return dosa_topk(
+            q, w, k, top_k, kv_end=end, seeds=seeds, method=method, policy="always",
+            implementation=impl,
+        )  # fmt: skip
+
+    with jsparse.backend.interpret_mode(impl == "triton" and not jsparse.backend.has_nvidia_gpu()):
+        got = select(seeds)
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+    np.testing.assert_allclose(np.asarray(got.scores), np.asarray(want.scores), rtol=1e-6)
+
+
+def test_usable_seed_ids_drop_repeats_and_invisible_ids_in_place():
+    from jsparse.ops.indexer.methods import usable_seed_ids
+
+    seeds = jnp.array([[5, 3, 5, -1, 3, 9], [0, 0, 0, 2, 7, 1]], jnp.int32)
+    got = usable_seed_ids(seeds, jnp.array([3, 0]), jnp.array([9, 7]))
+    np.testing.assert_array_equal(got, [[5, 3, -1, -1, -1, -1], [0, -1, -1, 2, -1, 1]])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [(dict(seeds=np.full((2, 4), -5, np.int32)), r"seeds\[0, 0\] = -5; expected key ids or -1"),
+     (dict(return_info=1), "return_info: expected True or False, got 1"),
+     (dict(screen_cfg=5, implementation="triton"), "screen_cfg: expected a .*ScreenConfig"),
+     (dict(screen_cfg={"block_s": 16}, implementation="triton"), "screen_cfg: expected")],
+)  # fmt: skip
+def test_bad_seeds_and_flags_name_the_argument(kwargs, message):
+    q, w, k, end = _seed_trap()
+    kwargs.setdefault("implementation", "reference")
+    with pytest.raises(ValueError, match=message):
+        dosa_topk(q, w, k, 4, kv_end=end, **kwargs)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_joint_allowance_covers_flushed_gram_entries(seed):
     # Eight parallel positive heads of components ~2^-64 (each square flushes to zero, so

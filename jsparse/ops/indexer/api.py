@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int
 
 from jsparse import _autodiff, _checks, _chunking, backend
 from jsparse.ops.indexer import reference
-from jsparse.ops.indexer.methods import default_seed_count, recent_and_strided_ids
+from jsparse.ops.indexer.methods import default_seed_count, recent_and_strided_ids, usable_seed_ids
 from jsparse.ops.indexer.result import IndexerTopK, exhaustive_result
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score, score_code
 from jsparse.ops.topk.reference import select_topk_reference
@@ -233,6 +233,11 @@ def _check_seeds(seeds, t, start, end):
     ids = _checks.concrete(seeds)
     s_np, e_np = _checks.concrete(start), _checks.concrete(end)
     if ids is not None and s_np is not None and e_np is not None:
+        if (ids < -1).any():
+            row, col = np.argwhere(ids < -1)[0]
+            raise ValueError(
+                f"seeds: seeds[{row}, {col}] = {ids[row, col]}; expected key ids or -1 (unused)"
+            )
         used = ids >= 0
         outside = used & ((ids < s_np[:, None]) | (ids >= e_np[:, None]))
         if outside.any():
@@ -289,6 +294,7 @@ def _topk_full_reference(q, weights, k, top_k, k_scale, start, end, seeds, sort=
 
 @functools.partial(jax.jit, static_argnames=("top_k",))
 def _topk_full_reference_jit(q, weights, k, top_k, k_scale, start, end, seed_ids):
+    seed_ids = usable_seed_ids(seed_ids, start, end)
     seed_scores = reference.score_keys_reference(q, weights, k, seed_ids, k_scale)
     tau_code = seed_threshold_code(seed_scores, seed_ids, top_k)
     ids = reference.visible_key_ids(start, end, k.shape[0])

@@ -101,6 +101,19 @@ def recent_and_strided_ids(lo, hi, n: int):
     return jnp.where(j < jnp.minimum(length, n), ids, -1).astype(jnp.int32)
 
 
+def usable_seed_ids(seed_ids, start, end):
+    """``seed_ids`` [T, N] with each id outside its query's [start, end), and each repeat
+    of an id earlier in its row, set to -1. Explicit seeds are checked only when concrete;
+    under ``jit`` a repeated or invisible seed would lift τ above the K-th score."""
+    ids = jnp.where((seed_ids >= start[:, None]) & (seed_ids < end[:, None]), seed_ids, -1)
+    order = jnp.argsort(ids, axis=1)  # stable: the first of equal ids stays first
+    ranked = jnp.take_along_axis(ids, order, axis=1)
+    repeat = (ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0)
+    repeat = jnp.concatenate([jnp.zeros_like(repeat[:, :1]), repeat], axis=1)
+    repeat = jnp.take_along_axis(repeat, jnp.argsort(order, axis=1), axis=1)
+    return jnp.where(repeat, -1, ids)
+
+
 def block_union_ids(seed_ids, block_t):
     """Per query block, the distinct ids of its queries' explicit seed lists."""
     t, n = seed_ids.shape
