@@ -151,7 +151,8 @@ def indexer_topk(
       seeds: for the thresholded methods (``full``, ``dense``, ``dosa``; ``base`` and
         ``xla`` score every key and ignore it): the number of seed keys per query
         (default a heuristic, see :func:`default_seed_ids`) or explicit [T, N] int32
-        seed ids (-1 = unused slot; each must be visible to its query and distinct).
+        seed ids (-1 = unused slot; each must be visible to its query and distinct:
+        refused when concrete, dropped under ``jit``).
       sorted: order each row by score descending, then id ascending (default). With
         False the row holds the same exact Top-K set in an order the implementation
         chooses (the Triton kernels: ascending id when the key range was not split and
