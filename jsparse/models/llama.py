@@ -206,7 +206,9 @@ class DenseCausalAttention(nnx.Module):
     slot visible to the block's latest query. Scores in memory are
     [B, H, query_chunk, key_chunk]; in a causal forward the blocks above the diagonal
     are never computed, and a decode step reads only the filled part of its cache.
-    The result equals a plain softmax up to f32 summation order.
+    The result equals a plain softmax up to f32 summation order. Its derivative (grad or
+    jvp) visits every key block, the unseen ones adding zeros: reverse mode cannot stop
+    a loop at a traced count.
     """
 
     def __init__(self, query_chunk: int = 512, key_chunk: int = 512):
@@ -218,65 +220,95 @@ class DenseCausalAttention(nnx.Module):
         self.key_chunk = key_chunk
 
     def __call__(self, q, k, v, *, q_positions, k_positions):
-        b, t, h, d = q.shape
-        s_len, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+        h, hkv = q.shape[2], k.shape[2]
         if h % hkv:
             raise ValueError(f"q has {h} heads, k has {hkv}: expected a multiple ({q.shape=})")
-        g = h // hkv
-        cq, ck = min(self.query_chunk, t), min(self.key_chunk, s_len)
-        nq, nk = -(-t // cq), -(-s_len // ck)
+        return _dense_causal(q, k, v, q_positions, k_positions, self.query_chunk, self.key_chunk)
 
-        # Key blocks: [nk, B, Hkv, ck, D]; padded slots get position -1 (never visible).
-        kpos = jnp.pad(k_positions, ((0, 0), (0, nk * ck - s_len)), constant_values=-1)
-        kb = jnp.pad(k, ((0, 0), (0, nk * ck - s_len), (0, 0), (0, 0)))
-        vb = jnp.pad(v, ((0, 0), (0, nk * ck - s_len), (0, 0), (0, 0)))
-        kb = kb.reshape(b, nk, ck, hkv, d).transpose(1, 0, 3, 2, 4)
-        vb = vb.reshape(b, nk, ck, hkv, dv).transpose(1, 0, 3, 2, 4)
-        kpos = kpos.reshape(b, nk, ck).swapaxes(0, 1)  # [nk, B, ck]
-        # The earliest visible position in each key block (int32 max when none).
-        big = jnp.iinfo(jnp.int32).max
-        first_pos = jnp.min(jnp.where(kpos >= 0, kpos, big), axis=(1, 2))  # [nk]
 
-        # Query blocks: [nq, B, Hkv, G * cq, D]; rows are (g, query) pairs, g major.
-        qb = jnp.pad(q, ((0, 0), (0, nq * cq - t), (0, 0), (0, 0)))
-        qb = qb.reshape(b, nq, cq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
-        qb = qb.reshape(nq, b, hkv, g * cq, d) * jnp.asarray(d**-0.5, q.dtype)
-        qpos = jnp.pad(q_positions, ((0, 0), (0, nq * cq - t)), constant_values=-1)
-        qpos = jnp.tile(qpos.reshape(b, nq, cq).swapaxes(0, 1), (1, 1, g))  # [nq, B, G*cq]
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def _dense_causal(q, k, v, q_positions, k_positions, query_chunk, key_chunk):
+    return _blockwise_attention(
+        q, k, v, q_positions, k_positions, query_chunk, key_chunk, skip_unseen=True
+    )
 
-        def query_block(args):
-            qc, qp = args  # [B, Hkv, G*cq, D], [B, G*cq]
-            # Visit key blocks 0 .. the last one whose earliest position the block's latest
-            # query can see (slots need not be in position order; in a cache they are).
-            needed = first_pos <= jnp.max(qp)
-            n_visit = jnp.max(jnp.where(needed, jnp.arange(1, nk + 1), 0))
 
-            def key_block(j, carry):
-                m, l, acc = carry
-                s = jnp.einsum("bkqd,bksd->bkqs", qc, kb[j], precision=HIGHEST)
-                kp = kpos[j][:, None, None, :]
-                visible = (kp >= 0) & (kp <= qp[:, None, :, None])
-                s = jnp.where(visible, s, -jnp.inf)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p = jnp.exp(s - shift[..., None])
-                correction = jnp.exp(m - shift)
-                l = l * correction + jnp.sum(p, axis=-1)
-                pv = jnp.einsum("bkqs,bksd->bkqd", p, vb[j], precision=HIGHEST)
-                return m_new, l, acc * correction[..., None] + pv
+@_dense_causal.defjvp
+def _dense_causal_jvp(query_chunk, key_chunk, primals, tangents):
+    # Skipping the key blocks no query of a block can see makes the loop's trip count a
+    # traced value, which reverse mode cannot take; the derivative visits every block
+    # (the unseen ones add exact zeros), so grad works and costs the full rectangle.
+    q, k, v, q_positions, k_positions = primals
+    out = _dense_causal(q, k, v, q_positions, k_positions, query_chunk, key_chunk)
 
-            init = (
-                jnp.full((b, hkv, g * cq), -jnp.inf, jnp.float32),
-                jnp.zeros((b, hkv, g * cq), jnp.float32),
-                jnp.zeros((b, hkv, g * cq, dv), jnp.float32),
-            )
-            _, l, acc = jax.lax.fori_loop(0, n_visit, key_block, init)
-            # Padded query rows see nothing (l = 0): output 0 there instead of NaN.
-            return acc / jnp.where(l > 0, l, 1.0)[..., None]
+    def every_block(q, k, v):
+        return _blockwise_attention(
+            q, k, v, q_positions, k_positions, query_chunk, key_chunk, skip_unseen=False
+        )
 
-        out = jax.lax.map(query_block, (qb, qpos))  # [nq, B, Hkv, G*cq, Dv]
-        out = out.reshape(nq, b, hkv, g, cq, dv).transpose(1, 0, 4, 2, 3, 5)
-        return out.reshape(b, nq * cq, h, dv)[:, :t]
+    return out, jax.jvp(every_block, (q, k, v), tuple(tangents[:3]))[1]
+
+
+def _blockwise_attention(q, k, v, q_positions, k_positions, query_chunk, key_chunk, *, skip_unseen):
+    """:class:`DenseCausalAttention`'s computation; ``skip_unseen``: stop each query
+    block's key loop after the last block it can see (a traced trip count)."""
+    b, t, h, d = q.shape
+    s_len, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = h // hkv
+    cq, ck = min(query_chunk, t), min(key_chunk, s_len)
+    nq, nk = -(-t // cq), -(-s_len // ck)
+
+    # Key blocks: [nk, B, Hkv, ck, D]; padded slots get position -1 (never visible).
+    kpos = jnp.pad(k_positions, ((0, 0), (0, nk * ck - s_len)), constant_values=-1)
+    kb = jnp.pad(k, ((0, 0), (0, nk * ck - s_len), (0, 0), (0, 0)))
+    vb = jnp.pad(v, ((0, 0), (0, nk * ck - s_len), (0, 0), (0, 0)))
+    kb = kb.reshape(b, nk, ck, hkv, d).transpose(1, 0, 3, 2, 4)
+    vb = vb.reshape(b, nk, ck, hkv, dv).transpose(1, 0, 3, 2, 4)
+    kpos = kpos.reshape(b, nk, ck).swapaxes(0, 1)  # [nk, B, ck]
+    # The earliest visible position in each key block (int32 max when none).
+    big = jnp.iinfo(jnp.int32).max
+    first_pos = jnp.min(jnp.where(kpos >= 0, kpos, big), axis=(1, 2))  # [nk]
+
+    # Query blocks: [nq, B, Hkv, G * cq, D]; rows are (g, query) pairs, g major.
+    qb = jnp.pad(q, ((0, 0), (0, nq * cq - t), (0, 0), (0, 0)))
+    qb = qb.reshape(b, nq, cq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
+    qb = qb.reshape(nq, b, hkv, g * cq, d) * jnp.asarray(d**-0.5, q.dtype)
+    qpos = jnp.pad(q_positions, ((0, 0), (0, nq * cq - t)), constant_values=-1)
+    qpos = jnp.tile(qpos.reshape(b, nq, cq).swapaxes(0, 1), (1, 1, g))  # [nq, B, G*cq]
+
+    def query_block(args):
+        qc, qp = args  # [B, Hkv, G*cq, D], [B, G*cq]
+        # Visit key blocks 0 .. the last one whose earliest position the block's latest
+        # query can see (slots need not be in position order; in a cache they are).
+        needed = first_pos <= jnp.max(qp)
+        n_visit = jnp.max(jnp.where(needed, jnp.arange(1, nk + 1), 0))
+
+        def key_block(j, carry):
+            m, l, acc = carry
+            s = jnp.einsum("bkqd,bksd->bkqs", qc, kb[j], precision=HIGHEST)
+            kp = kpos[j][:, None, None, :]
+            visible = (kp >= 0) & (kp <= qp[:, None, :, None])
+            s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - shift[..., None])
+            correction = jnp.exp(m - shift)
+            l = l * correction + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bkqs,bksd->bkqd", p, vb[j], precision=HIGHEST)
+            return m_new, l, acc * correction[..., None] + pv
+
+        init = (
+            jnp.full((b, hkv, g * cq), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hkv, g * cq), jnp.float32),
+            jnp.zeros((b, hkv, g * cq, dv), jnp.float32),
+        )
+        _, l, acc = jax.lax.fori_loop(0, n_visit if skip_unseen else nk, key_block, init)
+        # Padded query rows see nothing (l = 0): output 0 there instead of NaN.
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+    out = jax.lax.map(query_block, (qb, qpos))  # [nq, B, Hkv, G*cq, Dv]
+    out = out.reshape(nq, b, hkv, g, cq, dv).transpose(1, 0, 4, 2, 3, 5)
+    return out.reshape(b, nq * cq, h, dv)[:, :t]
 
 
 class FunctionCore(nnx.Module):

@@ -233,6 +233,44 @@ def test_dense_core_any_slots(data, t, s, hkv, g, query_chunk, key_chunk):
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunks", [(512, 512), (4, 3)])
+def test_dense_core_has_a_gradient_and_a_jvp(chunks):
+    """Its key loop stops at a traced block count, which reverse mode cannot take; the
+    derivative visits every block instead (a prefill's grad once raised inside jax)."""
+    rng = np.random.default_rng(10)
+    b, t, s, h, hkv, d = 1, 7, 11, 4, 2, 8
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        for shape in ((b, t, h, d), (b, s, hkv, d), (b, s, hkv, d))
+    )
+    k_pos = jnp.asarray([[0, 1, 2, 3, -1, 4, 5, 6, 7, 8, 9]], jnp.int32)
+    q_pos = jnp.asarray([[-1, 1, 2, 3, 4, 5, 6]], jnp.int32)  # the first query sees nothing
+    core = DenseCausalAttention(*chunks)
+
+    def masked_softmax(q, k, v):
+        kk, vv = (jnp.repeat(x, h // hkv, axis=2) for x in (k, v))
+        scores = jnp.einsum("bthd,bshd->bhts", q, kk, precision="highest") / np.sqrt(d)
+        kp = k_pos[:, None, None, :]
+        seen = (kp >= 0) & (kp <= q_pos[:, None, :, None])
+        p = jax.nn.softmax(jnp.where(seen, scores, -1e30), axis=-1) * seen.any(-1, keepdims=True)
+        return jnp.einsum("bhts,bshd->bthd", p, vv, precision="highest")
+
+    weights = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
+
+    ours = lambda q, k, v: core(q, k, v, q_positions=q_pos, k_positions=k_pos)  # noqa: E731
+    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(masked_softmax), argnums=(0, 1, 2))(q, k, v)
+    for g_got, g_want in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), rtol=1e-5, atol=1e-6)
+    tangents = (jnp.ones_like(q), jnp.zeros_like(k), jnp.ones_like(v))
+    _, t_got = jax.jvp(ours, (q, k, v), tangents)
+    _, t_want = jax.jvp(masked_softmax, (q, k, v), tangents)
+    np.testing.assert_allclose(np.asarray(t_got), np.asarray(t_want), rtol=1e-5, atol=1e-6)
+
+
 def test_dense_core_visits_a_late_block_holding_early_positions():
     """Slots in blocks of 2: only the last block is visible to the query at position 5."""
     rng = np.random.default_rng(9)
