@@ -243,6 +243,20 @@ def test_nothing_to_attend_gives_zeros(n, s):
     assert np.all(np.asarray(lse) == -np.inf)
 
 
+@pytest.mark.parametrize("pages, columns", [(3, 0), (0, 2)], ids=["no-columns", "empty-pool"])
+def test_a_page_table_that_reaches_no_key_gives_zeros(kernel_impl, pages, columns):
+    """A table of no columns (S = 0) or a pool of no pages: an IndexError in the index
+    check and a gather error inside the implementations, before."""
+    q = jnp.ones((1, 2, 8), jnp.float32)
+    pool = jnp.zeros((pages, 4, 1, 8), jnp.float32)
+    out, lse = jsparse.indexed_attention(
+        q, pool, pool, jnp.full((1, 1, 2), -1, jnp.int32), implementation=kernel_impl,
+        page_table=jnp.full((1, columns), -1, jnp.int32), return_lse=True,
+    )  # fmt: skip
+    assert out.shape == (1, 2, 8) and np.all(np.asarray(out) == 0)
+    assert np.all(np.asarray(lse) == -np.inf)
+
+
 def _bad_inputs():
     q, k, v, idx = make(2, 6, 2, 16, 8, 30, 5)
     ones = jnp.ones((2, 2), jnp.float32)
@@ -260,6 +274,7 @@ def _bad_inputs():
         ("v length", dict(v=v[:, :29]), r"v: axis 1 .* expected 30"),
         ("groups", dict(q=jnp.concatenate([q, q[:, :1]], axis=1)), r"q: 7 heads with 2 KV heads"),
         ("no head dim", dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]), "a head dimension D >= 1"),
+        ("no value dim", dict(v=v[..., :0]), r"v: shape \(2, 30, 2, 0\); expected .* Dv >= 1"),
         ("list heads", dict(indices=idx[:, :1]), r"indices: axis 1 .* expected 2"),
         ("beyond S", dict(indices=idx.at[1, 0, 3].set(30)),
          r"indices: indices\[1, 0, 3\] = 30 is outside \[0, S\) = \[0, 30\)"),

@@ -231,6 +231,18 @@ def test_nothing_to_attend_gives_zeros(n, s):
     assert np.all(np.asarray(lse) == -np.inf)
 
 
+@pytest.mark.parametrize("pages, columns", [(3, 0), (0, 2)], ids=["no-columns", "empty-pool"])
+def test_a_page_table_that_reaches_no_key_gives_zeros(kernel_impl, pages, columns):
+    q = jnp.ones((1, 2, 8), jnp.float32)
+    out, lse = jsparse.indexed_mla_attention(
+        q, jnp.zeros((pages, 4, 8), jnp.float32), jnp.full((1, 2), -1, jnp.int32), scale=0.2,
+        latent_dim=4, page_table=jnp.full((1, columns), -1, jnp.int32), return_lse=True,
+        implementation=kernel_impl,
+    )  # fmt: skip
+    assert out.shape == (1, 2, 4) and np.all(np.asarray(out) == 0)
+    assert np.all(np.asarray(lse) == -np.inf)
+
+
 def _bad_inputs():
     q, cache, idx = make(2, 6, 16, 8, 30, 5)
     # fmt: off

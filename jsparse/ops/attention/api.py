@@ -74,6 +74,8 @@ def indexed_attention(
     b, h, d = q.shape
     if d == 0:  # the logits' default scale is 1/sqrt(D)
         raise ValueError(f"q: shape {tuple(q.shape)}; expected a head dimension D >= 1")
+    if v.shape[3] == 0:
+        raise ValueError(f"v: shape {tuple(v.shape)}; expected a value dimension Dv >= 1")
     hkv = k.shape[2]
     paged = page_table is not None
     if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
@@ -147,8 +149,9 @@ def check_cache_dtype(name: str, cache, q) -> None:
 
 
 def check_page_table(page_table, batch: int, n_pages: int, page_size: int, q_shape):
-    """(virtual S = M·P, the table's values when concrete) after checking a
-    ``[B, M]`` int32 page table whose entries are -1 or pages of the pool."""
+    """(virtual S = M·P, or 0 for a pool of no pages: none can be read; the table's
+    values when concrete) after checking a ``[B, M]`` int32 page table whose entries
+    are -1 or pages of the pool."""
     _checks.check_rank("page_table", page_table, 2, "[B, max_pages]")
     _checks.check_dtype("page_table", page_table, (jnp.int32,))
     _checks.check_dim("page_table", page_table, 0, batch, f"B of q {tuple(q_shape)}")
@@ -159,7 +162,7 @@ def check_page_table(page_table, batch: int, n_pages: int, page_size: int, q_sha
             f"page_table: page_table{list(at)} = {table[at]}; expected -1 or a page of "
             f"the pool [0, n_pages = {n_pages})"
         )
-    return page_table.shape[1] * page_size, table
+    return (page_table.shape[1] * page_size if n_pages else 0), table
 
 
 def check_listed(indices, s: int, table, page_size: int) -> None:
@@ -175,7 +178,7 @@ def check_listed(indices, s: int, table, page_size: int) -> None:
             f"indices: indices{list(at)} = {ids[at]} is outside [0, S) = [0, {s}) "
             "and not -1 (an empty slot)"
         )
-    if table is None:
+    if table is None or not (ids >= 0).any():  # (an empty table cannot be looked up)
         return
     pages = table[np.arange(ids.shape[0]).reshape(-1, *[1] * (ids.ndim - 1)),
                   np.maximum(ids, 0) // page_size]  # fmt: skip
