@@ -45,7 +45,8 @@ def indexed_attention(
         selector's ``select`` output. An entry listed twice counts twice.
       scale: logit scale (default ``1/sqrt(D)``).
       k_scale, v_scale: optional [B, Hkv] float32 > 0 dequantisation scales of an FP8
-        cache (one per sequence and KV head).
+        cache (one per sequence and KV head); a cache of another dtype is multiplied by
+        them alike.
       page_table: optional [B, M] int32: ``k`` and ``v`` are page pools
         [n_pages, P, Hkv, D] and sequence b's token i is slot ``i % P`` of page
         ``page_table[b, i // P]`` (-1: no page; S = M·P). A listed token on a missing
