@@ -132,7 +132,9 @@ def _loss(q, w, k, scale, start, end, target, implementation):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_grad_through_indexer_scores_uses_the_kernels(dtype, monkeypatch):
+def test_grad_through_indexer_scores_uses_the_kernels_except_for_f32(dtype, monkeypatch):
+    """f32 inputs take the reference's derivative: the kernels' IEEE f32 dots were 17×
+    slower than XLA's on an H100 (run 240)."""
     q, w, k, scale, start, end, target = _inputs(19, 4, 16, 45, dtype, "causal")
     grad = jax.jit(jax.grad(_loss, argnums=(0, 1, 2, 3)), static_argnums=7)
     want = grad(q, w, k, scale, start, end, target, "reference")
@@ -145,7 +147,7 @@ def test_grad_through_indexer_scores_uses_the_kernels(dtype, monkeypatch):
     monkeypatch.setattr(api, "_score_backward", counting)
     with running("triton") as name:
         got = grad(q, w, k, scale, start, end, target, name)
-    assert called == ["triton"]
+    assert called == ([] if dtype == jnp.float32 else ["triton"])
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -153,12 +155,15 @@ def test_grad_through_indexer_scores_uses_the_kernels(dtype, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
 
 
-def test_forward_mode_needs_the_reference():
-    q, w, k, scale, start, end, target = _inputs(5, 2, 16, 20, jnp.float32, "causal")
+def test_forward_mode_needs_the_reference_or_f32():
+    q, w, k, scale, start, end, target = _inputs(5, 2, 16, 20, jnp.bfloat16, "causal")
     tangent = jnp.ones_like(q)
     jax.jvp(lambda q: _loss(q, w, k, scale, start, end, target, "reference"), (q,), (tangent,))
     with running("triton") as name, pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(lambda q: _loss(q, w, k, scale, start, end, target, name), (q,), (tangent,))
+    q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)  # the reference's derivative
+    with running("triton") as name:
+        jax.jvp(lambda q: _loss(q, w, k32, scale, start, end, target, name), (q32,), (q32,))
 
 
 def test_vmapped_grad_matches_the_reference():

@@ -116,7 +116,7 @@ def indexer_scores(
         return backend.dispatch(
             "indexer_scores", _score_implementations(), implementation,
             q, weights, k, k_scale, start, end, differentiable=True,
-            backward=_score_backward() if SCORES_BACKWARD_KERNELS else None,
+            backward=_score_backward() if _backward_kernels_pay(q, k) else None,
         )  # fmt: skip
 
     chunk = _chunking.queries_per_call(q.shape[0], k.shape[0])
@@ -364,6 +364,15 @@ def _score_implementations():
         "mosaic": _clamping(_mosaic("indexer_scores_mosaic"), 4),
         "reference": _clamping(jax.jit(reference.indexer_scores_reference), 4),
     }
+
+
+def _backward_kernels_pay(q, k) -> bool:
+    """Whether the scores differentiate by the backward kernels (else by the reference's
+    derivative, XLA einsums). Not for f32 inputs: the kernels' IEEE f32 dots run off the
+    tensor cores, 657 ms against XLA's 39 ms at T = S = 4096 causal, H 64, D 128 on an
+    H100 (WORKSPACE.md, run 240); bf16 there took 1.43 ms."""
+    f32 = jnp.dtype(jnp.float32) in (jnp.dtype(q.dtype), jnp.dtype(k.dtype))
+    return SCORES_BACKWARD_KERNELS and not f32
 
 
 def _score_backward():
