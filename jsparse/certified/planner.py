@@ -108,8 +108,12 @@ def numerics_for(
       Triton promotes the partial sums to f32 after every MMA of 32 products, so one
       dot errs by at most 32·2^-13 = 2^-8 of Σ|q_d k_d| ≤ ‖q‖‖k‖ (taken as 2^-7, a 2×
       margin) plus the f32 adds;
-    * screening: bf16 rows (f32 when the keys are f32) on the tensor cores, γ_2D.
+    * screening: bf16 rows (f32 when the keys are f32) on the tensor cores, γ_2D;
+    * the Triton kernels' f32 dots under ``jsparse.ops.f32_dots.MODE = "tf32x3"`` (the
+      scorer's and the screen's, f32 keys only): three products a term, so γ over 3D
+      terms, plus their bound :func:`~jsparse.ops.f32_dots.extra_relative_error`.
     """
+    from jsparse.ops import f32_dots
     from jsparse.ops.indexer.triton import compute_dtype
 
     q_dtype, k_dtype = jnp.dtype(q_dtype), jnp.dtype(k_dtype)
@@ -117,9 +121,16 @@ def numerics_for(
     screen = "float32" if k_dtype == jnp.float32 else "bfloat16"
     if implementation == "reference":
         return Numerics(scorer_rel=f32_dot, screen_rel=f32_dot, screen_dtype=screen)
+    kernel_f32_dot = (
+        gamma(2 * f32_dots.accumulated_terms(dim) + 2) + f32_dots.extra_relative_error()
+    )
     compute = compute_dtype(q_dtype, k_dtype, fp8_dot)
-    scorer = f32_dot if compute != jnp.float8_e4m3fn else 2.0**-7 + f32_dot
-    return Numerics(scorer_rel=scorer, screen_rel=f32_dot, screen_dtype=screen)
+    if compute == jnp.float32:
+        scorer = kernel_f32_dot
+    else:
+        scorer = f32_dot if compute != jnp.float8_e4m3fn else 2.0**-7 + f32_dot
+    screen_rel = kernel_f32_dot if screen == "float32" else f32_dot
+    return Numerics(scorer_rel=scorer, screen_rel=screen_rel, screen_dtype=screen)
 
 
 @struct.dataclass

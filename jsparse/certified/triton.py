@@ -59,6 +59,7 @@ from jsparse import backend
 from jsparse._pallas import pallas_call
 from jsparse.certified import planner
 from jsparse.certified.reference import CertifiedInfo
+from jsparse.ops import f32_dots
 from jsparse.ops.indexer import methods
 from jsparse.ops.indexer import triton as scorer
 from jsparse.ops.indexer.result import IndexerTopK
@@ -150,7 +151,7 @@ def _screen_kernel(
     hi = jnp.max(jnp.where(q_ok & (end > start), end, 0))
     first, last = scorer.tile_span(lo, hi, bs)
     begin, stop = scorer.split_span(first, last, p.splits, split)
-    precision = jax.lax.Precision.HIGHEST if p.screen_dtype == "float32" else None
+    precision = f32_dots.precision(p.screen_dtype)
 
     def body(j, kept_count):
         ids = j * bs + jnp.arange(bs, dtype=jnp.int32)

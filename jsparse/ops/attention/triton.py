@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
 from jsparse._pallas import pallas_call
+from jsparse.ops import f32_dots
 from jsparse.ops.attention.reference import listed_locations
 from jsparse.ops.indexer.triton import next_pow2
 
@@ -162,7 +163,7 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
         q, unshift = rescaled_f16(q)
         scale = scale * unshift[:, None]
     q = [qi.astype(p.compute) for qi in q]
-    precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
+    precision = f32_dots.precision(p.compute)
 
     def step(j, carry):
         m, l, accs = carry

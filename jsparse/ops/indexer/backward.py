@@ -22,9 +22,10 @@ Rounding: the logits are the forward's (bf16 or FP8 operands widened exactly to 
 FP8 once in memory before the launches; f32 accumulation). The second dot of each pair
 takes the gated cotangent a·m (times w for dk) rounded to bf16, as flash-attention
 backwards do; so a gradient differs from the reference's f32 one by ~2^-9 of its
-terms' size (bf16 and FP8 inputs). For f32 inputs every operand stays f32 (IEEE, no
-TF32). Where a logit is within rounding of 0 the ReLU's gate, and so a whole term,
-can differ between any two arithmetics: compare gradients by norm, not entry by entry.
+terms' size (bf16 and FP8 inputs). For f32 inputs every operand stays f32, multiplied
+as :mod:`jsparse.ops.f32_dots` says (IEEE by default). Where a logit is within rounding
+of 0 the ReLU's gate, and so a whole term, can differ between any two arithmetics:
+compare gradients by norm, not entry by entry.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
 from jsparse._pallas import pallas_call
+from jsparse.ops import f32_dots
 from jsparse.ops.indexer.methods import block_ranges
 from jsparse.ops.indexer.triton import next_pow2, tile_span
 
@@ -86,26 +88,11 @@ class _Plan:
     compute: jnp.dtype
 
 
-# f32 inputs' dots: "ieee" (Precision.HIGHEST, which Triton runs on the FMA units: 657
-# ms at T = S = 4096, H 64, D 128 on an H100, run 240) or "tf32x3" (three TF32 MMAs on
-# the tensor cores, near-f32 error; under measurement). f32 scores differentiate by the
-# reference unless the kernels are called directly.
-F32_DOTS = "ieee"
-
-
-def _precision(p):
-    if p.compute != jnp.float32:
-        return None
-    if F32_DOTS == "tf32x3":
-        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return jax.lax.Precision.HIGHEST
-
-
 def _dot(a, b, contract_b, p):
     """a [M, K] · b (contracting b's axis ``contract_b``) in f32 on the tensor cores."""
     return jax.lax.dot_general(
         a, b, (((1,), (contract_b,)), ((), ())),
-        preferred_element_type=jnp.float32, precision=_precision(p),
+        preferred_element_type=jnp.float32, precision=f32_dots.precision(p.compute),
     )  # fmt: skip
 
 

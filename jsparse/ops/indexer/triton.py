@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
 from jsparse._pallas import pallas_call
+from jsparse.ops import f32_dots
 from jsparse.ops.indexer.report import store_report
 from jsparse.ops.topk import codes as codes_lib
 
@@ -168,7 +169,7 @@ def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
     q2: [BT·H, D] compute dtype; w: [BT, H] f32; k_tile: [BS, D] compute dtype;
     scale: [BS] f32, or None for unscaled keys (the same scores as a scale of 1).
     """
-    precision = jax.lax.Precision.HIGHEST if q2.dtype == jnp.float32 else None
+    precision = f32_dots.precision(q2.dtype)
     logits = jax.lax.dot_general(
         k_tile, q2, (((1,), (1,)), ((), ())),
         preferred_element_type=jnp.float32, precision=precision,

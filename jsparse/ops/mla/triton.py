@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
+from jsparse.ops import f32_dots
 from jsparse.ops.attention.triton import (
     MIN_GROUP_ROWS,
     accumulated,
@@ -166,7 +167,7 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
         q_c, q_r = q[: len(q_c)], q[len(q_c) :]
         scale = scale * unshift[:, None]
     q_c, q_r = [x.astype(p.compute) for x in q_c], [x.astype(p.compute) for x in q_r]
-    precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
+    precision = f32_dots.precision(p.compute)
 
     def step(j, carry):
         m, l, accs = carry

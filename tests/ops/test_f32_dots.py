@@ -1,0 +1,175 @@
+"""The Triton kernels' f32 dots (``jsparse.ops.f32_dots``): the mode reaches every kernel
+that multiplies f32 operands and lowers for CUDA either way; on a GPU, ``"tf32x3"``
+keeps DoSA equal to full scoring and the rest within f32 error of the reference. (Pallas
+interpret mode has no TF32 and runs both modes as IEEE dots.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse import backend
+from jsparse.certified import planner
+from jsparse.certified import triton as certified_triton
+from jsparse.ops import f32_dots
+from jsparse.ops.attention import triton as attention_triton
+from jsparse.ops.indexer import backward
+from jsparse.ops.indexer import triton as indexer_triton
+from jsparse.ops.mla import triton as mla_triton
+from tests.implementations import running
+from tests.lowering import lower_for_h200
+
+F32, I32 = jnp.float32, jnp.int32
+SDS = jax.ShapeDtypeStruct
+
+
+@pytest.fixture
+def f32_mode(monkeypatch):
+    """Sets ``f32_dots.MODE``; caches are cleared around it, as the mode is read when a
+    kernel is traced."""
+
+    def set_mode(mode):
+        monkeypatch.setattr(f32_dots, "MODE", mode)
+        jax.clear_caches()
+
+    yield set_mode
+    jax.clear_caches()
+
+
+def test_an_unknown_mode_is_refused_by_name(f32_mode):
+    f32_mode("tf32")
+    q, w, k = jnp.ones((2, 4, 16)), jnp.ones((2, 4)), jnp.ones((9, 16))
+    with running("triton") as name, pytest.raises(ValueError, match=r"f32_dots\.MODE is 'tf32'"):
+        jsparse.indexer_scores(q, w, k, implementation=name)
+
+
+T, H, D, S, K = 64, 8, 64, 2048, 128
+INDEXER = (SDS((T, H, D), F32), SDS((T, H), F32), SDS((S, D), F32), SDS((S,), F32),
+           SDS((T,), I32), SDS((T,), I32))  # fmt: skip
+ATTENTION = (SDS((2, 8, 64), F32), SDS((2, 512, 2, 64), F32), SDS((2, 512, 2, 64), F32),
+             SDS((2, 2, 128), I32))  # fmt: skip
+MLA = (SDS((2, 16, 72), F32), SDS((2, 512, 72), F32), SDS((2, 128), I32))
+KERNELS = {
+    "scores": (indexer_triton.indexer_scores_triton, INDEXER),
+    "scores_backward": (
+        lambda *x: backward.indexer_scores_vjp_triton(indexer_triton.indexer_scores_triton(*x), *x),
+        INDEXER,
+    ),
+    # the screen's f32 rows and the survivors' scorer
+    "dosa": (
+        lambda *x: certified_triton.certified_topk_triton(*x[:3], K, *x[3:], None)[0].indices,
+        INDEXER,
+    ),
+    "indexed_attention": (
+        lambda q, k, v, i: attention_triton.indexed_attention_triton(
+            q, k, v, i, None, None, scale=0.1
+        ),
+        ATTENTION,
+    ),
+    "indexed_mla_attention": (
+        lambda q, c, i: mla_triton.indexed_mla_attention_triton(
+            q, c, i, None, latent_dim=64, scale=0.1
+        ),
+        MLA,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_every_f32_kernel_lowers_in_both_modes_and_the_mode_reaches_it(name, f32_mode):
+    fn, structs = KERNELS[name]
+    texts = {}
+    for mode in f32_dots.MODES:
+        f32_mode(mode)
+        texts[mode] = lower_for_h200(fn, *structs).as_text()
+    assert texts["ieee"] != texts["tf32x3"]  # the dots' input precision differs
+
+
+def test_the_certificate_budgets_for_tf32x3(f32_mode):
+    f32_mode("ieee")
+    ieee = planner.numerics_for("triton", F32, F32, 128)
+    bf16 = planner.numerics_for("triton", jnp.bfloat16, jnp.bfloat16, 128)
+    f32_mode("tf32x3")
+    tf32x3 = planner.numerics_for("triton", F32, F32, 128)
+    assert tf32x3.scorer_rel >= ieee.scorer_rel + 2.0**-20
+    assert tf32x3.screen_rel >= ieee.screen_rel + 2.0**-20
+    assert planner.numerics_for("triton", jnp.bfloat16, jnp.bfloat16, 128) == bf16
+    assert planner.numerics_for("reference", F32, F32, 128) == planner.numerics_for(
+        "reference", F32, F32, 128
+    )
+
+
+def _indexer_inputs(t, s, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((t, 64, 128)) * 4.0, F32)
+    w = jnp.asarray(rng.standard_normal((t, 64)) / 64.0, F32)
+    k = jnp.asarray(rng.standard_normal((s, 128)), F32)
+    end = jnp.arange(s - t + 1, s + 1, dtype=I32)  # causal: the last t of s positions
+    return dict(q=q, weights=w, k=k, kv_start=jnp.zeros((t,), I32), kv_end=end)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", f32_dots.MODES)
+def test_gpu_f32_scorer_and_dosa_in_each_mode(mode, f32_mode):
+    from jsparse.certified import dosa_topk, workloads
+
+    f32_mode(mode)
+    data = workloads.make("deepseek_like", num_queries=128, num_keys=8192, causal=True, seed=0)
+    x = dict(
+        q=data.q.astype(F32), weights=data.weights, k=data.k.astype(F32), k_scale=data.k_scale,
+        kv_start=data.kv_start, kv_end=data.kv_end,
+    )  # fmt: skip
+    with backend.interpret_mode(False):
+        got = np.asarray(jsparse.indexer_scores(**x, implementation="triton"), np.float64)
+        base = jsparse.indexer_topk(**x, top_k=512, method="base", implementation="triton")
+        full = jsparse.indexer_topk(**x, top_k=512, method="full", implementation="triton")
+        dosa, info = dosa_topk(
+            **x, top_k=512, policy="always", implementation="triton", return_info=True
+        )
+    # the scorer's error within the certificate's model of it (MATH.md §1.7)
+    q, w, k = (np.asarray(x[n], np.float64) for n in ("q", "weights", "k"))
+    scale = np.asarray(x["k_scale"], np.float64)
+    logits = (q.reshape(-1, q.shape[2]) @ k.T).reshape(q.shape[0], q.shape[1], -1)
+    exact = np.einsum("th,ths->ts", w, np.maximum(logits, 0)) * scale
+    seen = np.isfinite(got)
+    err = np.where(seen, np.abs(got - exact), 0.0)
+    numerics = planner.numerics_for("triton", F32, F32, 128)
+    bound = (
+        np.sum(np.abs(w) * np.linalg.norm(q, axis=2), 1)[:, None]
+        * (np.linalg.norm(k, axis=1) * scale)[None, :]
+    )
+    allowed = (numerics.scorer_rel + planner.gamma(64 + 2)) * bound
+    assert np.all(err <= allowed), float((err / allowed).max())
+    # one scorer: every method's ids and scores are identical, id for id
+    for res in (full, dosa):
+        np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(base.indices))
+        np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(base.scores))
+    assert not np.any(np.asarray(dosa.fallback))
+    assert np.any(np.asarray(info.screened))  # the f32 screen ran
+
+
+@pytest.mark.gpu
+def test_gpu_f32_backward_and_attention_with_tf32x3(f32_mode):
+    f32_mode("tf32x3")
+    x = _indexer_inputs(512, 2048, seed=1)
+    cot = jnp.asarray(np.random.default_rng(2).standard_normal((512, 2048)), F32)
+    args = (x["q"], x["weights"], x["k"], None, x["kv_start"], x["kv_end"])
+    with backend.interpret_mode(False):
+        got = backward.indexer_scores_vjp_triton(cot, *args)
+    _, vjp = jax.vjp(
+        lambda q, w, k: jsparse.indexer_scores(
+            q, w, k, kv_start=x["kv_start"], kv_end=x["kv_end"], implementation="reference"
+        ),
+        *args[:3],
+    )
+    for a, b in zip(got[:3], vjp(cot), strict=True):
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal(s.shape), F32) for s in ATTENTION[:3])
+    idx = jnp.asarray(rng.integers(-1, 512, ATTENTION[3].shape), I32)
+    want = jsparse.indexed_attention(q, k, v, idx, implementation="reference")
+    with backend.interpret_mode(False):
+        out = jsparse.indexed_attention(q, k, v, idx, implementation="triton")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=0, atol=1e-5)
