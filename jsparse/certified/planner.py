@@ -109,7 +109,7 @@ def numerics_for(
       dot errs by at most 32·2^-13 = 2^-8 of Σ|q_d k_d| ≤ ‖q‖‖k‖ (taken as 2^-7, a 2×
       margin) plus the f32 adds;
     * screening: bf16 rows (f32 when the keys are f32) on the tensor cores, γ_2D;
-    * the Triton kernels' f32 dots under ``jsparse.ops.f32_dots.MODE = "tf32x3"`` (the
+    * the Triton kernels' f32 dots in :mod:`jsparse.ops.f32_dots`'s "tf32x3" mode (the
       scorer's and the screen's, f32 keys only): three products a term, so γ over 3D
       terms, plus their bound :func:`~jsparse.ops.f32_dots.extra_relative_error`.
     """

@@ -24,23 +24,28 @@ F32, I32 = jnp.float32, jnp.int32
 SDS = jax.ShapeDtypeStruct
 
 
-@pytest.fixture
-def f32_mode(monkeypatch):
-    """Sets ``f32_dots.MODE``; caches are cleared around it, as the mode is read when a
-    kernel is traced."""
-
-    def set_mode(mode):
-        monkeypatch.setattr(f32_dots, "MODE", mode)
-        jax.clear_caches()
-
-    yield set_mode
-    jax.clear_caches()
+# jax.default_matmul_precision values that ask for each mode
+ASKS = {"ieee": "highest", "tf32x3": "TF32_TF32_F32_X3"}
 
 
-def test_an_unknown_mode_is_refused_by_name(f32_mode):
-    f32_mode("tf32")
-    q, w, k = jnp.ones((2, 4, 16)), jnp.ones((2, 4)), jnp.ones((9, 16))
-    with running("triton") as name, pytest.raises(ValueError, match=r"f32_dots\.MODE is 'tf32'"):
+def test_the_mode_follows_jax_default_matmul_precision(monkeypatch):
+    assert f32_dots.mode() == f32_dots.DEFAULT
+    for mode, asked in ASKS.items():
+        with jax.default_matmul_precision(asked):
+            assert f32_dots.mode() == mode
+    with jax.default_matmul_precision("bfloat16"):  # below f32: the kernels' default
+        assert f32_dots.mode() == f32_dots.DEFAULT
+    monkeypatch.setattr(f32_dots, "DEFAULT", "tf32x3")
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert f32_dots.mode() == "tf32x3"
+    with jax.default_matmul_precision("float32"):
+        assert f32_dots.mode() == "ieee"
+
+
+def test_an_unknown_default_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(f32_dots, "DEFAULT", "tf32")
+    q, w, k = jnp.ones((3, 4, 16)), jnp.ones((3, 4)), jnp.ones((11, 16))  # shapes of no trace
+    with running("triton") as name, pytest.raises(ValueError, match=r"f32_dots\.DEFAULT is 'tf32'"):
         jsparse.indexer_scores(q, w, k, implementation=name)
 
 
@@ -77,27 +82,29 @@ KERNELS = {
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_every_f32_kernel_lowers_in_both_modes_and_the_mode_reaches_it(name, f32_mode):
+def test_every_f32_kernel_lowers_in_both_modes_and_the_mode_reaches_it(name):
     fn, structs = KERNELS[name]
     texts = {}
-    for mode in f32_dots.MODES:
-        f32_mode(mode)
-        texts[mode] = lower_for_h200(fn, *structs).as_text()
+    for mode, asked in ASKS.items():
+        with jax.default_matmul_precision(asked):
+            texts[mode] = lower_for_h200(fn, *structs).as_text()
     assert texts["ieee"] != texts["tf32x3"]  # the dots' input precision differs
 
 
-def test_the_certificate_budgets_for_tf32x3(f32_mode):
-    f32_mode("ieee")
-    ieee = planner.numerics_for("triton", F32, F32, 128)
-    bf16 = planner.numerics_for("triton", jnp.bfloat16, jnp.bfloat16, 128)
-    f32_mode("tf32x3")
-    tf32x3 = planner.numerics_for("triton", F32, F32, 128)
+def test_the_certificate_budgets_for_tf32x3():
+    numerics = {}
+    for mode, asked in ASKS.items():
+        with jax.default_matmul_precision(asked):
+            numerics[mode] = {
+                (impl, dt): planner.numerics_for(impl, dt, dt, 128)
+                for impl in ("triton", "reference")
+                for dt in (F32, jnp.bfloat16)
+            }
+    ieee, tf32x3 = numerics["ieee"][("triton", F32)], numerics["tf32x3"][("triton", F32)]
     assert tf32x3.scorer_rel >= ieee.scorer_rel + 2.0**-20
     assert tf32x3.screen_rel >= ieee.screen_rel + 2.0**-20
-    assert planner.numerics_for("triton", jnp.bfloat16, jnp.bfloat16, 128) == bf16
-    assert planner.numerics_for("reference", F32, F32, 128) == planner.numerics_for(
-        "reference", F32, F32, 128
-    )
+    for key in [("triton", jnp.bfloat16), ("reference", F32), ("reference", jnp.bfloat16)]:
+        assert numerics["ieee"][key] == numerics["tf32x3"][key]
 
 
 def _indexer_inputs(t, s, seed=0):
@@ -111,10 +118,14 @@ def _indexer_inputs(t, s, seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", f32_dots.MODES)
-def test_gpu_f32_scorer_and_dosa_in_each_mode(mode, f32_mode):
+def test_gpu_f32_scorer_and_dosa_in_each_mode(mode):
+    with jax.default_matmul_precision(ASKS[mode]):
+        _check_f32_scorer_and_dosa()
+
+
+def _check_f32_scorer_and_dosa():
     from jsparse.certified import dosa_topk, workloads
 
-    f32_mode(mode)
     data = workloads.make("deepseek_like", num_queries=128, num_keys=8192, causal=True, seed=0)
     x = dict(
         q=data.q.astype(F32), weights=data.weights, k=data.k.astype(F32), k_scale=data.k_scale,
@@ -150,8 +161,12 @@ def test_gpu_f32_scorer_and_dosa_in_each_mode(mode, f32_mode):
 
 
 @pytest.mark.gpu
-def test_gpu_f32_backward_and_attention_with_tf32x3(f32_mode):
-    f32_mode("tf32x3")
+def test_gpu_f32_backward_and_attention_with_tf32x3():
+    with jax.default_matmul_precision(ASKS["tf32x3"]):
+        _check_f32_backward_and_attention()
+
+
+def _check_f32_backward_and_attention():
     x = _indexer_inputs(512, 2048, seed=1)
     cot = jnp.asarray(np.random.default_rng(2).standard_normal((512, 2048)), F32)
     args = (x["q"], x["weights"], x["k"], None, x["kv_start"], x["kv_end"])
