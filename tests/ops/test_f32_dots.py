@@ -1,7 +1,8 @@
 """The Triton kernels' f32 dots (``jsparse.ops.f32_dots``): the mode reaches every kernel
-that multiplies f32 operands and lowers for CUDA either way; on a GPU, ``"tf32x3"``
-keeps DoSA equal to full scoring and the rest within f32 error of the reference. (Pallas
-interpret mode has no TF32 and runs both modes as IEEE dots.)"""
+that multiplies f32 operands and lowers for CUDA either way; ``"tf32x3"`` is refused by
+the compiled kernels until their tiles fit (run 244); on a GPU, the f32 scorer errs
+within the certificate's model and DoSA equals full scoring. (Pallas interpret mode has
+no TF32 and runs both modes as IEEE dots.)"""
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,8 @@ KERNELS = {
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_every_f32_kernel_lowers_in_both_modes_and_the_mode_reaches_it(name):
+def test_every_f32_kernel_lowers_in_both_modes_and_the_mode_reaches_it(name, monkeypatch):
+    monkeypatch.setattr(f32_dots, "TF32X3_KERNELS", True)
     fn, structs = KERNELS[name]
     texts = {}
     for mode, asked in ASKS.items():
@@ -107,26 +109,25 @@ def test_the_certificate_budgets_for_tf32x3():
         assert numerics["ieee"][key] == numerics["tf32x3"][key]
 
 
-def _indexer_inputs(t, s, seed=0):
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((t, 64, 128)) * 4.0, F32)
-    w = jnp.asarray(rng.standard_normal((t, 64)) / 64.0, F32)
-    k = jnp.asarray(rng.standard_normal((s, 128)), F32)
-    end = jnp.arange(s - t + 1, s + 1, dtype=I32)  # causal: the last t of s positions
-    return dict(q=q, weights=w, k=k, kv_start=jnp.zeros((t,), I32), kv_end=end)
+def test_tf32x3_kernels_refuse_until_their_tiles_fit():
+    # run 244: every f32 kernel's tiles overflowed shared memory in this mode on an H100.
+    # Shapes no other test traces: a cached trace with the kernels enabled would hide it.
+    structs = (SDS((5, 8, 64), F32), SDS((5, 8), F32), SDS((300, 64), F32), SDS((300,), F32),
+               SDS((5,), I32), SDS((5,), I32))  # fmt: skip
+    with (
+        jax.default_matmul_precision(ASKS["tf32x3"]),
+        pytest.raises(NotImplementedError, match=r"TF32_TF32_F32_X3.*'highest'"),
+    ):
+        lower_for_h200(indexer_triton.indexer_scores_triton, *structs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", f32_dots.MODES)
-def test_gpu_f32_scorer_and_dosa_in_each_mode(mode):
-    with jax.default_matmul_precision(ASKS[mode]):
-        _check_f32_scorer_and_dosa()
-
-
-def _check_f32_scorer_and_dosa():
+def test_gpu_f32_scorer_and_dosa():
     from jsparse.certified import dosa_topk, workloads
 
-    data = workloads.make("deepseek_like", num_queries=128, num_keys=8192, causal=True, seed=0)
+    # screening prunes this workload (the i.i.d. and deepseek-like ones keep too many
+    # keys at this size: their survivor lists overflow and fall back, as reported)
+    data = workloads.make("low_survival", num_queries=128, num_keys=8192, causal=True, seed=0)
     x = dict(
         q=data.q.astype(F32), weights=data.weights, k=data.k.astype(F32), k_scale=data.k_scale,
         kv_start=data.kv_start, kv_end=data.kv_end,
@@ -157,34 +158,16 @@ def _check_f32_scorer_and_dosa():
         np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(base.indices))
         np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(base.scores))
     assert not np.any(np.asarray(dosa.fallback))
-    assert np.any(np.asarray(info.screened))  # the f32 screen ran
+    assert np.all(np.asarray(info.screened))  # the f32 screen ran
 
 
 @pytest.mark.gpu
-def test_gpu_f32_backward_and_attention_with_tf32x3():
-    with jax.default_matmul_precision(ASKS["tf32x3"]):
-        _check_f32_backward_and_attention()
-
-
-def _check_f32_backward_and_attention():
-    x = _indexer_inputs(512, 2048, seed=1)
-    cot = jnp.asarray(np.random.default_rng(2).standard_normal((512, 2048)), F32)
-    args = (x["q"], x["weights"], x["k"], None, x["kv_start"], x["kv_end"])
-    with backend.interpret_mode(False):
-        got = backward.indexer_scores_vjp_triton(cot, *args)
-    _, vjp = jax.vjp(
-        lambda q, w, k: jsparse.indexer_scores(
-            q, w, k, kv_start=x["kv_start"], kv_end=x["kv_end"], implementation="reference"
-        ),
-        *args[:3],
-    )
-    for a, b in zip(got[:3], vjp(cot), strict=True):
-        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
-
-    rng = np.random.default_rng(3)
-    q, k, v = (jnp.asarray(rng.standard_normal(s.shape), F32) for s in ATTENTION[:3])
-    idx = jnp.asarray(rng.integers(-1, 512, ATTENTION[3].shape), I32)
-    want = jsparse.indexed_attention(q, k, v, idx, implementation="reference")
-    with backend.interpret_mode(False):
-        out = jsparse.indexed_attention(q, k, v, idx, implementation="triton")
-    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=0, atol=1e-5)
+def test_gpu_tf32x3_hands_over_to_the_reference():
+    rng = np.random.default_rng(4)
+    q, w, k = (jnp.asarray(rng.standard_normal(s), F32) for s in [(7, 8, 64), (7, 8), (333, 64)])
+    want = jsparse.indexer_scores(q, w, k, implementation="reference")
+    with jax.default_matmul_precision(ASKS["tf32x3"]), backend.interpret_mode(False):
+        got = jsparse.indexer_scores(q, w, k)  # None: the kernel refuses, the reference runs
+        with pytest.raises(NotImplementedError, match="TF32_TF32_F32_X3"):
+            jsparse.indexer_scores(q, w, k, implementation="triton")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
