@@ -30,6 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jsparse import backend
+
 MODES = ("ieee", "tf32x3")
 # The mode where jax.default_matmul_precision asks for neither.
 DEFAULT = "ieee"
@@ -55,8 +57,6 @@ def mode() -> str:
 def precision(compute_dtype):
     """The ``precision`` of a kernel dot whose operands are ``compute_dtype``: None
     (the dtype's own tensor-core path) unless they are f32."""
-    from jsparse import backend
-
     if jnp.dtype(compute_dtype) != jnp.float32:
         return None
     if mode() == "tf32x3" and not backend.is_interpret():
