@@ -87,6 +87,34 @@ class ScreenConfig:
             raise ValueError(f"ScreenConfig: block_s and tile_rows must be ≥ 16, got {self}")
 
 
+def screen_f32_tensor_core_bytes(cfg: ScreenConfig, dim: int, block_t: int, width: int):
+    """Shared memory of a screening program whose f32 dots run on the tensor cores: the
+    pipelined key tiles [BS, D] and the screening rows' TF32 hi and lo parts [W·BQ, D]
+    (the dot's B operand), 4 bytes a value: the scorer's model (see
+    :func:`jsparse.ops.indexer.triton.f32_tensor_core_bytes`) for this kernel's dot."""
+    rows = width * max(block_t, cfg.tile_rows // width)
+    return 4 * dim * (cfg.num_stages * cfg.block_s + 2 * rows)
+
+
+def _fit_screen_f32(cfg: ScreenConfig, dim: int, block_t: int, width: int) -> ScreenConfig:
+    """``cfg`` shrunk until its f32 tensor-core tiles fit: fewer stages, then fewer rows,
+    then fewer keys a tile (the scorer's order)."""
+    fitted, stages = cfg, cfg.num_stages
+    while (
+        need := screen_f32_tensor_core_bytes(fitted, dim, block_t, width)
+    ) > f32_dots.SHARED_MEMORY:
+        if fitted.num_stages > 1:
+            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+        elif fitted.tile_rows > 16 and fitted.tile_rows // width > block_t:
+            fitted = dataclasses.replace(fitted, tile_rows=fitted.tile_rows // 2, num_stages=stages)
+        elif fitted.block_s > 16:
+            fitted = dataclasses.replace(fitted, block_s=fitted.block_s // 2, num_stages=stages)
+        else:
+            where = f"D {dim}, width {width}, block {block_t} in the smallest tile"
+            f32_dots.fits("dosa screening", need, where)
+    return fitted
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     t: int
@@ -366,6 +394,8 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
         rows = jnp.pad(rows, ((0, 0), (0, 0), (0, dp - d)))
         k = jnp.pad(k, ((0, 0), (0, dp - d)))
     plan = plan.replace(rows=rows)
+    if f32_dots.tensor_cores(rows.dtype):
+        cfg = _fit_screen_f32(cfg, dp, block_t, max(plan.widths))
     n_blocks = -(-t // block_t)
     # Width class of each scorer block: the widest of its screened queries (-1: none).
     pad = n_blocks * block_t - t
@@ -621,7 +651,7 @@ def certified_topk_triton(
     t, h, _ = q.shape
     s = k.shape[0]
     widths, r_arr = planner.resolve_r(r, t, h)
-    cfg = scorer.default_config(t, h, k.dtype == jnp.float8_e4m3fn)
+    cfg = scorer.config_for(q, k)
     if refine_block is not None:
         cfg = dataclasses.replace(cfg, block_t=refine_block)
     explicit = seeds is not None and not isinstance(seeds, int)

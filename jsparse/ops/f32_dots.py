@@ -17,12 +17,13 @@ set to a value below f32 precision (the kernels never multiply f32 inputs at les
 near-f32), the kernels take :data:`DEFAULT`. Pallas interpret mode on a CPU runs both
 modes as IEEE dots (the CPU has no TF32).
 
-``"tf32x3"`` is not yet usable on a GPU: with f32 operands on the tensor cores, every
-kernel's f32 tiles overflowed shared memory on an H100 (256-353 KiB asked of 227 KiB:
-the scorer, its record and DoSA launches and the backward, run 244). Until their tiles
-are sized for it (:data:`TF32X3_KERNELS`), a kernel asked for it raises
-``NotImplementedError``, so that ``implementation=None`` hands over to the jnp
-reference and a kernel named explicitly says why.
+With f32 operands on the tensor cores Triton stages more in shared memory than the
+tiles sized for bf16 allow (every f32 kernel overflowed it on an H100, run 244): it
+splits each operand into TF32 hi and lo parts, and a dot's B operand sits in shared
+memory twice, at 4 bytes a value. So each kernel takes its own tiles in ``"tf32x3"``
+mode (:func:`tensor_cores` tells it), sized by :func:`fits` with the bytes each
+kernel's dots stage (measured in run 245); a shape that no tile fits raises
+``NotImplementedError`` (``implementation=None`` then hands over to the jnp reference).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ MODES = ("ieee", "tf32x3")
 DEFAULT = "ieee"
 _ASKS_IEEE = ("highest", "float32", "F32_F32_F32")
 _ASKS_TF32X3 = ("TF32_TF32_F32_X3",)
-# Whether the compiled kernels take "tf32x3" (off: their f32 tiles overflow shared memory
-# in that mode, run 244). On for measurement and cross-lowering tests only.
-TF32X3_KERNELS = False
+# Shared memory a Triton program may use on sm_90 (H100, H200: 227 KiB), less a margin
+# for the scratch of reductions and layout conversions that the tile models leave out.
+SHARED_MEMORY = 232_448 - 2048
 
 
 def mode() -> str:
@@ -60,15 +61,36 @@ def precision(compute_dtype):
     if jnp.dtype(compute_dtype) != jnp.float32:
         return None
     if mode() == "tf32x3" and not backend.is_interpret():
-        if not TF32X3_KERNELS:
-            raise NotImplementedError(
-                "f32 inputs under jax.default_matmul_precision "
-                f"{jax.config.jax_default_matmul_precision!r} (f32_dots mode 'tf32x3'): the "
-                "Triton kernels' f32 tiles do not fit shared memory in this mode yet; ask for "
-                "'highest' (IEEE dots) or use implementation='reference'"
-            )
         return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return jax.lax.Precision.HIGHEST
+
+
+def xla_precision():
+    """The same products in an XLA dot (the baselines'): ``"tf32x3"`` as XLA's
+    TF32_TF32_F32_X3 algorithm on a GPU (a CPU has no TF32 and rejects it), else
+    ``Precision.HIGHEST``."""
+    if mode() == "tf32x3" and jax.default_backend() == "gpu":
+        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return jax.lax.Precision.HIGHEST
+
+
+def tensor_cores(compute_dtype) -> bool:
+    """Whether a kernel's dots of ``compute_dtype`` operands are f32 on the tensor cores
+    (``"tf32x3"``), and so need the kernel's f32 tiles. The same answer in interpret
+    mode, so that a CPU traces the tiles a GPU compiles."""
+    return jnp.dtype(compute_dtype) == jnp.float32 and mode() == "tf32x3"
+
+
+def fits(kernel: str, shared_bytes: int, what: str) -> None:
+    """Raise ``NotImplementedError`` when a kernel's f32 tile (``what``: the shape and
+    tile) needs more than :data:`SHARED_MEMORY` in ``"tf32x3"`` mode."""
+    if shared_bytes > SHARED_MEMORY:
+        raise NotImplementedError(
+            f"{kernel}: f32 inputs under jax.default_matmul_precision "
+            f"{jax.config.jax_default_matmul_precision!r} (f32_dots mode 'tf32x3') need "
+            f"{shared_bytes} bytes of shared memory at {what}, more than {SHARED_MEMORY}; "
+            "ask for 'highest' (IEEE dots) or use implementation='reference'"
+        )
 
 
 def extra_relative_error() -> float:

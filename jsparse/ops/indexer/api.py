@@ -368,11 +368,11 @@ def _score_implementations():
 
 def _backward_kernels_pay(q, k) -> bool:
     """Whether the scores differentiate by the backward kernels (else by the reference's
-    derivative, XLA einsums). Not for f32 inputs: the kernels' IEEE f32 dots run off the
-    tensor cores, 657 ms against XLA's 39 ms at T = S = 4096 causal, H 64, D 128 on an
-    H100 (WORKSPACE.md, run 240); bf16 there took 1.43 ms."""
-    f32 = jnp.dtype(jnp.float32) in (jnp.dtype(q.dtype), jnp.dtype(k.dtype))
-    return SCORES_BACKWARD_KERNELS and not f32
+    derivative, XLA einsums): see :func:`jsparse.ops.indexer.backward.kernels_take` (f32
+    inputs only with tensor-core dots)."""
+    from jsparse.ops.indexer.backward import kernels_take  # Pallas imports only when used
+
+    return SCORES_BACKWARD_KERNELS and kernels_take(q.dtype, k.dtype, q.shape[-1])
 
 
 def _score_backward():

@@ -75,6 +75,29 @@ class BackwardConfig:
                 )
 
 
+# f32 operands on the tensor cores (the "tf32x3" mode of jsparse.ops.f32_dots): the
+# default tiles asked 360,960 bytes of shared memory (run 244) and two heads a dq program
+# 311,552 even at 2 stages; the fastest dq of eight fits was 32 × 64, one head, 2 stages
+# (run 245, H100, T = S = 4096 causal, H 64, D 128: 7.8 ms against 8.1-15.4).
+F32_TENSOR_CORE_CONFIG = BackwardConfig(
+    block_t=32, block_s=64, head_groups=8, dq_heads=1, num_warps=4, num_stages=2
+)
+# The widest (padded) D those tiles were measured at; wider f32 inputs take the
+# reference's derivative in that mode.
+F32_TENSOR_CORE_MAX_DIM = 128
+
+
+def kernels_take(q_dtype, k_dtype, dim: int) -> bool:
+    """Whether these kernels' default tiles take inputs of these dtypes and D: always for
+    bf16 and FP8; for f32 only with tensor-core dots (IEEE f32 dots run off the tensor
+    cores: 657 ms against XLA's 39 ms at T = S = 4096 causal, H 64, D 128, run 240) and
+    D the tiles fit."""
+    compute = _compute_dtype(q_dtype, k_dtype)
+    if compute != jnp.float32:
+        return True
+    return f32_dots.tensor_cores(compute) and next_pow2(dim, 16) <= F32_TENSOR_CORE_MAX_DIM
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     t: int
@@ -221,17 +244,25 @@ def indexer_scores_vjp_triton(cotangent, q, weights, k, k_scale, start, end, *, 
     """Cotangents (dq, dweights, dk, dk_scale), all f32, of ``indexer_scores`` at (q,
     weights, k, k_scale, start, end) for the scores' cotangent [T, S] (read where
     visible only); dk_scale is None when k_scale is."""
-    cfg = cfg or BackwardConfig()
     t, h, d = q.shape
     s = k.shape[0]
     dp = next_pow2(d, 16)
+    compute = _compute_dtype(q.dtype, k.dtype)
+    if cfg is None and f32_dots.tensor_cores(compute):
+        if dp > F32_TENSOR_CORE_MAX_DIM:
+            raise NotImplementedError(
+                f"indexer scores derivative: f32 inputs with tensor-core dots (f32_dots mode "
+                f"'tf32x3') have tiles for D ≤ {F32_TENSOR_CORE_MAX_DIM}, got D {d}; ask for "
+                "'highest' or use the reference's derivative"
+            )
+        cfg = F32_TENSOR_CORE_CONFIG
+    cfg = cfg or BackwardConfig()
     multiple = cfg.head_groups * cfg.dq_heads // math.gcd(cfg.head_groups, cfg.dq_heads)
     hp = -(-h // multiple) * multiple
     p = _Plan(
         t=t, s=s, heads=hp, dim=dp, block_t=min(cfg.block_t, next_pow2(t, 16)),
         block_s=min(cfg.block_s, next_pow2(s, 16)), heads_per_group=hp // cfg.head_groups,
-        dq_heads=cfg.dq_heads,
-        compute=_compute_dtype(q.dtype, k.dtype),
+        dq_heads=cfg.dq_heads, compute=compute,
     )  # fmt: skip
     # FP8 widened once in memory, not tile by tile after each load (run 232: the FP8
     # kernels took 2.55 ms against bf16's 1.56; a tile widened in registers cannot be

@@ -221,8 +221,8 @@ def topk_full(
     n_seeds=None, capacity=None, cfg=None, sort=True,
 ):  # fmt: skip
     """Seed threshold τ, records ≥ τ only, exact selection over the records."""
-    t, s = q.shape[0], k.shape[0]
-    cfg = cfg or scorer.default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
+    s = k.shape[0]
+    cfg = cfg or scorer.config_for(q, k)
     if seed_ids is None:
         n = min(n_seeds or default_seed_count(top_k, s), s)
         seeds = block_seed_ids(start, end, cfg.block_t, n, s)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jsparse.ops import f32_dots
 from jsparse.ops.topk.codes import canonical_scores
 from jsparse.ops.topk.reference import visible_key_ids  # also imported from here
 
@@ -188,9 +189,12 @@ def indexer_scores_einsum(
     t, h, d = q.shape
     s = k.shape[0]
     compute = jnp.float32 if f32 else einsum_dtype(q.dtype, k.dtype)
-    # f32 products at full precision: XLA's default on a GPU is TF32, whose scores were
-    # 6e-4 of a row's largest off the f32 oracle (run 244)
-    precision = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
+    # f32 products as the kernels' f32 dots take them (the baseline's), at full precision
+    # for the derivative; never XLA's default on a GPU, TF32, whose scores were 6e-4 of a
+    # row's largest off the f32 oracle (run 244)
+    precision = None
+    if compute == jnp.float32:
+        precision = jax.lax.Precision.HIGHEST if f32 else f32_dots.xla_precision()
     kc = k.astype(compute)
     chunk = max(1, min(query_chunk, t))
     pad = (-t) % chunk

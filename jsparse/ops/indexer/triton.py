@@ -78,7 +78,9 @@ class ScorerConfig:
             raise ValueError(f"ScorerConfig.num_stages must be ≥ 1, got {self.num_stages}")
 
 
-def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> ScorerConfig:
+def default_config(
+    num_queries: int, heads: int, fp8_keys: bool = False, *, f32_dim: int = 0
+) -> ScorerConfig:
     """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3, 45, 66 and 72, H=64, D=128).
 
     Queries share each key tile (N = block_t·H of the dot). From 16 queries: two for
@@ -88,7 +90,52 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
     a launch actually widens (see :func:`_widen_in_memory`), so that every launch over
     the same queries, whatever its keys, runs one config: one config is what keeps
     methods identical id for id.
+
+    ``f32_dim``: D of f32 operands that the dots multiply on the tensor cores (the
+    ``"tf32x3"`` mode of :mod:`jsparse.ops.f32_dots`), 0 otherwise: those tiles shrink
+    until they fit shared memory (:func:`fit_f32_tensor_cores`).
     """
+    cfg = _bf16_and_fp8_config(num_queries, heads, fp8_keys)
+    return fit_f32_tensor_cores(cfg, heads, f32_dim) if f32_dim else cfg
+
+
+def config_for(q, k) -> ScorerConfig:
+    """:func:`default_config` of a launch over queries ``q`` [T, H, D] and keys ``k``."""
+    t, h, d = q.shape
+    on_tensor_cores = f32_dots.tensor_cores(compute_dtype(q.dtype, k.dtype))
+    return default_config(t, h, k.dtype == jnp.float8_e4m3fn, f32_dim=d if on_tensor_cores else 0)
+
+
+def f32_tensor_core_bytes(cfg: ScorerConfig, heads: int, dim: int) -> int:
+    """Shared memory of a scorer program whose f32 dots run on the tensor cores: the
+    pipelined key tiles [BS, D] and the queries' TF32 hi and lo parts [BT·H, D] (the
+    dot's B operand), 4 bytes a value. At H 64, D 128 it is what the compiler asked in
+    runs 244-245, to the byte (262,144 at BT 2, BS 128, 2 stages; 360,448 at BT 4, BS 64,
+    3 stages)."""
+    hp = next_pow2(heads, max(1, 16 // cfg.block_t))
+    return 4 * next_pow2(dim, 16) * (cfg.num_stages * cfg.block_s + 2 * cfg.block_t * hp)
+
+
+def fit_f32_tensor_cores(cfg: ScorerConfig, heads: int, dim: int) -> ScorerConfig:
+    """``cfg`` shrunk until its f32 tensor-core tiles fit shared memory: fewer stages
+    first, then fewer queries a block, then fewer keys a tile. Of the fits run 245 timed
+    (H100, H 64, D 128), the first this finds was the fastest at both shapes: 1024 × 32K
+    causal BT 2, BS 128, 1 stage 7.3 ms (six others 9.1-25); 8 × 64K BT 2, BS 64, 3
+    stages 0.33 ms (five others 0.38-0.63)."""
+    fitted, stages = cfg, cfg.num_stages
+    while (need := f32_tensor_core_bytes(fitted, heads, dim)) > f32_dots.SHARED_MEMORY:
+        if fitted.num_stages > 1:
+            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+        elif fitted.block_t > 1:
+            fitted = dataclasses.replace(fitted, block_t=fitted.block_t // 2, num_stages=stages)
+        elif fitted.block_s > 16:
+            fitted = dataclasses.replace(fitted, block_s=fitted.block_s // 2, num_stages=stages)
+        else:
+            f32_dots.fits("indexer scorer", need, f"H {heads}, D {dim} in the smallest tile")
+    return fitted
+
+
+def _bf16_and_fp8_config(num_queries: int, heads: int, fp8_keys: bool) -> ScorerConfig:
     if heads >= 128:
         return ScorerConfig(block_t=1)
     in_registers = fp8_keys and not widens_fp8_in_memory(num_queries)
@@ -533,9 +580,9 @@ def _pad_heads_dims(q, weights, k, block_t):
     return q, weights, k
 
 
-def _splits_for(t, h, s, key_ids, cfg, fp8_keys):
-    cfg = cfg or default_config(t, h, fp8_keys)
-    n_tb = -(-t // cfg.block_t)
+def _splits_for(q, k, s, key_ids, cfg):
+    cfg = cfg or config_for(q, k)
+    n_tb = -(-q.shape[0] // cfg.block_t)
     n = s if key_ids is None else key_ids.shape[1]
     return _default_splits(n_tb, -(-n // cfg.block_s))
 
@@ -612,8 +659,11 @@ def _launch(
     if list_scores and (key_ids is None or records_cap is not None or fill or report or row_cols):
         raise ValueError("_launch: list_scores is for a key-list launch of plain scores")
     s = _num_keys(k, page_table, page_size)
-    cfg = cfg or default_config(t, q.shape[1], k.dtype == jnp.float8_e4m3fn)
+    cfg = cfg or config_for(q, k)
     cdt = compute_dtype(q.dtype, k.dtype, cfg.fp8_dot)
+    if f32_dots.tensor_cores(cdt):  # a given config too: refused here, not in the compiler
+        need = f32_tensor_core_bytes(cfg, q.shape[1], q.shape[2])
+        f32_dots.fits("indexer scorer", need, f"H {q.shape[1]}, D {q.shape[2]}, {cfg}")
     shared_keys = shared_keys and page_table is None
     if _widen_in_memory(t, q.dtype, k.dtype, cdt, shared_keys=shared_keys):
         q, k = q.astype(cdt), k.astype(cdt)
@@ -722,9 +772,8 @@ def score_records_triton(
     ``shared_keys``: see :func:`_launch`. ``splits``: key splits of each query block's
     range (default: the rule for the launch's shape).
     """
-    fp8_keys = k.dtype == jnp.float8_e4m3fn
     s = _num_keys(k, page_table, page_size)
-    splits = splits or _splits_for(q.shape[0], q.shape[1], s, key_ids, cfg, fp8_keys)
+    splits = splits or _splits_for(q, k, s, key_ids, cfg)
     codes, ids, counts = _launch(
         q, weights, k, k_scale, start, end,
         tau_codes=tau_codes, key_ids=key_ids, key_counts=key_counts, records_cap=capacity,
@@ -751,8 +800,7 @@ def score_list_triton(
     What the certified methods' refinement and seeds write instead of records: the same
     scores (one scorer), without records' per-tile prefix sum and scattered store.
     """
-    fp8_keys = k.dtype == jnp.float8_e4m3fn
-    splits = splits or _splits_for(q.shape[0], q.shape[1], k.shape[0], key_ids, cfg, fp8_keys)
+    splits = splits or _splits_for(q, k, k.shape[0], key_ids, cfg)
     scores, kept = _launch(
         q, weights, k, k_scale, start, end, tau_codes=tau_codes, key_ids=key_ids,
         key_counts=key_counts, cfg=cfg, splits=splits, list_scores=True,
