@@ -38,6 +38,9 @@ DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 # gated cotangent for each pair's second dot (measured 1.7e-3 at 4096 tokens, run 235);
 # f32 sums the same products in another order.
 CHECK_RTOL = {"bf16": 4e-3, "f32": 1e-5}
+# f32 with tf32x3 products (jsparse.ops.f32_dots): more ReLU gates of logits within
+# rounding of 0 differ from the float64 oracle's, each a whole term (run 246: 2.3e-4)
+CHECK_RTOL_TF32X3 = 1e-3
 HIGHEST = jax.lax.Precision.HIGHEST
 NAMES = ("dq", "dweights", "dk", "dk_scale")
 CONFIG_FIELDS = ("block_t", "block_s", "head_groups", "num_warps", "num_stages", "dq_heads")
@@ -196,6 +199,13 @@ def counts(case, inputs):
     return 4 * dot, 3 * dot, nbytes + sizes["kv_start"] + sizes["kv_end"]
 
 
+def check_rtol(dtype: str) -> float:
+    from jsparse.ops import f32_dots
+
+    tf32x3 = dtype == "f32" and f32_dots.mode() == "tf32x3"
+    return CHECK_RTOL_TF32X3 if tf32x3 else CHECK_RTOL[dtype]
+
+
 def run(args, floors: common.Floors, impl: str) -> list[dict]:
     cases = common.expand_cases(common.load_presets("indexer-grad")[args.preset])
     configs = backward_configs(args.backward_config)
@@ -223,7 +233,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
             else:
                 fn = jax.jit(pullback_fn("reference" if method == "xla" else impl))
             common.check_then_time(
-                row, fn, sets, functools.partial(check, want, tol=CHECK_RTOL[case["dtype"]]),
+                row, fn, sets, functools.partial(check, want, tol=check_rtol(case["dtype"])),
                 budget_s=args.budget, device_time=args.device_time, nbytes=nbytes,
                 floor_s=floor_s, flops=flops,
             )  # fmt: skip

@@ -37,11 +37,12 @@ def test_the_mode_follows_jax_default_matmul_precision(monkeypatch):
             assert f32_dots.mode() == mode
     with jax.default_matmul_precision("bfloat16"):  # below f32: the kernels' default
         assert f32_dots.mode() == f32_dots.DEFAULT
-    monkeypatch.setattr(f32_dots, "DEFAULT", "tf32x3")
+    assert f32_dots.DEFAULT == "tf32x3"  # the default where JAX asks for neither
+    monkeypatch.setattr(f32_dots, "DEFAULT", "ieee")
     with jax.default_matmul_precision("tensorfloat32"):
-        assert f32_dots.mode() == "tf32x3"
-    with jax.default_matmul_precision("float32"):
         assert f32_dots.mode() == "ieee"
+    with jax.default_matmul_precision(ASKS["tf32x3"]):
+        assert f32_dots.mode() == "tf32x3"
 
 
 def test_an_unknown_default_is_refused_by_name(monkeypatch):

@@ -131,13 +131,21 @@ def _loss(q, w, k, scale, start, end, target, implementation):
     return jnp.sum(jnp.where(jnp.isfinite(scores), jnp.sin(scores) * target, 0.0))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_grad_through_indexer_scores_uses_the_kernels_except_for_f32(dtype, monkeypatch):
-    """f32 inputs take the reference's derivative: the kernels' IEEE f32 dots were 17×
-    slower than XLA's on an H100 (run 240)."""
+@pytest.mark.parametrize(
+    "dtype, precision, kernels",
+    [(jnp.float32, None, True), (jnp.float32, "highest", False), (jnp.bfloat16, None, True)],
+    ids=["f32", "f32-highest", "bf16"],
+)
+def test_grad_through_indexer_scores_uses_the_kernels_except_for_ieee_f32(
+    dtype, precision, kernels, monkeypatch
+):
+    """f32 inputs asked for IEEE dots take the reference's derivative: the kernels' IEEE
+    f32 dots were 17× slower than XLA's on an H100 (run 240); with the default tf32x3
+    dots they take the kernels."""
     q, w, k, scale, start, end, target = _inputs(19, 4, 16, 45, dtype, "causal")
     grad = jax.jit(jax.grad(_loss, argnums=(0, 1, 2, 3)), static_argnums=7)
-    want = grad(q, w, k, scale, start, end, target, "reference")
+    with jax.default_matmul_precision("highest"):
+        want = grad(q, w, k, scale, start, end, target, "reference")
     called = []
     real = api._score_backward
 
@@ -145,9 +153,9 @@ def test_grad_through_indexer_scores_uses_the_kernels_except_for_f32(dtype, monk
         return {n: (lambda *a, n=n, f=f: called.append(n) or f(*a)) for n, f in real().items()}
 
     monkeypatch.setattr(api, "_score_backward", counting)
-    with running("triton") as name:
+    with running("triton") as name, jax.default_matmul_precision(precision):
         got = grad(q, w, k, scale, start, end, target, name)
-    assert called == ([] if dtype == jnp.float32 else ["triton"])
+    assert called == (["triton"] if kernels else [])
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -155,14 +163,17 @@ def test_grad_through_indexer_scores_uses_the_kernels_except_for_f32(dtype, monk
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
 
 
-def test_forward_mode_needs_the_reference_or_f32():
+def test_forward_mode_needs_the_reference_or_ieee_f32():
     q, w, k, scale, start, end, target = _inputs(5, 2, 16, 20, jnp.bfloat16, "causal")
     tangent = jnp.ones_like(q)
     jax.jvp(lambda q: _loss(q, w, k, scale, start, end, target, "reference"), (q,), (tangent,))
     with running("triton") as name, pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(lambda q: _loss(q, w, k, scale, start, end, target, name), (q,), (tangent,))
-    q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)  # the reference's derivative
-    with running("triton") as name:
+    q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+    with running("triton") as name, pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda q: _loss(q, w, k32, scale, start, end, target, name), (q32,), (q32,))
+    # IEEE f32 dots differentiate by the reference's derivative, in either mode
+    with running("triton") as name, jax.default_matmul_precision("highest"):
         jax.jvp(lambda q: _loss(q, w, k32, scale, start, end, target, name), (q32,), (q32,))
 
 

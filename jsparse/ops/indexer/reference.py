@@ -189,12 +189,10 @@ def indexer_scores_einsum(
     t, h, d = q.shape
     s = k.shape[0]
     compute = jnp.float32 if f32 else einsum_dtype(q.dtype, k.dtype)
-    # f32 products as the kernels' f32 dots take them (the baseline's), at full precision
-    # for the derivative; never XLA's default on a GPU, TF32, whose scores were 6e-4 of a
-    # row's largest off the f32 oracle (run 244)
-    precision = None
-    if compute == jnp.float32:
-        precision = jax.lax.Precision.HIGHEST if f32 else f32_dots.xla_precision()
+    # f32 products as the kernels' f32 dots take them (jsparse.ops.f32_dots); never XLA's
+    # default on a GPU, one TF32 product, whose scores were 6e-4 of a row's largest off
+    # the f32 oracle (run 244)
+    precision = f32_dots.xla_precision() if compute == jnp.float32 else None
     kc = k.astype(compute)
     chunk = max(1, min(query_chunk, t))
     pad = (-t) % chunk
