@@ -77,10 +77,12 @@ class BackwardConfig:
 
 # f32 operands on the tensor cores (the "tf32x3" mode of jsparse.ops.f32_dots): the
 # default tiles asked 360,960 bytes of shared memory (run 244) and two heads a dq program
-# 311,552 even at 2 stages; the fastest dq of eight fits was 32 × 64, one head, 2 stages
-# (run 245, H100, T = S = 4096 causal, H 64, D 128: 7.8 ms against 8.1-15.4).
+# 311,552 even at 2 stages. Each kernel timed alone (runs 245-246, H100, T = S = 4096
+# causal, H 64, D 128, ms of the vjp with the other kernel's output zeros): dq + dk at
+# 32 × 32, one head, 3 stages 8.1 + 8.5; at 32 × 64, 2 stages 7.8 + 10.8; 64 × 64 12.4 +
+# 14.7; 8 warps 15.4 + 19.8.
 F32_TENSOR_CORE_CONFIG = BackwardConfig(
-    block_t=32, block_s=64, head_groups=8, dq_heads=1, num_warps=4, num_stages=2
+    block_t=32, block_s=32, head_groups=8, dq_heads=1, num_warps=4, num_stages=3
 )
 # The widest (padded) D those tiles were measured at; wider f32 inputs take the
 # reference's derivative in that mode.
