@@ -155,8 +155,9 @@ def test_each_kernel_takes_its_f32_tiles_in_tf32x3_mode_only():
             <= f32_dots.SHARED_MEMORY
         )
         assert certified_triton._fit_screen_f32(screen, 256, 2, 4).tile_rows == 64
-    with jax.default_matmul_precision(ASKS["ieee"]):
-        assert indexer_triton.config_for(q, k) == indexer_triton.default_config(1024, 64)
+    with jax.default_matmul_precision(ASKS["ieee"]):  # small tiles for the FMA dots
+        assert indexer_triton.config_for(q, k) == indexer_triton.IEEE_F32_CONFIG
+        assert indexer_triton.config_for(*bf16) == indexer_triton.default_config(1024, 64)
         assert not backward.kernels_take(F32, F32, 128)
 
 
