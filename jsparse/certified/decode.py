@@ -276,7 +276,7 @@ def _decode_triton_jit(
     b = q.shape[0]
     # The tiles of indexer_topk_batch's base: one query a block, keys never widened in
     # memory (each sequence's keys are its query's alone), so the answers agree id for id.
-    cfg = scorer_triton.batch_config(q.shape[1])
+    cfg = scorer_triton.batch_config_for(q, k)
     key_layout = batch.key_layout(k_cache, page_table)
     seeds = _seeds(wit, start, end, top_k, b * s_max)
     lists, listed = _block_lists(seeds, cfg.block_t)

@@ -155,8 +155,13 @@ def test_each_kernel_takes_its_f32_tiles_in_tf32x3_mode_only():
             <= f32_dots.SHARED_MEMORY
         )
         assert certified_triton._fit_screen_f32(screen, 256, 2, 4).tile_rows == 64
+        wide = jnp.zeros((8, 64, 256), F32), jnp.zeros((40, 256), F32)  # a decode batch
+        fitted = indexer_triton.batch_config_for(*wide)
+        assert fitted.block_t == 1 and fitted != indexer_triton.batch_config(64)
+        assert indexer_triton.f32_tensor_core_bytes(fitted, 64, 256) <= f32_dots.SHARED_MEMORY
     with jax.default_matmul_precision(ASKS["ieee"]):  # small tiles for the FMA dots
         assert indexer_triton.config_for(q, k) == indexer_triton.IEEE_F32_CONFIG
+        assert indexer_triton.batch_config_for(q[:8], k) == indexer_triton.IEEE_F32_CONFIG
         assert indexer_triton.config_for(*bf16) == indexer_triton.default_config(1024, 64)
         assert not backward.kernels_take(F32, F32, 128)
 

@@ -288,7 +288,7 @@ def _base_triton(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=
 
     s_max = s_max_of(k_cache, page_table)
     k, scale, start, end = flat_keys(k_cache, k_scale, lengths, s_max)
-    cfg = scorer.batch_config(q.shape[1])
+    cfg = scorer.batch_config_for(q, k)
     fp8_keys = k.dtype == jnp.float8_e4m3fn
     scores, *report = scorer._launch(
         q, weights, k, scale, start, end, cfg=cfg, report=methods.SCORER_WRITES_REPORT,

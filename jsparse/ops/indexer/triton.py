@@ -174,6 +174,19 @@ def batch_config(heads: int) -> ScorerConfig:
     return default_config(1, heads)
 
 
+def batch_config_for(q, k) -> ScorerConfig:
+    """:func:`batch_config` of a batch launch over queries ``q`` [B, H, D] and keys
+    ``k``, with f32 inputs' tiles as :func:`config_for` takes them (one query a block
+    in every case)."""
+    compute = compute_dtype(q.dtype, k.dtype)
+    if compute == jnp.float32 and not f32_dots.tensor_cores(compute):
+        return IEEE_F32_CONFIG
+    cfg = batch_config(q.shape[1])
+    if f32_dots.tensor_cores(compute):
+        return fit_f32_tensor_cores(cfg, q.shape[1], q.shape[2])
+    return cfg
+
+
 def widens_fp8_in_memory(num_queries: int) -> bool:
     """Whether a launch of this many queries over shared keys widens FP8 in memory (see
     ``WIDEN_FP8_IN_MEMORY_FROM``); the screening kernel of DoSA follows the same rule."""
