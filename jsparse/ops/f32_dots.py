@@ -28,10 +28,12 @@ interpret mode on a CPU runs both modes as IEEE dots (the CPU has no TF32).
 With f32 operands on the tensor cores Triton stages more in shared memory than the
 tiles sized for bf16 allow (every f32 kernel overflowed it on an H100, run 244): it
 splits each operand into TF32 hi and lo parts, and a dot's B operand sits in shared
-memory twice, at 4 bytes a value. So each kernel takes its own tiles in ``"tf32x3"``
-mode (:func:`tensor_cores` tells it), sized by :func:`fits` with the bytes each
-kernel's dots stage (measured in run 245); a shape that no tile fits raises
+memory twice, at 4 bytes a value. So each kernel takes tiles of its own in
+``"tf32x3"`` mode (:func:`tensor_cores` tells it), sized by a model of the bytes its dots
+stage (runs 244-246 measured them), and :func:`fits` refuses a shape no tile fits with
 ``NotImplementedError`` (``implementation=None`` then hands over to the jnp reference).
+IEEE dots keep their operands in registers and need small tiles of their own instead
+(the scorer's ``IEEE_F32_CONFIG``).
 """
 
 from __future__ import annotations

@@ -112,10 +112,9 @@ def config_for(q, k) -> ScorerConfig:
     :data:`IEEE_F32_CONFIG` for f32 inputs multiplied as IEEE f32."""
     t, h, d = q.shape
     compute = compute_dtype(q.dtype, k.dtype)
-    if compute == jnp.float32 and not f32_dots.tensor_cores(compute):
-        return IEEE_F32_CONFIG
-    on_tensor_cores = f32_dots.tensor_cores(compute)
-    return default_config(t, h, k.dtype == jnp.float8_e4m3fn, f32_dim=d if on_tensor_cores else 0)
+    if compute != jnp.float32:
+        return default_config(t, h, k.dtype == jnp.float8_e4m3fn)
+    return default_config(t, h, f32_dim=d) if f32_dots.tensor_cores(compute) else IEEE_F32_CONFIG
 
 
 def f32_tensor_core_bytes(cfg: ScorerConfig, heads: int, dim: int) -> int:
@@ -179,12 +178,12 @@ def batch_config_for(q, k) -> ScorerConfig:
     ``k``, with f32 inputs' tiles as :func:`config_for` takes them (one query a block
     in every case)."""
     compute = compute_dtype(q.dtype, k.dtype)
-    if compute == jnp.float32 and not f32_dots.tensor_cores(compute):
-        return IEEE_F32_CONFIG
     cfg = batch_config(q.shape[1])
+    if compute != jnp.float32:
+        return cfg
     if f32_dots.tensor_cores(compute):
         return fit_f32_tensor_cores(cfg, q.shape[1], q.shape[2])
-    return cfg
+    return IEEE_F32_CONFIG
 
 
 def widens_fp8_in_memory(num_queries: int) -> bool:
