@@ -121,8 +121,9 @@ def test_bad_arguments_are_named():
 @pytest.mark.gpu
 @pytest.mark.parametrize("selector", ["oracle", "jssa"])
 def test_gpu_full_budget_decode_compiled(selector):
-    """The same equality with the Triton kernels compiled (f32 caches: full-precision
-    dots); ``jssa`` selects from its kept FP8 projected cache with the Top-K kernels."""
+    """The same equality with the Triton kernels compiled (f32 caches: tf32x3 dots, see
+    jsparse.ops.f32_dots); ``jssa`` selects from its kept FP8 projected cache with the
+    Top-K kernels."""
     dense = _decode(_model(), TOKENS, steps=4)
     sel, params = _calibrated("jssa", rank=4) if selector == "jssa" else (selector, {})
     core = lambda i: jsparse.SparseAttention(sel, params, 48, implementation="triton")  # noqa: E731
