@@ -75,13 +75,11 @@ KERNELS = {
         ),
         ATTENTION,
     ),
-    "indexed_mla_attention": (
-        lambda q, c, i: mla_triton.indexed_mla_attention_triton(
-            q, c, i, None, latent_dim=64, scale=0.1
-        ),
-        MLA,
-    ),
 }
+
+
+def _mla(q, c, i):
+    return mla_triton.indexed_mla_attention_triton(q, c, i, None, latent_dim=64, scale=0.1)
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -92,6 +90,17 @@ def test_every_f32_kernel_lowers_in_both_modes_and_the_mode_reaches_it(name):
         with jax.default_matmul_precision(asked):
             texts[mode] = lower_for_h200(fn, *structs).as_text()
     assert texts["ieee"] != texts["tf32x3"]  # the dots' input precision differs
+
+
+def test_mla_multiplies_f32_as_ieee_in_either_mode():
+    texts = {}
+    for mode, asked in ASKS.items():
+        with jax.default_matmul_precision(asked):
+            texts[mode] = lower_for_h200(_mla, *MLA).as_text()
+            assert mla_triton._default_config(*(jnp.zeros(x.shape, x.dtype) for x in MLA[:2])) == (
+                mla_triton.f32_config(16)
+            )
+    assert texts["ieee"] == texts["tf32x3"]
 
 
 def test_the_certificate_budgets_for_tf32x3():
@@ -141,8 +150,6 @@ def test_each_kernel_takes_its_f32_tiles_in_tf32x3_mode_only():
         assert indexer_triton.config_for(*bf16) == indexer_triton.default_config(1024, 64)
         assert backward.kernels_take(F32, F32, 128) and not backward.kernels_take(F32, F32, 129)
         assert backward.kernels_take(jnp.bfloat16, jnp.bfloat16, 512)
-        mla = mla_triton._default_config(jnp.zeros((2, 128, 576), F32), jnp.zeros((2, 9, 576), F32))
-        assert (mla.block_n, mla.block_h) == (16, 16)
         cache = jnp.zeros((2, 9, 8, 128), F32)
         assert (
             attention_triton._default_config(jnp.zeros((2, 32, 128), F32), cache, cache).num_stages
@@ -228,6 +235,21 @@ def test_gpu_f32_scorer_and_dosa(mode):
         np.testing.assert_array_equal(np.asarray(res.scores), np.asarray(base.scores))
     assert not np.any(np.asarray(dosa.fallback))
     assert np.all(np.asarray(info.screened))  # the f32 screen ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(ASKS))
+def test_gpu_f32_mla_matches_the_reference(mode):
+    rng = np.random.default_rng(6)
+    b, h, s, n = 4, 128, 4096, 1024
+    q = jnp.asarray(rng.standard_normal((b, h, 576)), F32)
+    c = jnp.asarray(rng.standard_normal((b, s, 576)), F32)
+    idx = jnp.asarray(rng.integers(-1, s, (b, n)), I32)
+    with jax.default_matmul_precision("highest"):  # XLA's GPU default is one TF32 product
+        want = jsparse.indexed_mla_attention(q, c, idx, scale=192**-0.5, implementation="reference")
+    with jax.default_matmul_precision(ASKS[mode]), backend.interpret_mode(False):
+        got = jsparse.indexed_mla_attention(q, c, idx, scale=192**-0.5, implementation="triton")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

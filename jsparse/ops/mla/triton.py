@@ -34,7 +34,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
-from jsparse.ops import f32_dots
 from jsparse.ops.attention.triton import (
     MIN_GROUP_ROWS,
     accumulated,
@@ -103,17 +102,16 @@ def default_config(heads: int) -> MLAConfig:
     )  # fmt: skip
 
 
-def f32_tensor_core_config(heads: int, dim: int) -> MLAConfig:
-    """Tiles for f32 dots on the tensor cores (the ``"tf32x3"`` mode of
-    :mod:`jsparse.ops.f32_dots`). A cache tile's TF32 hi and lo parts [BN, D] sit in
-    shared memory: 2·BN·D·4 bytes, plus 512 (the compiler asked 295,424 at BN 64, D 576,
-    run 245). 16-entry steps and 16-head blocks at 2 stages were the fastest of four fits
-    there: 1.74 ms at 8 sequences × 8K, 128 heads, 2048 entries (others 1.77-2.42)."""
-    block_n = 16
-    f32_dots.fits("indexed_mla_attention", 8 * block_n * dim + 512, f"D {dim}")
+def f32_config(heads: int) -> MLAConfig:
+    """Tiles for f32 caches, whose dots are IEEE f32 in either mode of
+    :mod:`jsparse.ops.f32_dots`: at decode shapes IEEE on small tiles beat tf32x3, and is
+    exact. H100, 8 sequences × 8K, 128 heads, D 576, 2048 entries, wall ms (runs 245,
+    251): IEEE 32 entries × 16 heads, 1 stage 0.33 (16 × 16 or 16 × 32, 2 stages 0.35;
+    the default 64 × 32 2.78); tf32x3 at its best fit, 16 × 16, 1.74 (its default asked
+    295,424 bytes of shared memory for the tile's TF32 hi and lo parts)."""
     return MLAConfig(
-        block_n=block_n, block_h=min(next_pow2(heads, MIN_GROUP_ROWS), 16), num_warps=4,
-        num_stages=2,
+        block_n=32, block_h=min(next_pow2(heads, MIN_GROUP_ROWS), 16), num_warps=4,
+        num_stages=1,
     )  # fmt: skip
 
 
@@ -181,7 +179,8 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
         q_c, q_r = q[: len(q_c)], q[len(q_c) :]
         scale = scale * unshift[:, None]
     q_c, q_r = [x.astype(p.compute) for x in q_c], [x.astype(p.compute) for x in q_r]
-    precision = f32_dots.precision(p.compute)
+    # f32 caches: IEEE dots in either f32_dots mode (faster here than tf32x3, f32_config)
+    precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
 
     def step(j, carry):
         m, l, accs = carry
@@ -256,8 +255,8 @@ def indexed_mla_attention_triton(
 
 
 def _default_config(q, cache) -> MLAConfig:
-    if f32_dots.tensor_cores(widened_dtype(q, cache)):
-        return f32_tensor_core_config(q.shape[1], q.shape[2])
+    if widened_dtype(q, cache) == jnp.float32:
+        return f32_config(q.shape[1])
     return default_config(q.shape[1])
 
 
