@@ -29,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jsparse
+from jsparse.ops import f32_dots
 
 from . import common
 
@@ -200,8 +201,6 @@ def counts(case, inputs):
 
 
 def check_rtol(dtype: str) -> float:
-    from jsparse.ops import f32_dots
-
     tf32x3 = dtype == "f32" and f32_dots.mode() == "tf32x3"
     return CHECK_RTOL_TF32X3 if tf32x3 else CHECK_RTOL[dtype]
 

@@ -99,20 +99,19 @@ def screen_f32_tensor_core_bytes(cfg: ScreenConfig, dim: int, block_t: int, widt
 def _fit_screen_f32(cfg: ScreenConfig, dim: int, block_t: int, width: int) -> ScreenConfig:
     """``cfg`` shrunk until its f32 tensor-core tiles fit: fewer stages, then fewer rows,
     then fewer keys a tile (the scorer's order)."""
-    fitted, stages = cfg, cfg.num_stages
-    while (
-        need := screen_f32_tensor_core_bytes(fitted, dim, block_t, width)
-    ) > f32_dots.SHARED_MEMORY:
-        if fitted.num_stages > 1:
-            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
-        elif fitted.tile_rows > 16 and fitted.tile_rows // width > block_t:
-            fitted = dataclasses.replace(fitted, tile_rows=fitted.tile_rows // 2, num_stages=stages)
-        elif fitted.block_s > 16:
-            fitted = dataclasses.replace(fitted, block_s=fitted.block_s // 2, num_stages=stages)
-        else:
-            where = f"D {dim}, width {width}, block {block_t} in the smallest tile"
-            f32_dots.fits("dosa screening", need, where)
-    return fitted
+
+    def halvable(c):
+        if c.tile_rows > 16 and c.tile_rows // width > block_t:
+            return "tile_rows"
+        return "block_s" if c.block_s > 16 else None
+
+    return f32_dots.shrink_to_fit(
+        cfg,
+        lambda c: screen_f32_tensor_core_bytes(c, dim, block_t, width),
+        halvable,
+        "dosa screening",
+        f"D {dim}, width {width}, block {block_t}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

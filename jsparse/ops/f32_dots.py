@@ -41,6 +41,9 @@ IEEE dots keep their operands in registers and need small tiles of their own ins
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -104,6 +107,24 @@ def fits(kernel: str, shared_bytes: int, what: str) -> None:
             f"{shared_bytes} bytes of shared memory at {what}, more than {SHARED_MEMORY}; "
             "ask for 'highest' (IEEE dots) or use implementation='reference'"
         )
+
+
+def shrink_to_fit(cfg, shared_bytes: Callable, halvable: Callable, kernel: str, what: str):
+    """``cfg`` (a kernel's frozen tile dataclass, with ``num_stages``) shrunk until
+    ``shared_bytes(cfg)`` fits :data:`SHARED_MEMORY`: one pipeline stage fewer at a time,
+    then, with the stages restored, the field that ``halvable(cfg)`` names halved; when it
+    names none (None), :func:`fits` refuses the shape (``what``)."""
+    fitted = cfg
+    while (need := shared_bytes(fitted)) > SHARED_MEMORY:
+        if fitted.num_stages > 1:
+            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+            continue
+        field = halvable(fitted)
+        if field is None:
+            fits(kernel, need, f"{what} in the smallest tile")
+        halved = {field: getattr(fitted, field) // 2, "num_stages": cfg.num_stages}
+        fitted = dataclasses.replace(fitted, **halved)
+    return fitted
 
 
 def extra_relative_error() -> float:

@@ -129,7 +129,8 @@ def test_the_scorer_tile_model_gives_the_compilers_bytes_and_its_fits():
         indexer_triton.f32_tensor_core_bytes(indexer_triton.ScorerConfig(4, 64, 4, 3), 64, 128)
         == 360_448
     )
-    fitted = {t: indexer_triton.default_config(t, 64, f32_dim=128) for t in (1, 8, 1024)}
+    fit = indexer_triton.fit_f32_tensor_cores
+    fitted = {t: fit(indexer_triton.default_config(t, 64), 64, 128) for t in (1, 8, 1024)}
     # the fastest fits run 245 timed at 8 × 64K and 1024 × 32K; one query fits as it is
     assert fitted[8] == indexer_triton.ScorerConfig(2, 64, 4, 3)
     assert fitted[1024] == indexer_triton.ScorerConfig(2, 128, 8, 1)
@@ -137,7 +138,7 @@ def test_the_scorer_tile_model_gives_the_compilers_bytes_and_its_fits():
     for cfg in fitted.values():
         assert indexer_triton.f32_tensor_core_bytes(cfg, 64, 128) <= f32_dots.SHARED_MEMORY
     # wider rows shrink further, and still fit
-    wide = indexer_triton.default_config(1024, 64, f32_dim=256)
+    wide = fit(indexer_triton.default_config(1024, 64), 64, 256)
     assert wide == indexer_triton.ScorerConfig(1, 64, 8, 1)
     assert indexer_triton.f32_tensor_core_bytes(wide, 64, 256) <= f32_dots.SHARED_MEMORY
 

@@ -114,12 +114,14 @@ def f32_tensor_core_config(dim: int, vdim: int) -> AttentionConfig:
     and [BN, Dv] at 4 bytes a value, must fit shared memory (a model: the default tiles
     fit at D 128, so no compiler count calibrates it). One stage: 0.100 ms against 0.141
     at two (run 245, H100, 8 sequences × 32K, 32 / 8 heads, D 128, 2048 entries)."""
-    block_n, width = 64, next_pow2(dim, 16) + next_pow2(vdim, 16)
-    while (need := 8 * block_n * width) > f32_dots.SHARED_MEMORY:
-        if block_n == 16:
-            f32_dots.fits("indexed_attention", need, f"D {dim}, Dv {vdim} in the smallest tile")
-        block_n //= 2
-    return AttentionConfig(block_n=block_n, num_warps=4, num_stages=1)
+    width = next_pow2(dim, 16) + next_pow2(vdim, 16)
+    return f32_dots.shrink_to_fit(
+        AttentionConfig(block_n=64, num_warps=4, num_stages=1),
+        lambda c: 8 * c.block_n * width,
+        lambda c: "block_n" if c.block_n > 16 else None,
+        "indexed_attention",
+        f"D {dim}, Dv {vdim}",
+    )
 
 
 def default_splits(pairs: int, steps: int) -> int:

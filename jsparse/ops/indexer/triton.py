@@ -78,9 +78,7 @@ class ScorerConfig:
             raise ValueError(f"ScorerConfig.num_stages must be ≥ 1, got {self.num_stages}")
 
 
-def default_config(
-    num_queries: int, heads: int, fp8_keys: bool = False, *, f32_dim: int = 0
-) -> ScorerConfig:
+def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> ScorerConfig:
     """Tiles measured best on an H200 (WORKSPACE.md, runs 1-3, 45, 66 and 72, H=64, D=128).
 
     Queries share each key tile (N = block_t·H of the dot). From 16 queries: two for
@@ -89,14 +87,22 @@ def default_config(
     config for both dtypes, below. The tiles follow the query count alone, not whether
     a launch actually widens (see :func:`_widen_in_memory`), so that every launch over
     the same queries, whatever its keys, runs one config: one config is what keeps
-    methods identical id for id.
-
-    ``f32_dim``: D of f32 operands that the dots multiply on the tensor cores (the
-    ``"tf32x3"`` mode of :mod:`jsparse.ops.f32_dots`), 0 otherwise: those tiles shrink
-    until they fit shared memory (:func:`fit_f32_tensor_cores`).
+    methods identical id for id. f32 inputs take tiles of their own: :func:`config_for`.
     """
-    cfg = _bf16_and_fp8_config(num_queries, heads, fp8_keys)
-    return fit_f32_tensor_cores(cfg, heads, f32_dim) if f32_dim else cfg
+    if heads >= 128:
+        return ScorerConfig(block_t=1)
+    in_registers = fp8_keys and not widens_fp8_in_memory(num_queries)
+    if num_queries < 16 and (in_registers or not fp8_keys):
+        # Decode: 64-key tiles, 4 warps, 3 stages, with keys streamed from HBM (run 72,
+        # inputs rotated; µs, 64K / 128K): 8 queries bf16 (bt 2) 23.0 / 43.0 → 21.0 /
+        # 37.6, fp8 (bt 4, 128-key tiles) 22.3 / 43.5 → 21.8 / 39.4. One query runs a
+        # block of one (runs 104-105: bf16 8.3 / 12.7 at a block of two with one masked
+        # → 7.6 / 11.8, fp8 7.0 / 11.8 → 5.5 / 9.5, the same scores); 2-3 a block of two.
+        block_t = 1 if num_queries == 1 else 2 if num_queries < 4 else 4
+        return ScorerConfig(block_t=block_t, block_s=64, num_warps=4, num_stages=3)
+    if in_registers:
+        return ScorerConfig(block_t=4)
+    return ScorerConfig(block_t=2)
 
 
 # f32 operands multiplied as IEEE f32 (jax.default_matmul_precision "highest"): Triton's
@@ -108,13 +114,21 @@ IEEE_F32_CONFIG = ScorerConfig(block_t=1, block_s=16, num_warps=4, num_stages=2)
 
 
 def config_for(q, k) -> ScorerConfig:
-    """:func:`default_config` of a launch over queries ``q`` [T, H, D] and keys ``k``;
-    :data:`IEEE_F32_CONFIG` for f32 inputs multiplied as IEEE f32."""
+    """:func:`default_config` of a launch over queries ``q`` [T, H, D] and keys ``k``,
+    f32 inputs' tiles from it as :func:`_f32_tiles` takes them."""
     t, h, d = q.shape
-    compute = compute_dtype(q.dtype, k.dtype)
-    if compute != jnp.float32:
+    if compute_dtype(q.dtype, k.dtype) != jnp.float32:
         return default_config(t, h, k.dtype == jnp.float8_e4m3fn)
-    return default_config(t, h, f32_dim=d) if f32_dots.tensor_cores(compute) else IEEE_F32_CONFIG
+    return _f32_tiles(default_config(t, h), h, d)
+
+
+def _f32_tiles(cfg: ScorerConfig, heads: int, dim: int) -> ScorerConfig:
+    """The tiles of an f32 launch whose bf16 tiles are ``cfg``: shrunk to fit shared
+    memory for tensor-core dots (:func:`fit_f32_tensor_cores`), :data:`IEEE_F32_CONFIG`
+    for IEEE ones."""
+    if f32_dots.tensor_cores(jnp.float32):
+        return fit_f32_tensor_cores(cfg, heads, dim)
+    return IEEE_F32_CONFIG
 
 
 def f32_tensor_core_bytes(cfg: ScorerConfig, heads: int, dim: int) -> int:
@@ -133,34 +147,13 @@ def fit_f32_tensor_cores(cfg: ScorerConfig, heads: int, dim: int) -> ScorerConfi
     (H100, H 64, D 128), the first this finds was the fastest at both shapes: 1024 × 32K
     causal BT 2, BS 128, 1 stage 7.3 ms (six others 9.1-25); 8 × 64K BT 2, BS 64, 3
     stages 0.33 ms (five others 0.38-0.63)."""
-    fitted, stages = cfg, cfg.num_stages
-    while (need := f32_tensor_core_bytes(fitted, heads, dim)) > f32_dots.SHARED_MEMORY:
-        if fitted.num_stages > 1:
-            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
-        elif fitted.block_t > 1:
-            fitted = dataclasses.replace(fitted, block_t=fitted.block_t // 2, num_stages=stages)
-        elif fitted.block_s > 16:
-            fitted = dataclasses.replace(fitted, block_s=fitted.block_s // 2, num_stages=stages)
-        else:
-            f32_dots.fits("indexer scorer", need, f"H {heads}, D {dim} in the smallest tile")
-    return fitted
-
-
-def _bf16_and_fp8_config(num_queries: int, heads: int, fp8_keys: bool) -> ScorerConfig:
-    if heads >= 128:
-        return ScorerConfig(block_t=1)
-    in_registers = fp8_keys and not widens_fp8_in_memory(num_queries)
-    if num_queries < 16 and (in_registers or not fp8_keys):
-        # Decode: 64-key tiles, 4 warps, 3 stages, with keys streamed from HBM (run 72,
-        # inputs rotated; µs, 64K / 128K): 8 queries bf16 (bt 2) 23.0 / 43.0 → 21.0 /
-        # 37.6, fp8 (bt 4, 128-key tiles) 22.3 / 43.5 → 21.8 / 39.4. One query runs a
-        # block of one (runs 104-105: bf16 8.3 / 12.7 at a block of two with one masked
-        # → 7.6 / 11.8, fp8 7.0 / 11.8 → 5.5 / 9.5, the same scores); 2-3 a block of two.
-        block_t = 1 if num_queries == 1 else 2 if num_queries < 4 else 4
-        return ScorerConfig(block_t=block_t, block_s=64, num_warps=4, num_stages=3)
-    if in_registers:
-        return ScorerConfig(block_t=4)
-    return ScorerConfig(block_t=2)
+    return f32_dots.shrink_to_fit(
+        cfg,
+        lambda c: f32_tensor_core_bytes(c, heads, dim),
+        lambda c: "block_t" if c.block_t > 1 else "block_s" if c.block_s > 16 else None,
+        "indexer scorer",
+        f"H {heads}, D {dim}",
+    )
 
 
 def batch_config(heads: int) -> ScorerConfig:
@@ -175,15 +168,12 @@ def batch_config(heads: int) -> ScorerConfig:
 
 def batch_config_for(q, k) -> ScorerConfig:
     """:func:`batch_config` of a batch launch over queries ``q`` [B, H, D] and keys
-    ``k``, with f32 inputs' tiles as :func:`config_for` takes them (one query a block
-    in every case)."""
-    compute = compute_dtype(q.dtype, k.dtype)
+    ``k``, f32 inputs' tiles from it as :func:`_f32_tiles` takes them (one query a
+    block in every case)."""
     cfg = batch_config(q.shape[1])
-    if compute != jnp.float32:
+    if compute_dtype(q.dtype, k.dtype) != jnp.float32:
         return cfg
-    if f32_dots.tensor_cores(compute):
-        return fit_f32_tensor_cores(cfg, q.shape[1], q.shape[2])
-    return IEEE_F32_CONFIG
+    return _f32_tiles(cfg, q.shape[1], q.shape[2])
 
 
 def widens_fp8_in_memory(num_queries: int) -> bool:
