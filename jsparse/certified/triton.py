@@ -77,14 +77,28 @@ class ScreenConfig:
     tile_rows: int = 128  # screening rows per program (N of the dot): BQ·W
     num_warps: int = 4
     num_stages: int = 3
+    # Contraction width of each dot (0: all of D), as ScorerConfig.dim_chunk: IEEE f32
+    # (FMA) dots hold their operands whole along the contraction in registers.
+    dim_chunk: int = 0
 
     def __post_init__(self):
+        if self.dim_chunk and (self.dim_chunk < 16 or self.dim_chunk & (self.dim_chunk - 1)):
+            raise ValueError(
+                f"ScreenConfig.dim_chunk must be 0 or a power of two ≥ 16, got {self.dim_chunk}"
+            )
         for name in ("block_s", "tile_rows", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"ScreenConfig.{name} must be a power of two, got {value}")
         if self.block_s < 16 or self.tile_rows < 16:
             raise ValueError(f"ScreenConfig: block_s and tile_rows must be ≥ 16, got {self}")
+
+
+# IEEE f32 screening rows (jax.default_matmul_precision "highest"): FMA dots on the
+# contraction in slices, as the scorer's IEEE_F32_CONFIG.
+IEEE_F32_SCREEN_CONFIG = ScreenConfig(
+    block_s=64, tile_rows=128, num_warps=4, num_stages=2, dim_chunk=16
+)
 
 
 def screen_f32_tensor_core_bytes(cfg: ScreenConfig, dim: int, block_t: int, width: int):
@@ -154,18 +168,21 @@ def _screen_kernel(
     ecoef = plt.load(ecoef_ref.at[q_safe], mask=q_in, other=0.0)
     cabs = plt.load(cabs_ref.at[q_safe], mask=q_in, other=0.0)
     wi = jnp.arange(w, dtype=jnp.int32)
-    dims = jnp.arange(p.dim, dtype=jnp.int32)
+    chunk = min(p.cfg.dim_chunk or p.dim, p.dim)
+    slices = [jnp.arange(c, c + chunk, dtype=jnp.int32) for c in range(0, p.dim, chunk)]
     # Rows row-major by width slot: column w·BQ + q of the logits. In the MMA's
     # accumulator layout a query's W columns (BQ apart) then sit in one thread, so the
     # sums over W are register adds; query-major columns (q·W + w) spread each query
     # over a quad of lanes, two shuffle rounds a sum (WORKSPACE.md, run 199: the kernel
     # 11.7 → 6.3 ms at 8192 × 128K).
-    rows = plt.load(
-        rows_ref.at[q_safe[None, :, None], wi[:, None, None], dims[None, None, :]],
-        mask=q_ok[None, :, None],
-        other=0,
-    )  # [W, BQ, D]
-    rows2 = rows.reshape(w * bq, p.dim)
+    rows2 = [
+        plt.load(
+            rows_ref.at[q_safe[None, :, None], wi[:, None, None], dims[None, None, :]],
+            mask=q_ok[None, :, None],
+            other=0,
+        ).reshape(w * bq, chunk)
+        for dims in slices
+    ]  # [W·BQ, D] in slices along D
     omega = plt.load(omega_ref.at[q_safe[None, :], wi[:, None]], mask=q_ok[None, :], other=0.0)
     # A cast, not where(p, 1.0, 0.0): Pallas Triton lowers a select between two Python
     # literals as an i1 select (see the path flags in jsparse/ops/topk/triton.py).
@@ -184,15 +201,18 @@ def _screen_kernel(
         ids = j * bs + jnp.arange(bs, dtype=jnp.int32)
         ok = ids < p.s
         safe = jnp.where(ok, ids, 0)
-        # Unmasked gather at safe ids (a masked fp8 load with a fill value does not lower);
-        # lanes past S are dropped by `visible` below.
-        k_tile = plt.load(k_ref.at[safe[:, None], dims[None, :]])
         knorm = plt.load(knorm_ref.at[safe], mask=ok, other=0.0)
         scale = plt.load(scale_ref.at[safe], mask=ok, other=1.0)
-        logits = jax.lax.dot_general(
-            k_tile.astype(rows2.dtype), rows2, (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32, precision=precision,
-        )  # fmt: skip
+        logits = None
+        for dims, rows_part in zip(slices, rows2, strict=True):
+            # Unmasked gather at safe ids (a masked fp8 load with a fill value does not
+            # lower); lanes past S are dropped by `visible` below.
+            k_tile = plt.load(k_ref.at[safe[:, None], dims[None, :]])
+            dot = jax.lax.dot_general(
+                k_tile.astype(rows_part.dtype), rows_part, (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32, precision=precision,
+            )  # fmt: skip
+            logits = dot if logits is None else logits + dot
         l3 = logits.reshape(bs, w, bq)
         kept = jnp.sum(jnp.where(l3 < 0, 0.0, l3) * omega[None, :, :], axis=1)  # [BS, BQ]
         aux = jnp.sum(l3 * aux_mask[None, :, None], axis=1)
@@ -382,7 +402,9 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
     in unused slots; counts [n_blocks] (may exceed cap: overflow); survivors [T] (keys
     each query's own bound kept)).
     """
-    cfg = cfg or ScreenConfig()
+    if cfg is None:
+        ieee_f32 = plan.rows.dtype == jnp.float32 and not f32_dots.tensor_cores(jnp.float32)
+        cfg = IEEE_F32_SCREEN_CONFIG if ieee_f32 else ScreenConfig()
     t, _, d = plan.rows.shape
     s = k.shape[0]
     if k.dtype == jnp.float8_e4m3fn and _screen_widens_in_memory(t):
@@ -643,7 +665,8 @@ def certified_topk_triton(
     :func:`default_list_capacity`); ``record_capacity`` records per query (default as
     ``full``); ``refine_block`` queries per scorer block for every scoring launch of the
     call (default the scorer's heuristic, the one ``base`` uses: answers are identical
-    to ``base`` run with the same block); ``screen_cfg`` :class:`ScreenConfig`;
+    to ``base`` run with the same block); ``screen_cfg`` :class:`ScreenConfig` (None:
+    the default, :data:`IEEE_F32_SCREEN_CONFIG` for IEEE f32 rows);
     ``splits`` programs per screening tile along the keys; ``sort`` False returns each
     row's exact Top-K set without the final ordering (as ``base``).
     """
@@ -662,6 +685,6 @@ def certified_topk_triton(
         n_seeds=n_seeds,
         list_capacity=list_capacity or default_list_capacity(top_k, s),
         record_capacity=record_capacity or methods.default_record_capacity(top_k, s, n_used),
-        cfg=cfg, screen_cfg=screen_cfg or ScreenConfig(), splits=splits, sort=sort,
+        cfg=cfg, screen_cfg=screen_cfg, splits=splits, sort=sort,
     )  # fmt: skip
     return result, info.replace(plan=info.plan.replace(variant=variant))

@@ -5,6 +5,8 @@ name; on a GPU, the f32 scorer errs within the certificate's model in both modes
 equals full scoring, and tf32x3 gradients come from the kernels. (Pallas interpret mode
 has no TF32 and runs both modes as IEEE dots.)"""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,6 +174,68 @@ def test_each_kernel_takes_its_f32_tiles_in_tf32x3_mode_only():
         assert indexer_triton.batch_config_for(q[:8], k) == indexer_triton.IEEE_F32_CONFIG
         assert indexer_triton.config_for(*bf16) == indexer_triton.default_config(1024, 64)
         assert not backward.kernels_take(F32, F32, 128)
+
+
+@pytest.mark.parametrize("d", [8, 40, 128])
+def test_a_split_contraction_scores_as_one_dot(d):
+    # IEEE tiles multiply D in slices of 16 into one accumulator (run 253): the same scores
+    # as one dot within f32 rounding, and still one scorer, so base and full agree id for id
+    rng = np.random.default_rng(d)
+    t, h, s = 5, 8, 300
+    q = jnp.asarray(rng.standard_normal((t, h, d)), F32)
+    w = jnp.asarray(rng.standard_normal((t, h)), F32)
+    k = jnp.asarray(rng.standard_normal((s, d)), F32)
+    start, end = jnp.asarray([0, 0, 7, 100, 0], I32), jnp.asarray([300, 1, 300, 233, 0], I32)
+    split = indexer_triton.IEEE_F32_CONFIG
+    assert split.dim_chunk == 16
+    whole = dataclasses.replace(split, dim_chunk=0)
+    with running("triton"), jax.default_matmul_precision(ASKS["ieee"]):
+        got = {
+            c.dim_chunk: np.asarray(
+                indexer_triton.indexer_scores_triton(q, w, k, None, start, end, cfg=c)
+            )
+            for c in (split, whole)
+        }
+        base, full = (
+            jsparse.indexer_topk(q, w, k, kv_start=start, kv_end=end, top_k=64, method=m,
+                                 implementation="triton")
+            for m in ("base", "full")
+        )  # fmt: skip
+    np.testing.assert_array_equal(np.isfinite(got[16]), np.isfinite(got[0]))
+    seen = np.isfinite(got[0])
+    bound = np.abs(np.asarray(w)).sum(1)[:, None] * np.linalg.norm(q, axis=2).max(1)[:, None]
+    bound = bound * np.linalg.norm(k, axis=1)[None, :]
+    assert np.all(np.abs(np.where(seen, got[16] - got[0], 0)) <= 2 * planner.gamma(d + 2) * bound)
+    np.testing.assert_array_equal(np.asarray(full.indices), np.asarray(base.indices))
+    np.testing.assert_array_equal(np.asarray(full.scores), np.asarray(base.scores))
+
+
+def test_dosa_screens_ieee_f32_on_a_split_contraction():
+    from jsparse.certified import dosa_topk, workloads
+
+    data = workloads.make("low_survival", num_queries=24, num_keys=1500, causal=True, seed=3)
+    x = dict(
+        q=data.q.astype(F32), weights=data.weights, k=data.k.astype(F32), k_scale=data.k_scale,
+        kv_start=data.kv_start, kv_end=data.kv_end,
+    )  # fmt: skip
+    assert certified_triton.IEEE_F32_SCREEN_CONFIG.dim_chunk == 16
+    with running("triton"), jax.default_matmul_precision(ASKS["ieee"]):
+        base = jsparse.indexer_topk(**x, top_k=100, method="base", implementation="triton")
+        dosa, info = dosa_topk(
+            **x, top_k=100, policy="always", implementation="triton", return_info=True
+        )
+    np.testing.assert_array_equal(np.asarray(dosa.indices), np.asarray(base.indices))
+    assert np.all(np.asarray(info.screened)) and not np.any(np.asarray(dosa.fallback))
+    assert np.mean(np.asarray(info.list_length)) < 0.5 * 1500  # the bound pruned
+
+
+@pytest.mark.parametrize("chunk", [8, 24])
+def test_a_bad_contraction_slice_is_refused_by_name(chunk):
+    message = f"dim_chunk must be 0 or a power of two ≥ 16, got {chunk}"
+    with pytest.raises(ValueError, match=f"ScorerConfig.{message}"):
+        indexer_triton.ScorerConfig(dim_chunk=chunk)
+    with pytest.raises(ValueError, match=f"ScreenConfig.{message}"):
+        certified_triton.ScreenConfig(dim_chunk=chunk)
 
 
 def test_a_shape_no_tile_fits_is_refused_by_name():

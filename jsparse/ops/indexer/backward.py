@@ -23,7 +23,7 @@ FP8 once in memory before the launches; f32 accumulation). The second dot of eac
 takes the gated cotangent a·m (times w for dk) rounded to bf16, as flash-attention
 backwards do; so a gradient differs from the reference's f32 one by ~2^-9 of its
 terms' size (bf16 and FP8 inputs). For f32 inputs every operand stays f32, multiplied
-as :mod:`jsparse.ops.f32_dots` says (IEEE by default). Where a logit is within rounding
+as :mod:`jsparse.ops.f32_dots` says (tf32x3 by default). Where a logit is within rounding
 of 0 the ReLU's gate, and so a whole term, can differ between any two arithmetics:
 compare gradients by norm, not entry by entry.
 """

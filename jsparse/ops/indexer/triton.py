@@ -66,6 +66,11 @@ class ScorerConfig:
     # (Hopper's FP8 MMA accumulates with fewer bits) and measured faster in this kernel
     # (WORKSPACE.md, 2026-11-29). f16, not bf16: e4m3 → f16 is one instruction on sm_90.
     fp8_dot: bool = False
+    # Contraction width of each dot (0: all of D in one dot). The key tile is loaded and
+    # multiplied in D / dim_chunk slices into one accumulator, in order, so the scores
+    # are those of one dot; what changes is what a dot holds. Triton's IEEE f32 (FMA)
+    # dot keeps each thread's operand rows whole along the contraction in registers.
+    dim_chunk: int = 0
 
     def __post_init__(self):
         for name in ("block_t", "block_s", "num_warps"):
@@ -76,6 +81,10 @@ class ScorerConfig:
             raise ValueError(f"ScorerConfig.block_s must be ≥ 16, got {self.block_s}")
         if self.num_stages < 1:
             raise ValueError(f"ScorerConfig.num_stages must be ≥ 1, got {self.num_stages}")
+        if self.dim_chunk and (self.dim_chunk < 16 or self.dim_chunk & (self.dim_chunk - 1)):
+            raise ValueError(
+                f"ScorerConfig.dim_chunk must be 0 or a power of two ≥ 16, got {self.dim_chunk}"
+            )
 
 
 def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> ScorerConfig:
@@ -106,11 +115,13 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
 
 
 # f32 operands multiplied as IEEE f32 (jax.default_matmul_precision "highest"): Triton's
-# FMA dot slows far more than in proportion to the tile. H100, H 64, D 128 (runs 247-248,
-# ms): 8 × 64K 15.2 at the decode tiles (4, 64, 4 warps, 3 stages), 1.83 here; 1024 × 32K
-# causal 790 at the prefill tiles (2, 128, 8, 2), 78 here (4.7-6.9 TFLOP/s; XLA's IEEE
-# einsum 29 ms). The best of ten tiles at 8 × 64K and five at 1024 × 32K.
-IEEE_F32_CONFIG = ScorerConfig(block_t=1, block_s=16, num_warps=4, num_stages=2)
+# FMA dot holds each thread's operands whole along the contraction in registers, so it
+# slows far more than in proportion to the tile unless the contraction is split
+# (dim_chunk). H100, H 64, D 128, ms (runs 248, 253; XLA's IEEE einsum 0.70 / 27.0):
+# 8 × 64K 15.2 at the decode tiles (4, 64, 4 warps, 3 stages), 1.49 at one query × 16
+# keys, 0.86 here; 1024 × 32K causal 790 at the prefill tiles, 78.3 at one query × 16
+# keys, 41.5 here (13 TFLOP/s). Within 3% of the best of 13 / 10 chunked tiles at each.
+IEEE_F32_CONFIG = ScorerConfig(block_t=2, block_s=128, num_warps=8, num_stages=2, dim_chunk=16)
 
 
 def config_for(q, k) -> ScorerConfig:
@@ -229,12 +240,19 @@ def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
 
     q2: [BT·H, D] compute dtype; w: [BT, H] f32; k_tile: [BS, D] compute dtype;
     scale: [BS] f32, or None for unscaled keys (the same scores as a scale of 1).
+    q2 and k_tile may also be equal-length tuples of slices along D
+    (``ScorerConfig.dim_chunk``), multiplied in order into one accumulator.
     """
-    precision = f32_dots.precision(q2.dtype)
-    logits = jax.lax.dot_general(
-        k_tile, q2, (((1,), (1,)), ((), ())),
-        preferred_element_type=jnp.float32, precision=precision,
-    )  # fmt: skip
+    q_parts = q2 if isinstance(q2, tuple) else (q2,)
+    k_parts = k_tile if isinstance(k_tile, tuple) else (k_tile,)
+    precision = f32_dots.precision(q_parts[0].dtype)
+    logits = None
+    for q_part, k_part in zip(q_parts, k_parts, strict=True):
+        dot = jax.lax.dot_general(
+            k_part, q_part, (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32, precision=precision,
+        )  # fmt: skip
+        logits = dot if logits is None else logits + dot
     # [BS, BT·H]; relu as where(x < 0) so NaN propagates (jnp.maximum drops it on GPU).
     relu = jnp.where(logits < 0, 0.0, logits)
     if block_t == 1:
@@ -243,7 +261,7 @@ def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
         # time (WORKSPACE.md, runs 104-105).
         scores = jnp.sum(relu * w, axis=1)
         return (scores if scale is None else scores * scale)[None, :]
-    block_s = k_tile.shape[0]
+    block_s = k_parts[0].shape[0]
     weighted = relu.reshape(block_s, block_t, heads) * w[None, :, :]
     scores = jnp.sum(weighted, axis=2)  # [BS, BT]
     if scale is not None:
@@ -332,10 +350,15 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     start = jnp.clip(jnp.where(row_ok, plt.load(start_ref.at[row_safe]), p.s), 0, p.s)
     end = jnp.clip(jnp.where(row_ok, plt.load(end_ref.at[row_safe]), 0), start, p.s)
     zero = jnp.zeros((), q_ref.dtype)  # a typed `other`: Triton cannot cast i32 to fp8
-    q = plt.load(q_ref.at[pl.ds(i * bt, bt), :, :], mask=row_ok[:, None, None], other=zero)
-    q2 = q.astype(p.compute).reshape(bt * p.heads, p.dim)
+    chunk = min(p.cfg.dim_chunk or p.dim, p.dim)
+    # The dot's contraction in slices of `chunk` (one slice unless cfg.dim_chunk asks).
+    slices = [(c, jnp.arange(c, c + chunk, dtype=jnp.int32)) for c in range(0, p.dim, chunk)]
+    q2 = tuple(
+        plt.load(q_ref.at[pl.ds(i * bt, bt), :, pl.ds(c, chunk)], mask=row_ok[:, None, None],
+                 other=zero).astype(p.compute).reshape(bt * p.heads, chunk)
+        for c, _ in slices
+    )  # fmt: skip
     w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
-    dims = jnp.arange(p.dim, dtype=jnp.int32)
 
     def tile_pages(ids, ok):
         # Paged cache: the page table maps the id's page to a physical page (-1: none).
@@ -352,13 +375,16 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             row = jnp.where(ok, page * p.page_size + safe % p.page_size, 0)
         else:
             row = safe
-        k_tile = plt.load(
-            k_ref.at[row[:, None], dims[None, :]],
-            mask=ok[:, None],
-            other=jnp.zeros((), k_ref.dtype),
+        k_tile = tuple(
+            plt.load(
+                k_ref.at[row[:, None], dims[None, :]],
+                mask=ok[:, None],
+                other=jnp.zeros((), k_ref.dtype),
+            ).astype(p.compute)
+            for _, dims in slices
         )
         scale = plt.load(scale_ref.at[row], mask=ok, other=0.0) if p.has_scale else None
-        scores = _score_tile(q2, w, k_tile.astype(p.compute), scale, block_t=bt, heads=p.heads)
+        scores = _score_tile(q2, w, k_tile, scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
         return scores, visible
 
