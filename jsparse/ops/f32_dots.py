@@ -13,10 +13,13 @@ modes:
   baseline at 1024 × 32K causal; the scores' derivative within 2.3e-4 (relative
   Frobenius) of a float64 one at T = S = 4096 causal, H 64, D 128.
 * ``"ieee"``: ``Precision.HIGHEST``. Pallas Triton lowers it to IEEE dots on the FMA
-  units: exact f32 products, but slow. On an H100 at H 64, D 128 the scorer, on small
-  tiles of its own, took 78 ms at 1024 × 32K causal against XLA's IEEE einsum's 29
-  (run 248), and the indexer's backward 657 ms against XLA's 39 (T = S = 4096, run
-  240), so f32 gradients then take the reference's derivative.
+  units: exact f32 products, but slow, and an FMA dot holds each thread's operands whole
+  along the contraction in registers, so the scorer and DoSA's screen multiply D in
+  slices of 16 (``dim_chunk``) on tiles of their own. On an H100 at H 64, D 128: the
+  scorer 41.5 ms at 1024 × 32K causal against XLA's IEEE einsum's 27.0 (run 253; 78 ms
+  with D whole), DoSA 17 ms on a workload its bound prunes (run 255); the indexer's
+  backward took 657 ms against XLA's 39 (T = S = 4096, run 240), so IEEE f32 gradients
+  take the reference's derivative.
 
 The mode follows JAX's own setting, ``jax.default_matmul_precision``, so that it is part
 of every trace and compiled kernel keyed on it: ``"highest"``, ``"float32"`` or
@@ -35,8 +38,8 @@ memory twice, at 4 bytes a value. So each kernel takes tiles of its own in
 ``"tf32x3"`` mode (:func:`tensor_cores` tells it), sized by a model of the bytes its dots
 stage (runs 244-246 measured them), and :func:`fits` refuses a shape no tile fits with
 ``NotImplementedError`` (``implementation=None`` then hands over to the jnp reference).
-IEEE dots keep their operands in registers and need small tiles of their own instead
-(the scorer's ``IEEE_F32_CONFIG``).
+IEEE dots keep their operands in registers and take tiles of their own instead (the
+scorer's ``IEEE_F32_CONFIG``, the screen's ``IEEE_F32_SCREEN_CONFIG``).
 """
 
 from __future__ import annotations
