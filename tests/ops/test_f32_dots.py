@@ -171,7 +171,12 @@ def test_each_kernel_takes_its_f32_tiles_in_tf32x3_mode_only():
         assert indexer_triton.f32_tensor_core_bytes(fitted, 64, 256) <= f32_dots.SHARED_MEMORY
     with jax.default_matmul_precision(ASKS["ieee"]):  # small tiles for the FMA dots
         assert indexer_triton.config_for(q, k) == indexer_triton.IEEE_F32_CONFIG
-        assert indexer_triton.batch_config_for(q[:8], k) == indexer_triton.IEEE_F32_CONFIG
+        # one query a block wherever the bf16 tiles have one: a batch's sequences and a
+        # lone decode query take the same tiles, so they score alike
+        one = indexer_triton.IEEE_F32_ONE_QUERY_CONFIG
+        assert one.block_t == 1
+        assert indexer_triton.batch_config_for(q[:8], k) == one
+        assert indexer_triton.config_for(q[:1], k) == one
         assert indexer_triton.config_for(*bf16) == indexer_triton.default_config(1024, 64)
         assert not backward.kernels_take(F32, F32, 128)
 

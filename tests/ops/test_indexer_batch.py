@@ -154,6 +154,14 @@ def test_batch_selects_what_each_sequence_alone_selects(dtype, kernel_impl):
     _assert_batch_equals_one_sequence_calls(*args, kernel_impl)
 
 
+def test_ieee_f32_batch_selects_what_each_sequence_alone_selects(kernel_impl):
+    # under "highest" the f32 tiles are IEEE_F32_ONE_QUERY_CONFIG's in both calls
+    batch = make_batch(jnp.float32, seed=7)
+    args = (batch["q"], batch["weights"], batch["k_cache"], K, batch["k_scale"], LENGTHS)
+    with jax.default_matmul_precision("highest"):
+        _assert_batch_equals_one_sequence_calls(*args, kernel_impl)
+
+
 @pytest.mark.gpu
 def test_gpu_batch_selects_what_each_sequence_alone_selects():
     # V3.2's indexer, 8 sequences of 64K FP8 keys (run 234 found them bitwise equal)

@@ -122,6 +122,9 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
 # keys, 0.86 here; 1024 × 32K causal 790 at the prefill tiles, 78.3 at one query × 16
 # keys, 41.5 here (13 TFLOP/s). Within 3% of the best of 13 / 10 chunked tiles at each.
 IEEE_F32_CONFIG = ScorerConfig(block_t=2, block_s=128, num_warps=8, num_stages=2, dim_chunk=16)
+# Where the bf16 tiles take one query a block (one decode query, a batch of sequences,
+# each over its own keys): 0.857 ms at 8 × 64K, the best of run 253.
+IEEE_F32_ONE_QUERY_CONFIG = dataclasses.replace(IEEE_F32_CONFIG, block_t=1, num_warps=4)
 
 
 def config_for(q, k) -> ScorerConfig:
@@ -136,10 +139,10 @@ def config_for(q, k) -> ScorerConfig:
 def _f32_tiles(cfg: ScorerConfig, heads: int, dim: int) -> ScorerConfig:
     """The tiles of an f32 launch whose bf16 tiles are ``cfg``: shrunk to fit shared
     memory for tensor-core dots (:func:`fit_f32_tensor_cores`), :data:`IEEE_F32_CONFIG`
-    for IEEE ones."""
+    for IEEE ones (:data:`IEEE_F32_ONE_QUERY_CONFIG` where ``cfg`` has one query a block)."""
     if f32_dots.tensor_cores(jnp.float32):
         return fit_f32_tensor_cores(cfg, heads, dim)
-    return IEEE_F32_CONFIG
+    return IEEE_F32_ONE_QUERY_CONFIG if cfg.block_t == 1 else IEEE_F32_CONFIG
 
 
 def f32_tensor_core_bytes(cfg: ScorerConfig, heads: int, dim: int) -> int:
