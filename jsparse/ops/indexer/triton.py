@@ -123,8 +123,10 @@ def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> Scor
 # keys, 41.5 here (13 TFLOP/s). Within 3% of the best of 13 / 10 chunked tiles at each.
 IEEE_F32_CONFIG = ScorerConfig(block_t=2, block_s=128, num_warps=8, num_stages=2, dim_chunk=16)
 # Where the bf16 tiles take one query a block (one decode query, a batch of sequences,
-# each over its own keys): 0.857 ms at 8 × 64K, the best of run 253.
-IEEE_F32_ONE_QUERY_CONFIG = dataclasses.replace(IEEE_F32_CONFIG, block_t=1, num_warps=4)
+# each over its own keys). 8 warps beat 4 at every shape of runs 256-257 (ms, XLA's
+# IEEE path in brackets): one query × 64K scores 0.214 / 0.361 (0.153); Top-K of batches
+# 1 × 128K 0.260 / 0.401 (0.335), 8 × 64K 0.870 / 1.00 (0.585), 64 × 64K 4.95 / 5.89 (5.02).
+IEEE_F32_ONE_QUERY_CONFIG = dataclasses.replace(IEEE_F32_CONFIG, block_t=1)
 
 
 def config_for(q, k) -> ScorerConfig:
