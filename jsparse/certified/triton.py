@@ -203,13 +203,13 @@ def _screen_kernel(
         ids = j * bs + jnp.arange(bs, dtype=jnp.int32)
         ok = ids < p.s
         safe = jnp.where(ok, ids, 0)
+        # Unmasked gather at safe ids (a masked fp8 load with a fill value does not lower);
+        # lanes past S are dropped by `visible` below.
+        k_tiles = [plt.load(k_ref.at[safe[:, None], dims[None, :]]) for dims in slices]
         knorm = plt.load(knorm_ref.at[safe], mask=ok, other=0.0)
         scale = plt.load(scale_ref.at[safe], mask=ok, other=1.0)
         logits = None
-        for dims, rows_part in zip(slices, rows2, strict=True):
-            # Unmasked gather at safe ids (a masked fp8 load with a fill value does not
-            # lower); lanes past S are dropped by `visible` below.
-            k_tile = plt.load(k_ref.at[safe[:, None], dims[None, :]])
+        for k_tile, rows_part in zip(k_tiles, rows2, strict=True):
             dot = jax.lax.dot_general(
                 k_tile.astype(rows_part.dtype), rows_part, (((1,), (1,)), ((), ())),
                 preferred_element_type=jnp.float32, precision=precision,

@@ -357,13 +357,14 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     zero = jnp.zeros((), q_ref.dtype)  # a typed `other`: Triton cannot cast i32 to fp8
     chunk = min(p.cfg.dim_chunk or p.dim, p.dim)
     # The dot's contraction in slices of `chunk` (one slice unless cfg.dim_chunk asks).
-    slices = [(c, jnp.arange(c, c + chunk, dtype=jnp.int32)) for c in range(0, p.dim, chunk)]
+    starts = range(0, p.dim, chunk)
     q2 = tuple(
         plt.load(q_ref.at[pl.ds(i * bt, bt), :, pl.ds(c, chunk)], mask=row_ok[:, None, None],
                  other=zero).astype(p.compute).reshape(bt * p.heads, chunk)
-        for c, _ in slices
+        for c in starts
     )  # fmt: skip
     w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
+    slices = [jnp.arange(c, c + chunk, dtype=jnp.int32) for c in starts]
 
     def tile_pages(ids, ok):
         # Paged cache: the page table maps the id's page to a physical page (-1: none).
@@ -385,10 +386,11 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
                 k_ref.at[row[:, None], dims[None, :]],
                 mask=ok[:, None],
                 other=jnp.zeros((), k_ref.dtype),
-            ).astype(p.compute)
-            for _, dims in slices
+            )
+            for dims in slices
         )
         scale = plt.load(scale_ref.at[row], mask=ok, other=0.0) if p.has_scale else None
+        k_tile = tuple(part.astype(p.compute) for part in k_tile)
         scores = _score_tile(q2, w, k_tile, scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
         return scores, visible
