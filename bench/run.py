@@ -12,6 +12,7 @@
     python bench/run.py --op dsa-step --preset decode --device-time  # a DSA decode step
     python bench/run.py --op dosa --prefill --keys 131072       # DoSA (bench/dosa.py)
     python bench/run.py --op model throughput --context 2048    # the real model (bench/model.py)
+    JAX_DEFAULT_MATMUL_PRECISION=highest python bench/run.py --preset f32  # IEEE f32 dots
     python bench/run.py --set jsparse.ops.topk.triton.BLOCK_RANK_MIN_ROWS=8 --op indexer \
         --preset decode --method base --device-time             # a module switch, for A/B
 

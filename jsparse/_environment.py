@@ -11,6 +11,8 @@ from pathlib import Path
 
 import jax
 
+from jsparse.ops import f32_dots
+
 _REPO = Path(__file__).resolve().parents[1]
 
 
@@ -50,5 +52,7 @@ def environment() -> dict:
         "jax": jax.__version__,
         "flax": flax_version,
         "commit": git_commit(),
+        # how the kernels and XLA multiply f32 inputs: part of any f32 number
+        "f32 dots": f32_dots.mode(),
         "command": " ".join(sys.argv),
     }

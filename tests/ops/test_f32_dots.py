@@ -47,6 +47,14 @@ def test_the_mode_follows_jax_default_matmul_precision(monkeypatch):
         assert f32_dots.mode() == "tf32x3"
 
 
+def test_every_benchmark_header_names_the_mode():
+    from jsparse._environment import environment
+
+    for mode, asked in ASKS.items():
+        with jax.default_matmul_precision(asked):
+            assert environment()["f32 dots"] == mode
+
+
 def test_an_unknown_default_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(f32_dots, "DEFAULT", "tf32")
     q, w, k = jnp.ones((3, 4, 16)), jnp.ones((3, 4)), jnp.ones((11, 16))  # shapes of no trace
