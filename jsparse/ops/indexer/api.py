@@ -15,6 +15,11 @@ Methods of :func:`indexer_topk` (MATH.md §1.9 names):
 their answers are identical id for id. Answers are ordered by score descending, then
 key id ascending; rows with fewer than ``top_k`` visible keys are padded with -1/-inf.
 
+float32 inputs: the kernels multiply them as :mod:`jsparse.ops.f32_dots` says, three
+TF32 tensor-core products unless ``jax.default_matmul_precision("highest")`` asks for
+IEEE f32 (slower); ``xla`` follows the same setting. bfloat16 and FP8 inputs always
+take the tensor cores.
+
 Non-finite values: scores follow IEEE arithmetic with a NaN-propagating relu, and
 selection ranks NaN above +inf (and treats -0 as +0), so a NaN score is returned at the
 top of its row rather than silently dropped. ``full`` remains exact under that total
