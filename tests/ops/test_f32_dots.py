@@ -189,7 +189,7 @@ def test_each_kernel_takes_its_f32_tiles_in_tf32x3_mode_only():
         assert not backward.kernels_take(F32, F32, 128)
 
 
-@pytest.mark.parametrize("d", [8, 40, 128])
+@pytest.mark.parametrize("d", [40, 128])  # four and eight slices of 16
 def test_a_split_contraction_scores_as_one_dot(d):
     # IEEE tiles multiply D in slices of 16 into one accumulator (run 253): the same scores
     # as one dot within f32 rounding, and still one scorer, so base and full agree id for id
