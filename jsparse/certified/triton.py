@@ -82,10 +82,7 @@ class ScreenConfig:
     dim_chunk: int = 0
 
     def __post_init__(self):
-        if self.dim_chunk and (self.dim_chunk < 16 or self.dim_chunk & (self.dim_chunk - 1)):
-            raise ValueError(
-                f"ScreenConfig.dim_chunk must be 0 or a power of two ≥ 16, got {self.dim_chunk}"
-            )
+        f32_dots.check_dim_chunk("ScreenConfig", self.dim_chunk)
         for name in ("block_s", "tile_rows", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
@@ -141,7 +138,6 @@ class _Static:
     n_blocks: int  # scorer blocks ceil(T / BT)
     stride: int  # keep bytes a scorer block: S rounded up to whole 4-byte words
     splits: int
-    screen_dtype: str
     cfg: ScreenConfig
 
 
@@ -170,8 +166,8 @@ def _screen_kernel(
     ecoef = plt.load(ecoef_ref.at[q_safe], mask=q_in, other=0.0)
     cabs = plt.load(cabs_ref.at[q_safe], mask=q_in, other=0.0)
     wi = jnp.arange(w, dtype=jnp.int32)
-    chunk = min(p.cfg.dim_chunk or p.dim, p.dim)
-    slices = [jnp.arange(c, c + chunk, dtype=jnp.int32) for c in range(0, p.dim, chunk)]
+    slices = f32_dots.contraction_slices(p.dim, p.cfg.dim_chunk)
+    slice_dims = [jnp.arange(c, c + width, dtype=jnp.int32) for c, width in slices]
     # Rows row-major by width slot: column w·BQ + q of the logits. In the MMA's
     # accumulator layout a query's W columns (BQ apart) then sit in one thread, so the
     # sums over W are register adds; query-major columns (q·W + w) spread each query
@@ -182,8 +178,8 @@ def _screen_kernel(
             rows_ref.at[q_safe[None, :, None], wi[:, None, None], dims[None, None, :]],
             mask=q_ok[None, :, None],
             other=0,
-        ).reshape(w * bq, chunk)
-        for dims in slices
+        ).reshape(w * bq, len(dims))
+        for dims in slice_dims
     ]  # [W·BQ, D] in slices along D
     omega = plt.load(omega_ref.at[q_safe[None, :], wi[:, None]], mask=q_ok[None, :], other=0.0)
     # A cast, not where(p, 1.0, 0.0): Pallas Triton lowers a select between two Python
@@ -197,7 +193,6 @@ def _screen_kernel(
     hi = jnp.max(jnp.where(q_ok & (end > start), end, 0))
     first, last = scorer.tile_span(lo, hi, bs)
     begin, stop = scorer.split_span(first, last, p.splits, split)
-    precision = f32_dots.precision(p.screen_dtype)
 
     def body(j, kept_count):
         ids = j * bs + jnp.arange(bs, dtype=jnp.int32)
@@ -205,16 +200,10 @@ def _screen_kernel(
         safe = jnp.where(ok, ids, 0)
         # Unmasked gather at safe ids (a masked fp8 load with a fill value does not lower);
         # lanes past S are dropped by `visible` below.
-        k_tiles = [plt.load(k_ref.at[safe[:, None], dims[None, :]]) for dims in slices]
+        k_tiles = [plt.load(k_ref.at[safe[:, None], dims[None, :]]) for dims in slice_dims]
         knorm = plt.load(knorm_ref.at[safe], mask=ok, other=0.0)
         scale = plt.load(scale_ref.at[safe], mask=ok, other=1.0)
-        logits = None
-        for k_tile, rows_part in zip(k_tiles, rows2, strict=True):
-            dot = jax.lax.dot_general(
-                k_tile.astype(rows_part.dtype), rows_part, (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32, precision=precision,
-            )  # fmt: skip
-            logits = dot if logits is None else logits + dot
+        logits = f32_dots.sliced_dot([tile.astype(rows2[0].dtype) for tile in k_tiles], rows2)
         l3 = logits.reshape(bs, w, bq)
         kept = jnp.sum(jnp.where(l3 < 0, 0.0, l3) * omega[None, :, :], axis=1)  # [BS, BQ]
         aux = jnp.sum(l3 * aux_mask[None, :, None], axis=1)
@@ -441,8 +430,7 @@ def screen(plan, start, end, k, k_scale, knorm, *, block_t, cap, cfg=None, split
         block_q = max(block_t, cfg.tile_rows // width)
         p = _Static(
             t=t, s=s, dim=dp, width=width, block_t=block_t, block_q=block_q,
-            n_blocks=n_blocks, stride=stride, splits=splits,
-            screen_dtype=jnp.dtype(plan.rows.dtype).name, cfg=cfg,
+            n_blocks=n_blocks, stride=stride, splits=splits, cfg=cfg,
         )  # fmt: skip
         tiles = _class_tiles(block_class, c, block_q // block_t)
         keep, surv = _screen_launch(tiles, plan, start, end, k, knorm, scale, keep, surv, p)

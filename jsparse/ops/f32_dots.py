@@ -130,6 +130,38 @@ def shrink_to_fit(cfg, shared_bytes: Callable, halvable: Callable, kernel: str, 
     return fitted
 
 
+def check_dim_chunk(owner: str, dim_chunk: int) -> None:
+    """A tile config's ``dim_chunk``: 0 (the whole contraction in one dot) or a power of
+    two ≥ 16 (a dot's smallest K)."""
+    if dim_chunk and (dim_chunk < 16 or dim_chunk & (dim_chunk - 1)):
+        raise ValueError(f"{owner}.dim_chunk must be 0 or a power of two ≥ 16, got {dim_chunk}")
+
+
+def contraction_slices(dim: int, dim_chunk: int) -> list[tuple[int, int]]:
+    """(start, width) of each slice of a padded contraction of ``dim`` (a power of two)
+    multiplied ``dim_chunk`` at a time; one slice for 0 or ``dim_chunk ≥ dim``. IEEE
+    (FMA) dots hold each thread's operands whole along the contraction in registers, so
+    their kernels multiply it in slices (runs 253, 255)."""
+    width = min(dim_chunk or dim, dim)
+    return [(start, width) for start in range(0, dim, width)]
+
+
+def sliced_dot(lhs_parts, rhs_parts):
+    """Σ_i lhs_i · rhs_iᵀ (each pair contracted over its last axis) into one f32
+    accumulator, in slice order: the dot of the whole operands, whose contraction arrives
+    in the slices of :func:`contraction_slices`. Multiplied as :func:`precision` says for
+    the operands' dtype; one slice is one dot."""
+    mode_precision = precision(rhs_parts[0].dtype)
+    acc = None
+    for lhs, rhs in zip(lhs_parts, rhs_parts, strict=True):
+        dot = jax.lax.dot_general(
+            lhs, rhs, (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32, precision=mode_precision,
+        )  # fmt: skip
+        acc = dot if acc is None else acc + dot
+    return acc
+
+
 def extra_relative_error() -> float:
     """What the f32 kernel dots may err by beyond IEEE f32 products, as a fraction of
     Σ|a_d b_d|: 0 for ``"ieee"``; 2^-20 for ``"tf32x3"`` (≥ 3.01·2^-22, the bound above,

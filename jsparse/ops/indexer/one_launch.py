@@ -174,7 +174,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p: _Plan, phases):
         )  # fmt: skip
         scale = plt.load(scale_ref.at[safe], mask=ok, other=0.0) if p.has_scale else None
         k_tile = k_tile.astype(p.compute)
-        return scorer._score_tile(q2, w, k_tile, scale, block_t=1, heads=p.heads)[0]
+        return scorer._score_tile([q2], w, [k_tile], scale, block_t=1, heads=p.heads)[0]
 
     if "score" in phases:
 

@@ -81,10 +81,7 @@ class ScorerConfig:
             raise ValueError(f"ScorerConfig.block_s must be ≥ 16, got {self.block_s}")
         if self.num_stages < 1:
             raise ValueError(f"ScorerConfig.num_stages must be ≥ 1, got {self.num_stages}")
-        if self.dim_chunk and (self.dim_chunk < 16 or self.dim_chunk & (self.dim_chunk - 1)):
-            raise ValueError(
-                f"ScorerConfig.dim_chunk must be 0 or a power of two ≥ 16, got {self.dim_chunk}"
-            )
+        f32_dots.check_dim_chunk("ScorerConfig", self.dim_chunk)
 
 
 def default_config(num_queries: int, heads: int, fp8_keys: bool = False) -> ScorerConfig:
@@ -240,24 +237,15 @@ def compute_dtype(q_dtype, k_dtype, fp8_dot: bool = False):
     return jnp.dtype(jnp.float8_e4m3fn if fp8_dot else jnp.float16)
 
 
-def _score_tile(q2, w, k_tile, scale, *, block_t, heads):
+def _score_tile(q_parts, w, k_parts, scale, *, block_t, heads):
     """Scores [BT, BS] of one key tile for a block of queries (the one shared scorer).
 
-    q2: [BT·H, D] compute dtype; w: [BT, H] f32; k_tile: [BS, D] compute dtype;
-    scale: [BS] f32, or None for unscaled keys (the same scores as a scale of 1).
-    q2 and k_tile may also be equal-length tuples of slices along D
-    (``ScorerConfig.dim_chunk``), multiplied in order into one accumulator.
+    q_parts: [BT·H, D] compute dtype and k_parts: [BS, D] compute dtype, as equal-length
+    sequences of slices along D (``ScorerConfig.dim_chunk``; one slice each unless it
+    asks); w: [BT, H] f32; scale: [BS] f32, or None for unscaled keys (the same scores
+    as a scale of 1).
     """
-    q_parts = q2 if isinstance(q2, tuple) else (q2,)
-    k_parts = k_tile if isinstance(k_tile, tuple) else (k_tile,)
-    precision = f32_dots.precision(q_parts[0].dtype)
-    logits = None
-    for q_part, k_part in zip(q_parts, k_parts, strict=True):
-        dot = jax.lax.dot_general(
-            k_part, q_part, (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32, precision=precision,
-        )  # fmt: skip
-        logits = dot if logits is None else logits + dot
+    logits = f32_dots.sliced_dot(k_parts, q_parts)
     # [BS, BT·H]; relu as where(x < 0) so NaN propagates (jnp.maximum drops it on GPU).
     relu = jnp.where(logits < 0, 0.0, logits)
     if block_t == 1:
@@ -355,16 +343,15 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     start = jnp.clip(jnp.where(row_ok, plt.load(start_ref.at[row_safe]), p.s), 0, p.s)
     end = jnp.clip(jnp.where(row_ok, plt.load(end_ref.at[row_safe]), 0), start, p.s)
     zero = jnp.zeros((), q_ref.dtype)  # a typed `other`: Triton cannot cast i32 to fp8
-    chunk = min(p.cfg.dim_chunk or p.dim, p.dim)
-    # The dot's contraction in slices of `chunk` (one slice unless cfg.dim_chunk asks).
-    starts = range(0, p.dim, chunk)
-    q2 = tuple(
-        plt.load(q_ref.at[pl.ds(i * bt, bt), :, pl.ds(c, chunk)], mask=row_ok[:, None, None],
-                 other=zero).astype(p.compute).reshape(bt * p.heads, chunk)
-        for c in starts
-    )  # fmt: skip
+    # The dot's contraction in slices (one unless cfg.dim_chunk asks).
+    slices = f32_dots.contraction_slices(p.dim, p.cfg.dim_chunk)
+    q_parts = [
+        plt.load(q_ref.at[pl.ds(i * bt, bt), :, pl.ds(c, width)], mask=row_ok[:, None, None],
+                 other=zero).astype(p.compute).reshape(bt * p.heads, width)
+        for c, width in slices
+    ]  # fmt: skip
     w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
-    slices = [jnp.arange(c, c + chunk, dtype=jnp.int32) for c in starts]
+    slice_dims = [jnp.arange(c, c + width, dtype=jnp.int32) for c, width in slices]
 
     def tile_pages(ids, ok):
         # Paged cache: the page table maps the id's page to a physical page (-1: none).
@@ -381,17 +368,17 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             row = jnp.where(ok, page * p.page_size + safe % p.page_size, 0)
         else:
             row = safe
-        k_tile = tuple(
+        k_parts = [
             plt.load(
                 k_ref.at[row[:, None], dims[None, :]],
                 mask=ok[:, None],
                 other=jnp.zeros((), k_ref.dtype),
             )
-            for dims in slices
-        )
+            for dims in slice_dims
+        ]
         scale = plt.load(scale_ref.at[row], mask=ok, other=0.0) if p.has_scale else None
-        k_tile = tuple(part.astype(p.compute) for part in k_tile)
-        scores = _score_tile(q2, w, k_tile, scale, block_t=bt, heads=p.heads)
+        k_parts = [part.astype(p.compute) for part in k_parts]
+        scores = _score_tile(q_parts, w, k_parts, scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
         return scores, visible
 
