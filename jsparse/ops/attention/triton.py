@@ -108,19 +108,43 @@ class _Plan:
     interpret: bool
 
 
-def f32_tensor_core_config(dim: int, vdim: int) -> AttentionConfig:
-    """Tiles for f32 dots on the tensor cores (the ``"tf32x3"`` mode of
-    :mod:`jsparse.ops.f32_dots`): the key and value tiles' TF32 hi and lo parts, [BN, D]
-    and [BN, Dv] at 4 bytes a value, must fit shared memory (a model: the default tiles
-    fit at D 128, so no compiler count calibrates it). One stage: 0.100 ms against 0.141
-    at two (run 245, H100, 8 sequences × 32K, 32 / 8 heads, D 128, 2048 entries)."""
+# f32 tiles larger than this many values a row of keys or values (BN · max(D, Dv)) spill
+# registers: 4.8-5.7× slower at D 256 BN 128 and D 512 BN 64 (run 260, H100, one stage).
+F32_TILE_VALUES = 16384
+
+
+def f32_tensor_core_bytes(cfg: AttentionConfig, dim: int, vdim: int, group_rows: int) -> int:
+    """Shared memory of a program whose f32 dots run on the tensor cores (``"tf32x3"``):
+    2·BN·(D + Dv) bytes at one stage, BN·(4·(D + Dv) + 136) more a further stage, and the
+    group's TF32 q halves, 8·Gp·D. Fitted to the six counts the compiler refused in run
+    260 (H100, D 256-512, BN 32-128, Gp 16): exact at the one-stage count, at most 1,024
+    bytes over the two-stage ones; every tile that compiled there fits it."""
     width = next_pow2(dim, 16) + next_pow2(vdim, 16)
+    per_stage = cfg.block_n * (4 * width + 136)
+    return (
+        2 * cfg.block_n * width
+        + (cfg.num_stages - 1) * per_stage
+        + 8 * group_rows * next_pow2(dim, 16)
+    )
+
+
+def f32_tensor_core_config(dim: int, vdim: int, group: int) -> AttentionConfig:
+    """Tiles for f32 dots on the tensor cores (the ``"tf32x3"`` mode of
+    :mod:`jsparse.ops.f32_dots`): one stage (0.100 ms against 0.141 at two, run 245,
+    H100, 8 sequences × 32K, 32 / 8 heads, D 128, 2048 entries), at most 64 entries a
+    step and :data:`F32_TILE_VALUES` a row tile, shrunk until
+    :func:`f32_tensor_core_bytes` fits shared memory. Run 260 (4 heads a KV head, 512
+    entries, one stage) timed what this picks fastest of BN 32-128 at D 128 and 256
+    (0.082, 0.086 ms) and the only tile but 16 that compiles at D 512."""
+    widest = max(next_pow2(dim, 16), next_pow2(vdim, 16))
+    block_n = max(16, min(64, F32_TILE_VALUES // widest))
+    group_rows = next_pow2(group, MIN_GROUP_ROWS)
     return f32_dots.shrink_to_fit(
-        AttentionConfig(block_n=64, num_warps=4, num_stages=1),
-        lambda c: 8 * c.block_n * width,
+        AttentionConfig(block_n=block_n, num_warps=4, num_stages=1),
+        lambda c: f32_tensor_core_bytes(c, dim, vdim, group_rows),
         lambda c: "block_n" if c.block_n > 16 else None,
         "indexed_attention",
-        f"D {dim}, Dv {vdim}",
+        f"D {dim}, Dv {vdim}, {group} heads a KV head",
     )
 
 
@@ -408,15 +432,22 @@ def indexed_attention_triton(
     )  # fmt: skip
     return _indexed_attention(
         q, k, v, indices, k_scale, v_scale, page_table, scale=scale,
-        cfg=cfg or _default_config(q, k, v), splits=splits, words=bool(words),
+        cfg=_config(q, k, v, cfg), splits=splits, words=bool(words),
         pages_first=PAGES_BEFORE_LAUNCH, merge_block=merge_vdim_block(),
     )  # fmt: skip
 
 
-def _default_config(q, k, v) -> AttentionConfig:
-    if f32_dots.tensor_cores(widened_dtype(q, k)):
-        return f32_tensor_core_config(k.shape[-1], v.shape[-1])
-    return AttentionConfig()
+def _config(q, k, v, cfg: AttentionConfig | None) -> AttentionConfig:
+    """``cfg``, or the default tiles; f32 tensor-core tiles must fit shared memory either
+    way (a given one is refused by name rather than handed to the compiler)."""
+    if not f32_dots.tensor_cores(widened_dtype(q, k)):
+        return cfg or AttentionConfig()
+    dim, vdim, group = k.shape[-1], v.shape[-1], q.shape[1] // k.shape[2]
+    if cfg is None:
+        return f32_tensor_core_config(dim, vdim, group)
+    need = f32_tensor_core_bytes(cfg, dim, vdim, next_pow2(group, MIN_GROUP_ROWS))
+    f32_dots.fits("indexed_attention", need, f"D {dim}, Dv {vdim}, {group} heads a KV head, {cfg}")
+    return cfg
 
 
 @functools.partial(
