@@ -172,13 +172,10 @@ def test_the_attention_tile_model_covers_the_compilers_bytes_and_picks_the_faste
     for d, block_n, stages in ATTENTION_COMPILED:
         cfg = attention_triton.AttentionConfig(block_n, 4, stages)
         assert model(cfg, d, d, 16) <= f32_dots.SHARED_MEMORY
-    # run 260's fastest tile at D 128 and 256; at D 512 the one that compiles, not 16
-    picked = {d: attention_triton.f32_tensor_core_config(d, d, 4) for d in (128, 256, 512)}
-    assert {d: (c.block_n, c.num_stages) for d, c in picked.items()} == {
-        128: (64, 1),
-        256: (64, 1),
-        512: (32, 1),
-    }
+    # run 261's fastest tile (GPU busy) at D 128, 256 and 512; D 1024 halves it
+    picked = {d: attention_triton.f32_tensor_core_config(d, d, 4) for d in (128, 256, 512, 1024)}
+    tiles = {d: (c.block_n, c.num_stages) for d, c in picked.items()}
+    assert tiles == {128: (32, 1), 256: (32, 1), 512: (32, 1), 1024: (16, 1)}
     # a given tile that cannot fit is refused by name, not handed to the compiler
     q, cache = jnp.zeros((1, 8, 512), F32), jnp.zeros((1, 64, 2, 512), F32)
     idx = jnp.zeros((1, 2, 64), I32)

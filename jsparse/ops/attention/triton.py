@@ -108,8 +108,8 @@ class _Plan:
     interpret: bool
 
 
-# f32 tiles larger than this many values a row of keys or values (BN · max(D, Dv)) spill
-# registers: 4.8-5.7× slower at D 256 BN 128 and D 512 BN 64 (run 260, H100, one stage).
+# f32 tiles of more values than this (BN · max(D, Dv)) ran 9-20× slower than BN 32 at
+# D 256 BN 128 and D 512 BN 64 (run 261, H100, GPU busy, one stage): spills, not profiled.
 F32_TILE_VALUES = 16384
 
 
@@ -130,14 +130,14 @@ def f32_tensor_core_bytes(cfg: AttentionConfig, dim: int, vdim: int, group_rows:
 
 def f32_tensor_core_config(dim: int, vdim: int, group: int) -> AttentionConfig:
     """Tiles for f32 dots on the tensor cores (the ``"tf32x3"`` mode of
-    :mod:`jsparse.ops.f32_dots`): one stage (0.100 ms against 0.141 at two, run 245,
-    H100, 8 sequences × 32K, 32 / 8 heads, D 128, 2048 entries), at most 64 entries a
-    step and :data:`F32_TILE_VALUES` a row tile, shrunk until
-    :func:`f32_tensor_core_bytes` fits shared memory. Run 260 (4 heads a KV head, 512
-    entries, one stage) timed what this picks fastest of BN 32-128 at D 128 and 256
-    (0.082, 0.086 ms) and the only tile but 16 that compiles at D 512."""
+    :mod:`jsparse.ops.f32_dots`): 32 list entries a step (at most
+    :data:`F32_TILE_VALUES` a row tile), one stage, shrunk until
+    :func:`f32_tensor_core_bytes` fits shared memory. Run 261 (H100, 8 sequences × 16K,
+    8 KV heads of 4 and 8 query heads, 2048 entries, one stage, GPU busy µs): BN 32 was
+    the fastest at D 128 (69 against 77 at BN 64), 256 (191 against 238) and 512 (790
+    against 1043 at BN 16); run 245 found one stage faster than two (D 128, BN 64)."""
     widest = max(next_pow2(dim, 16), next_pow2(vdim, 16))
-    block_n = max(16, min(64, F32_TILE_VALUES // widest))
+    block_n = max(16, min(32, F32_TILE_VALUES // widest))
     group_rows = next_pow2(group, MIN_GROUP_ROWS)
     return f32_dots.shrink_to_fit(
         AttentionConfig(block_n=block_n, num_warps=4, num_stages=1),
