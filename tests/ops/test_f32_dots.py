@@ -167,11 +167,11 @@ ATTENTION_COMPILED = [(128, 32, 1), (128, 32, 2), (128, 64, 1), (128, 64, 2), (1
 def test_the_attention_tile_model_covers_the_compilers_bytes_and_picks_the_fastest_fit():
     model = attention_triton.f32_tensor_core_bytes
     for (d, block_n, stages), asked in ATTENTION_REFUSED.items():
-        need = model(attention_triton.AttentionConfig(block_n, 4, stages), d, d, 16)
+        need = model(attention_triton.AttentionConfig(block_n, 4, stages), d, d, 4)
         assert asked <= need <= asked + 1024
     for d, block_n, stages in ATTENTION_COMPILED:
         cfg = attention_triton.AttentionConfig(block_n, 4, stages)
-        assert model(cfg, d, d, 16) <= f32_dots.SHARED_MEMORY
+        assert model(cfg, d, d, 4) <= f32_dots.SHARED_MEMORY
     # run 261's fastest tile (GPU busy) at D 128, 256 and 512; D 1024 halves it
     picked = {d: attention_triton.f32_tensor_core_config(d, d, 4) for d in (128, 256, 512, 1024)}
     tiles = {d: (c.block_n, c.num_stages) for d, c in picked.items()}

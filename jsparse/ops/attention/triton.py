@@ -113,18 +113,19 @@ class _Plan:
 F32_TILE_VALUES = 16384
 
 
-def f32_tensor_core_bytes(cfg: AttentionConfig, dim: int, vdim: int, group_rows: int) -> int:
+def f32_tensor_core_bytes(cfg: AttentionConfig, dim: int, vdim: int, group: int) -> int:
     """Shared memory of a program whose f32 dots run on the tensor cores (``"tf32x3"``):
     2·BN·(D + Dv) bytes at one stage, BN·(4·(D + Dv) + 136) more a further stage, and the
-    group's TF32 q halves, 8·Gp·D. Fitted to the six counts the compiler refused in run
-    260 (H100, D 256-512, BN 32-128, Gp 16): exact at the one-stage count, at most 1,024
+    group's TF32 q halves, 8·Gp·D (Gp: the ``group`` query heads of a KV head, padded as
+    the kernel pads them). Fitted to the six counts the compiler refused in run 260
+    (H100, D 256-512, BN 32-128, Gp 16): exact at the one-stage count, at most 1,024
     bytes over the two-stage ones; every tile that compiled there fits it."""
     width = next_pow2(dim, 16) + next_pow2(vdim, 16)
     per_stage = cfg.block_n * (4 * width + 136)
     return (
         2 * cfg.block_n * width
         + (cfg.num_stages - 1) * per_stage
-        + 8 * group_rows * next_pow2(dim, 16)
+        + 8 * next_pow2(group, MIN_GROUP_ROWS) * next_pow2(dim, 16)
     )
 
 
@@ -138,10 +139,9 @@ def f32_tensor_core_config(dim: int, vdim: int, group: int) -> AttentionConfig:
     against 1043 at BN 16); run 245 found one stage faster than two (D 128, BN 64)."""
     widest = max(next_pow2(dim, 16), next_pow2(vdim, 16))
     block_n = max(16, min(32, F32_TILE_VALUES // widest))
-    group_rows = next_pow2(group, MIN_GROUP_ROWS)
     return f32_dots.shrink_to_fit(
         AttentionConfig(block_n=block_n, num_warps=4, num_stages=1),
-        lambda c: f32_tensor_core_bytes(c, dim, vdim, group_rows),
+        lambda c: f32_tensor_core_bytes(c, dim, vdim, group),
         lambda c: "block_n" if c.block_n > 16 else None,
         "indexed_attention",
         f"D {dim}, Dv {vdim}, {group} heads a KV head",
@@ -445,7 +445,7 @@ def _config(q, k, v, cfg: AttentionConfig | None) -> AttentionConfig:
     dim, vdim, group = k.shape[-1], v.shape[-1], q.shape[1] // k.shape[2]
     if cfg is None:
         return f32_tensor_core_config(dim, vdim, group)
-    need = f32_tensor_core_bytes(cfg, dim, vdim, next_pow2(group, MIN_GROUP_ROWS))
+    need = f32_tensor_core_bytes(cfg, dim, vdim, group)
     f32_dots.fits("indexed_attention", need, f"D {dim}, Dv {vdim}, {group} heads a KV head, {cfg}")
     return cfg
 
