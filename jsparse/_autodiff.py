@@ -4,6 +4,8 @@ Four rules (user-facing summary in :mod:`jsparse.backend`'s module doc):
 
 * :func:`reverse_kernel`: an op with a backward kernel of its own (``indexer_scores``)
   runs it in reverse mode (``jax.custom_vjp``; forward mode then needs the reference).
+  The backward kernel's own derivative (a second-order gradient, a Hessian-vector
+  product) is the reference's, as in :func:`smooth_kernel`.
 * :func:`smooth_kernel`: an op whose outputs are smooth in its float inputs (scores,
   attention over given lists) runs the kernel forward and takes the tangent from the
   op's jnp reference, the same function; forward and reverse mode.
@@ -71,22 +73,28 @@ def smooth_kernel(kernel: Callable, reference: Callable, args: tuple, kwargs: di
     run_kernel = bind(kernel)
     if not _traced(arrays):
         return run_kernel(*arrays)
-    smooth = jax.custom_jvp(run_kernel)
+    return _reference_tangents(run_kernel, bind(reference))(*arrays)
+
+
+def _reference_tangents(run: Callable, reference: Callable) -> Callable:
+    """``run``, whose forward-mode tangent is ``reference``'s (same arguments)."""
+    smooth = jax.custom_jvp(run)
 
     @smooth.defjvp
     def _(primals, tangents):
-        _, tangent_out = jax.jvp(bind(reference), primals, tangents)
-        out = run_kernel(*primals)
+        _, tangent_out = jax.jvp(reference, primals, tangents)
+        out = run(*primals)
         # a kernel may return its inputs' dtype where the reference returns f32
         return out, jax.tree.map(_tangent_like, out, tangent_out)
 
-    return smooth(*arrays)
+    return smooth
 
 
-def reverse_kernel(kernel: Callable, backward: Callable, args: tuple) -> Any:
+def reverse_kernel(kernel: Callable, backward: Callable, reference: Callable, args: tuple) -> Any:
     """``kernel(*args)``, whose reverse-mode derivative is ``backward(cotangent, *args)``:
     one cotangent per positional argument (None: no cotangent). ``args`` are flat:
-    arrays, None or static values (their derivative is by position)."""
+    arrays, None or static values (their derivative is by position). ``reference``
+    (same signature as ``kernel``) differentiates the backward in turn."""
     if any(len(jax.tree.leaves(a)) > 1 for a in args):
         raise TypeError("reverse_kernel: every argument must be an array, None or a static value")
     arrays, bind = _explicit_arrays(args, {})
@@ -94,15 +102,29 @@ def reverse_kernel(kernel: Callable, backward: Callable, args: tuple) -> Any:
     if not _traced(arrays):
         return run(*arrays)
     positions = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+    inexact = [j for j, a in enumerate(arrays) if jnp.issubdtype(a.dtype, jnp.inexact)]
     op = jax.custom_vjp(run)
 
+    # Pallas calls have no derivative of their own, so a gradient of the gradient (which
+    # differentiates this forward and the backward below) takes the reference's tangents.
+    forward_kernel = _reference_tangents(run, bind(reference))
+
     def forward(*arrays):
-        return run(*arrays), arrays
+        return forward_kernel(*arrays), arrays
+
+    def kernel_cotangents(cotangent, *arrays):
+        per_arg = bind(functools.partial(backward, cotangent))(*arrays)
+        return tuple(per_arg[positions[j]] for j in inexact)
+
+    def reference_cotangents(cotangent, *arrays):
+        _, vjp = jax.vjp(bind(reference), *arrays)
+        per_array = vjp(cotangent)
+        return tuple(per_array[j] for j in inexact)
+
+    backward_kernel = _reference_tangents(kernel_cotangents, reference_cotangents)
 
     def backward_rule(arrays, cotangent):
         from jsparse._pallas import varying_axes  # imports Pallas, as the kernels do
-
-        per_arg = bind(functools.partial(backward, cotangent))(*arrays)
 
         def typed(ct, primal):
             # Inside a checked shard_map a primal that does not vary over a mesh axis
@@ -111,10 +133,8 @@ def reverse_kernel(kernel: Callable, backward: Callable, args: tuple) -> Any:
             extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
             return jax.lax.psum(ct, extra) if extra else ct
 
-        return tuple(
-            typed(per_arg[i], a) if jnp.issubdtype(a.dtype, jnp.inexact) else None
-            for i, a in zip(positions, arrays, strict=True)
-        )
+        computed = dict(zip(inexact, backward_kernel(cotangent, *arrays), strict=True))
+        return tuple(typed(computed[j], a) if j in computed else None for j, a in enumerate(arrays))
 
     op.defvjp(forward, backward_rule)
     return op(*arrays)

@@ -16,7 +16,8 @@ Derivatives. Every op is differentiable where its math is (``jsparse._autodiff``
 
 * ``indexer_scores``' Triton and Mosaic kernels have a backward of their own (two Triton
   kernels, :mod:`jsparse.ops.indexer.backward`): reverse mode only; forward mode
-  through them raises, and ``implementation="reference"`` has both;
+  through them raises, and ``implementation="reference"`` has both; a gradient of
+  the gradient differentiates the backward kernels as the reference's backward;
 * the other ops smooth in their float inputs (``indexed_attention``,
   ``indexed_mla_attention``, ``projected_scores``, ``projected_step``:
   ``dispatch(..., differentiable=True)``) run the kernel forward and take the derivative
@@ -195,7 +196,8 @@ def dispatch(
             if backward and name in backward:
                 if kwargs:
                     raise TypeError(f"{op}: a backward kernel takes positional arguments only")
-                return _autodiff.reverse_kernel(kernel, backward[name], args)
+                reference = implementations["reference"]
+                return _autodiff.reverse_kernel(kernel, backward[name], reference, args)
             if differentiable:
                 reference = implementations["reference"]
                 return _autodiff.smooth_kernel(kernel, reference, args, kwargs)

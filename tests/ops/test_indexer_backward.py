@@ -204,3 +204,64 @@ def test_gpu_backward_at_indexer_training_size(dtype):
     with backend.interpret_mode(False):
         got = indexer_scores_vjp_triton(cotangent, q, w, k, scale, start, end)
     _compare(got, want, 4e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_second_order_gradient_through_the_backward_kernels(dtype, monkeypatch):
+    """A gradient of a gradient (here a Hessian-vector product in q, then d/dk and
+    d/dweights of it) differentiates the backward kernels by the reference's tangent."""
+    q, w, k, scale, start, end, target = _inputs(13, 3, 16, 29, dtype, "any")
+    v = jnp.asarray(RNG.standard_normal(q.shape), jnp.float32)
+
+    def outer(implementation):
+        def inner(q, w, k, scale):
+            dq = jax.grad(_loss)(q, w, k, scale, start, end, target, implementation)
+            return jnp.sum(dq.astype(jnp.float32) * v)
+
+        return jax.jit(jax.grad(inner, argnums=(1, 2, 3)))(q, w, k, scale)
+
+    want = outer("reference")
+    called = []
+    real = api._score_backward
+
+    def counting():
+        return {n: (lambda *a, n=n, f=f: called.append(n) or f(*a)) for n, f in real().items()}
+
+    monkeypatch.setattr(api, "_score_backward", counting)
+    with running("triton") as name:
+        got = outer(name)
+    assert called == ["triton"]  # the first-order gradient still runs the kernels
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(b).max() > 0
+        tol = 1e-4 if dtype == jnp.float32 else 2e-2  # bf16: the cotangent's own rounding
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
+
+
+def test_relu_derivative_is_one_at_zero_in_every_implementation():
+    """Small integers make q·k == 0 exactly for many pairs; every implementation gates
+    those pairs open (derivative 1 at 0, documented in ``indexer_scores``)."""
+    rng = np.random.default_rng(5)
+    t, h, d, s = 9, 3, 8, 40
+    q = rng.integers(-1, 2, (t, h, d)).astype(np.float32)
+    w = rng.integers(-3, 4, (t, h)).astype(np.float32)
+    k = rng.integers(-1, 2, (s, d)).astype(np.float32)
+    g = rng.integers(-2, 3, (t, s)).astype(np.float32)
+    logits = np.einsum("thd,sd->ths", q, k)
+    assert (logits == 0).sum() > 50
+
+    def oracle_dq(gate_at_zero):
+        gate = np.where(logits > 0, 1.0, np.where(logits == 0, gate_at_zero, 0.0))
+        return np.einsum("ts,th,ths,sd->thd", g, w, gate, k)
+
+    want, closed = oracle_dq(1.0), oracle_dq(0.0)
+    assert np.abs(want - closed).max() > 1  # the convention shows in dq
+
+    def dq(implementation):
+        loss = lambda q: jnp.sum(jsparse.indexer_scores(q, w, k, implementation=implementation) * g)  # noqa: E731
+        return np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(q)))
+
+    np.testing.assert_array_equal(dq("reference"), want)
+    with running("triton") as name:
+        np.testing.assert_array_equal(dq(name), want)

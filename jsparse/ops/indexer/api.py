@@ -112,6 +112,10 @@ def indexer_scores(
         (default: all S keys). Checked when concrete; under ``jit`` kv_start is clamped
         to [0, S] and kv_end to [kv_start, S].
       implementation: see :mod:`jsparse.backend`.
+
+    Derivatives: the ReLU's derivative is 1 at 0 (a key with q·k = 0 passes its head's
+    gradient) in every implementation. The Pallas kernels have backward kernels of
+    their own (reverse mode); a gradient of that gradient takes the reference's.
     """
     start, end = _validate(q, weights, k, k_scale, kv_start, kv_end)
     if k.shape[0] == 0:  # no keys: nothing to score (the kernels need one key tile)
