@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -271,11 +273,15 @@ class Selector:
         score descending (``ordered=False``: any order, see :func:`top_budget`)."""
         check_select_inputs(q, k, lengths, budget, head_dim=self._head_dim(params))
         if q.shape[0] == 0:  # an empty batch (no sequence in flight) selects nothing
-            return jnp.zeros((0, k.shape[2], budget), jnp.int32)
+            return jnp.zeros((0, k.shape[2], self._width(k.shape[1], budget)), jnp.int32)
         return _select(self, params, q, k, lengths, budget, bool(ordered))
 
     def _select_impl(self, params, q, k, lengths, budget, ordered=True):
         return top_budget(self.scores(params, q, k, lengths), lengths, budget, ordered=ordered)
+
+    def _width(self, cached: int, budget: int) -> int:
+        """The lists' width for ``cached`` tokens a sequence: ``budget``."""
+        return budget
 
     def _head_dim(self, params: Params) -> int | None:
         return None
@@ -400,7 +406,7 @@ class ProjectedSelector(Selector):
     ) -> ProjectedKeys:
         """The scoring cache ``B k`` as stored (``cache_dtype``) with its per-head scale.
 
-        ``headroom`` ≥ 1 widens the FP8 scale past the amax of ``k`` so that keys appended
+        ``headroom`` (finite, ≥ 1) widens the FP8 scale past the amax of ``k`` so that keys appended
         later (:meth:`append_keys`, which keeps the scale) saturate less often; FP8 is a
         floating-point format, so this costs only the bottom of its exponent range.
         """
@@ -473,6 +479,7 @@ class ProjectedSelector(Selector):
             self.check_step_inputs(params, q, cache, lengths, budget, k_new, slots)
         if fused and fused_step_pays(q.shape, k_new.shape[1]):
             a, b = self.maps(params)
+            slots = jnp.asarray(slots).astype(jnp.int32)  # any integer type, as append_keys
             qp, values = projected_step(q, k_new, a, b, cache.values, cache.scale, slots)
             cache = cache._replace(values=values)
             return top_budget(projected_scores(qp, values), lengths, budget, ordered=ordered), cache
@@ -535,7 +542,9 @@ def fp8_scale(proj: Float[Array, "B S Hkv R"], headroom: float = 1.0) -> Float[A
     making the scale inf, which would store every other key of the head as 0."""
     _check_headroom(headroom)
     fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
-    return amax_scale(finite_amax(proj, axis=(1, 3)) * headroom, fmax)
+    # an amax near float32's largest times headroom must not overflow to inf (scale 1)
+    widened = jnp.minimum(finite_amax(proj, axis=(1, 3)) * headroom, jnp.finfo(jnp.float32).max)
+    return amax_scale(widened, fmax)
 
 
 def finite_amax(x: Array, axis) -> Array:
@@ -551,8 +560,9 @@ def amax_scale(amax: Array, levels: float) -> Array:
 
 
 def _check_headroom(headroom: float) -> None:
-    if not headroom >= 1.0:
-        raise ValueError(f"headroom: got {headroom!r}; expected a number >= 1")
+    number = isinstance(headroom, numbers.Real) and not isinstance(headroom, bool)
+    if not (number and math.isfinite(headroom) and headroom >= 1.0):
+        raise ValueError(f"headroom: got {headroom!r}; expected a finite number >= 1")
 
 
 def quantize_with_scale(

@@ -51,7 +51,7 @@ class HeadSharedSelector(ProjectedSelector):
         return params["basis"], params["basis"]
 
     def _head_dim(self, params):
-        return None if self.basis == "full" else params["basis"].shape[-1]
+        return None if self.basis == "full" else super()._head_dim(params)
 
     def bytes_per_token(self, head_dim: int) -> float:
         return 0.0 if self.basis == "full" else super().bytes_per_token(head_dim)

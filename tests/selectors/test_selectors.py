@@ -349,8 +349,38 @@ def test_appended_keys_equal_projecting_with_the_kept_scales(name, cache_dtype):
     after = sel.append_keys(params, cache, k[:, 0], jnp.asarray([-1, 70, 99], jnp.int32))
     for a, b in zip(before, jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    with pytest.raises(ValueError, match=r"headroom: got 0\.5"):
-        sel.project_keys(params, k, headroom=0.5)
+    for bad in (0.5, float("inf"), float("nan"), True):  # inf once meant no headroom
+        with pytest.raises(ValueError, match=r"headroom: got .*; expected a finite number >= 1"):
+            sel.project_keys(params, k, headroom=bad)
+
+
+def test_fp8_scale_of_a_huge_amax_times_headroom_does_not_overflow():
+    """amax · headroom beyond float32's range once made the scale 1, so every key past
+    448 saturated; it now stops at float32's largest over 448."""
+    from jsparse.selectors.base import fp8_scale, quantize_with_scale
+
+    proj = jnp.asarray([3e38, -1e38, 1.0, 0.0], jnp.float32).reshape(1, 4, 1, 1)
+    scale = fp8_scale(proj, headroom=2.0)
+    f32max = float(jnp.finfo(jnp.float32).max)
+    np.testing.assert_allclose(float(scale[0, 0]), f32max / 448, rtol=1e-6)
+    stored = np.asarray(quantize_with_scale(proj, scale, "float8_e4m3fn"), np.float32)
+    dequantised = stored.ravel() * float(scale[0, 0])
+    np.testing.assert_allclose(dequantised[:2], [3e38, -1e38], rtol=2**-3)  # E4M3's step
+    assert np.isfinite(dequantised).all()
+
+
+@pytest.mark.parametrize("name", ["jssa", "head_shared"])
+def test_select_without_params_is_refused_by_name(name):
+    _, _, q, k = _data()
+    with pytest.raises(ValueError, match=f"params: the {name} selector needs its calibrated"):
+        make_selector(name, rank=4).select({}, q, k, jnp.full((3,), 70), 4)
+
+
+def test_full_lists_every_cached_token_for_an_empty_batch_too():
+    _, _, q, k = _data()
+    for batch in (0, 2):
+        ids = make_selector("full").select({}, q[:batch], k[:batch], jnp.full((batch,), 9), 3)
+        assert ids.shape == (batch, HKV, k.shape[1])
 
 
 def test_head_shared_selects_the_same_from_its_projected_cache():
@@ -419,6 +449,35 @@ def test_the_decode_path_refuses_mismatched_inputs_by_name(name):
         sel.select_projected(params, q, other, lengths, 4)
     ids, _ = sel.decode_step(params, q, cache, k[:, 0], slots, lengths, 4)
     assert ids.shape == (b, k.shape[2], 4)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-calls"])
+def test_decode_step_takes_slots_of_any_integer_type(fused, monkeypatch):
+    """append_keys takes int16 slots; the fused step once refused them (only int32
+    reached projected_step), so the answer depended on which path ran."""
+    from jsparse.selectors import base
+    from tests.implementations import running
+
+    monkeypatch.setattr(base, "FUSED_STEP", fused)
+    sel, params = _calibrated("jssa")
+    _, _, q, k = _data()
+    b, s = k.shape[:2]
+    prompt = jax.tree.map(
+        lambda e, p: e.at[:, :20].set(p) if e.ndim == 4 else p,
+        sel.empty_cache(params, b, s),
+        sel.project_keys(params, k[:, :20], headroom=2.0),
+    )
+    lengths = jnp.full((b,), 21, jnp.int32)
+    with running("triton"):
+        steps = [
+            sel.decode_step(params, q, prompt, k[:, 20], jnp.full((b,), 20, dtype), lengths, 6)
+            for dtype in (jnp.int32, jnp.int16, jnp.uint8)
+        ]
+    for ids, cache in steps[1:]:
+        np.testing.assert_array_equal(ids, steps[0][0])
+        np.testing.assert_array_equal(
+            np.asarray(cache.values, np.float32), np.asarray(steps[0][1].values, np.float32)
+        )
 
 
 @pytest.mark.parametrize("name", [*RANKED, "jssa_mla"])
