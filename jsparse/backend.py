@@ -58,6 +58,7 @@ __all__ = [
     "has_nvidia_gpu",
     "interpret_mode",
     "is_interpret",
+    "jit_per_mode",
     "resolve",
 ]
 
@@ -115,6 +116,33 @@ def interpret_mode(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _state.interpret = previous
+
+
+def jit_per_mode(fun: Callable | None = None, **jit_kwargs: Any) -> Callable:
+    """``jax.jit(fun, **jit_kwargs)`` with one trace cache per :func:`is_interpret`.
+
+    Dispatch reads the mode while tracing, so a library function jitted above it (a
+    selector's ``select``, a model's step) would otherwise serve a trace made in one mode
+    to calls in the other: the interpreted kernels silently not run.
+    """
+    if fun is None:
+        return functools.partial(jit_per_mode, **jit_kwargs)
+
+    def one_mode():
+        # a function object of its own: JAX keys its trace cache on the function
+        @functools.wraps(fun)
+        def body(*args, **kwargs):
+            return fun(*args, **kwargs)
+
+        return jax.jit(body, **jit_kwargs)
+
+    traced = {mode: one_mode() for mode in (False, True)}
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        return traced[is_interpret()](*args, **kwargs)
+
+    return call
 
 
 def _available(name: str) -> bool:

@@ -17,14 +17,13 @@ Each metric comes back as ``[T, Hkv]``: one value per (query, KV head); callers 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jsparse import _checks
+from jsparse import _checks, backend
 from jsparse.selectors.base import Selector, top_budget
 
 __all__ = ["RecallReference", "select_causal", "selection_mask"]
@@ -42,7 +41,7 @@ def selection_mask(idx: Int[Array, "T Hkv W"], n_keys: int) -> Bool[Array, "T Hk
     return mask.at[ti, hi, safe].set(True, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("sel", "budget"))
+@backend.jit_per_mode(static_argnames=("sel", "budget"))
 def select_causal(
     sel: Selector,
     params,
@@ -172,7 +171,7 @@ class RecallReference:
         return fn(self.probs, self.out, self.v, idx, self.oracle_mask(budget), denom)
 
 
-@functools.partial(jax.jit, static_argnames=("budget",))
+@backend.jit_per_mode(static_argnames=("budget",))
 def _oracle_idx(q, k, lengths, budget):
     t, h, d = q.shape
     hkv = k.shape[1]

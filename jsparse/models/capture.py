@@ -24,7 +24,6 @@ layer runs, and attention scores are never kept, so 8K tokens fit a small CPU ma
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jsparse import backend
 from jsparse.models.llama import Llama
 
 __all__ = [
@@ -73,7 +73,7 @@ class Capture:
     tokens: np.ndarray | None = None
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@backend.jit_per_mode(static_argnums=0)
 def _block_step(graphdef, state, x, positions):
     return nnx.merge(graphdef, state).forward_with_qkv(x, positions)
 

@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jsparse import backend
 from jsparse._checks import check_cache_room, concrete
 from jsparse.selectors.base import fp8_first_write
 
@@ -601,7 +602,7 @@ def forward_fn(model: Llama) -> Callable[..., Any]:
     graphdef, state = nnx.split(model)
     config = model.config
 
-    @functools.partial(jax.jit, donate_argnames="cache")
+    @backend.jit_per_mode(donate_argnames="cache")
     def run(state, tokens, cache):
         return nnx.merge(graphdef, state)(tokens, cache)
 

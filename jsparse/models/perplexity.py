@@ -27,7 +27,6 @@ joined with ``"\\n"``, empty lines kept).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jsparse import backend
 from jsparse.models.llama import Llama
 
 __all__ = ["PerplexityResult", "perplexity", "token_nll", "windows"]
@@ -76,7 +76,7 @@ def _nll_chunk(model: Llama, h, targets):
     return lse - jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@backend.jit_per_mode(static_argnums=0)
 def _window_nll(graphdef, state, tokens):
     """NLL of tokens[1:] given their prefix; the head runs in chunks of 512 positions."""
     model = nnx.merge(graphdef, state)

@@ -39,7 +39,6 @@ Contract of ``select``:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 from typing import Any, ClassVar, NamedTuple
@@ -49,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jsparse import _checks
+from jsparse import _checks, backend
 from jsparse._rounding import round_to
 from jsparse.calibration.moments import (
     Moments,
@@ -295,7 +294,7 @@ class Selector:
         return f"{self.name}({fields})"
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+@backend.jit_per_mode(static_argnums=(0, 5, 6))
 def _select(sel: Selector, params, q, k, lengths, budget, ordered):
     return sel._select_impl(params, q, k, lengths, budget, ordered)
 

@@ -1,0 +1,48 @@
+"""Dispatch state and the jits above it."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse import backend
+from jsparse.selectors import base, make_selector
+
+
+def test_jit_per_mode_traces_once_per_mode():
+    """A function jitted above dispatch sees the mode it is called in, not the one of
+    its first trace (plain ``jax.jit`` served the first trace to both)."""
+    seen = []
+
+    @backend.jit_per_mode(static_argnames="k")
+    def mode_plus(x, k):
+        seen.append(backend.is_interpret())
+        return x + int(backend.is_interpret()) + k
+
+    assert int(mode_plus(jnp.int32(0), k=10)) == 10
+    with backend.interpret_mode(True):
+        assert int(mode_plus(jnp.int32(0), k=10)) == 11
+    assert int(mode_plus(jnp.int32(0), k=10)) == 10
+    assert seen == [False, True]  # each mode traced once, then its own cache
+
+
+def test_select_outside_interpret_mode_then_inside_runs_the_kernels(monkeypatch):
+    """The selector's jitted select once reused a reference trace inside interpret mode,
+    so a kernel test after a reference call of the same shapes compared the reference
+    with itself."""
+    kernels_seen = []
+    real = base.top_budget
+
+    def spy(*args, **kwargs):
+        kernels_seen.append(base._selection_kernels())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(base, "top_budget", spy)
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((1, 2, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 61, 1, 8)), jnp.float32)  # a shape of its own
+    lengths = jnp.asarray([61], jnp.int32)
+    sel = make_selector("oracle")
+    want = sel.select({}, q, k, lengths, 5)
+    with backend.interpret_mode(True):
+        got = sel.select({}, q, k, lengths, 5)
+    np.testing.assert_array_equal(got, want)
+    assert kernels_seen == [backend.has_nvidia_gpu(), True]
