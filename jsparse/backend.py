@@ -32,7 +32,9 @@ Derivatives. Every op is differentiable where its math is (``jsparse._autodiff``
 Pallas kernels run compiled on a GPU, or in Pallas interpret mode anywhere (the
 kernel body executed as plain XLA ops, slow but faithful to the kernel's logic).
 Interpret mode is switched on with :func:`interpret_mode` (tests, CPU benchmarks)
-or ``JSPARSE_INTERPRET=1``.
+or ``JSPARSE_INTERPRET=1``. Dispatch reads it while tracing, so the library's own jits
+above dispatch keep one trace per mode (:func:`jit_per_mode`); a jit of your own
+keeps the mode it was first traced in.
 """
 
 from __future__ import annotations
