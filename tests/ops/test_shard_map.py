@@ -138,17 +138,25 @@ def _sharded(op, implementation, check_vma):
     return jax.jit(body)(*placed)
 
 
+def _assert_unsharded_answer(op, got, want):
+    # The keys' gradient adds the backward kernel's head-group partial sums in XLA,
+    # whose reduction order may differ between two compiled programs (on an H100,
+    # 6.1e-5 where the largest entry is ~170, run 266): a few ulps of the largest term.
+    scale = np.abs(np.asarray(want)).max() if op.startswith("indexer_scores_grad") else 1.0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * scale)
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_the_kernels_under_check_vma_false_give_the_unsharded_answer(op, kernel_impl):
     want = OPS[op][0](ARRAYS, kernel_impl)
-    np.testing.assert_allclose(_sharded(op, kernel_impl, False), want, rtol=1e-6, atol=1e-6)
+    _assert_unsharded_answer(op, _sharded(op, kernel_impl, False), want)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", sorted(ALL_OPS))
 def test_under_check_vma_the_compiled_kernels_give_the_unsharded_answer(op):
     want = ALL_OPS[op][0](ARRAYS, "triton")
-    np.testing.assert_allclose(_sharded(op, "triton", True), want, rtol=1e-6, atol=1e-6)
+    _assert_unsharded_answer(op, _sharded(op, "triton", True), want)
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
