@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -90,7 +92,16 @@ def save_bases(
     if not isinstance(overwrite, bool):
         raise ValueError(f"save_bases: overwrite must be True or False, got {overwrite!r}")
     flat = {name: np.asarray(value) for name, value in _flatten(bases).items()}
+    if not flat:
+        raise ValueError("save_bases: bases hold no array (only empty dicts)")
+    _check_orbax_names(flat)
     _check_shapes({n: a.shape for n, a in flat.items()}, metadata, "save_bases")
+    for name, a in flat.items():  # what Orbax refuses, refused before anything is written
+        if a.size == 0 or a.dtype.kind in "OSUMm":
+            raise ValueError(
+                f"save_bases: {name} is {a.dtype.name} of shape {a.shape}; expected a "
+                "non-empty numeric array"
+            )
     for name, a in flat.items():  # jax restores 64-bit arrays as 32-bit unless x64 is on
         if a.dtype.itemsize == 8 and a.dtype.kind in "fiuc":
             raise ValueError(
@@ -112,29 +123,52 @@ def save_bases(
     if path.exists():
         if not overwrite:
             raise FileExistsError(f"save_bases: {path} exists (pass overwrite=True to replace it)")
-        _remove_checkpoint(path)
-    path.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path / _ARRAYS, _unflatten(flat))
-    # Written last: a directory without metadata.json is an incomplete save.
-    (path / _META).write_text(meta_text)
+        _check_replaceable(path)
+    # Written beside the target and moved in place once complete, so a save that fails
+    # (Orbax refusing an array, a full disk) leaves any checkpoint it replaces intact.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.saving-", dir=path.parent))
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(staging / _ARRAYS, _unflatten(flat))
+        # Written last: a directory without metadata.json is an incomplete save.
+        (staging / _META).write_text(meta_text)
+        if path.exists():
+            shutil.rmtree(path)
+        staging.rename(path)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
     return path
 
 
-def _remove_checkpoint(path: Path) -> None:
-    """Removes a checkpoint directory (complete or not) that ``overwrite`` replaces, and
-    refuses anything else: a file, or a directory holding other entries."""
-    import shutil
+def _check_orbax_names(flat: Mapping[str, Any]) -> None:
+    """Orbax names each array by its key path joined with '.', so keys "a.b" and
+    ("a", "b") would be written to one file and the checkpoint would never load."""
+    seen: dict[str, str] = {}
+    for name in flat:
+        dotted = name.replace("/", ".")
+        if dotted in seen:
+            raise ValueError(
+                f"save_bases: keys {seen[dotted]!r} and {name!r} (nested keys joined by '/') "
+                "name one Orbax array; rename one of them"
+            )
+        seen[dotted] = name
 
-    if not path.is_dir():
+
+def _check_replaceable(path: Path) -> None:
+    """Refuses to let ``overwrite`` replace anything but a checkpoint directory
+    (complete or not, an interrupted Orbax save's temporary directory included)."""
+    if not path.is_dir() or path.is_symlink():
         raise ValueError(f"save_bases: {path} exists and is not a directory; not replacing it")
-    others = sorted(e.name for e in path.iterdir() if e.name not in (_ARRAYS, _META))
+    leftover = f"{_ARRAYS}.orbax-checkpoint-tmp"
+    names = [e.name for e in path.iterdir()]
+    others = sorted(n for n in names if n not in (_ARRAYS, _META) and not n.startswith(leftover))
     if others:
         raise ValueError(
             f"save_bases: {path} holds {others[:5]}, so it is not a jsparse checkpoint; "
             "overwrite=True replaces only a checkpoint"
         )
-    shutil.rmtree(path)
 
 
 def _check_shapes(shapes: Mapping[str, Any], meta: Mapping[str, Any], where: str) -> None:
@@ -174,7 +208,11 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"load_bases: corrupt checkpoint metadata {meta_file}: {err}") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "arrays" not in meta:
+    if (
+        not isinstance(meta, dict)
+        or meta.get("format") != FORMAT
+        or not isinstance(meta.get("arrays"), dict)
+    ):
         raise ValueError(f"load_bases: {meta_file} is not {FORMAT} metadata")
     return meta
 

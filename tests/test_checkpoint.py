@@ -149,3 +149,59 @@ def test_tampered_values_fail_checksum(tmp_path):
     (path / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="checksum"):
         jsparse.load_bases(path)
+
+
+def test_a_failed_overwrite_keeps_the_checkpoint_it_would_replace(tmp_path, monkeypatch):
+    """The new arrays are written beside the old checkpoint and moved in once complete:
+    Orbax refusing them (once after the old one was already deleted) loses nothing."""
+    import orbax.checkpoint as ocp
+
+    path = jsparse.save_bases(tmp_path / "ckpt", _bases(), _meta())
+
+    def refuse(self, *args, **kwargs):
+        raise ValueError("disk full")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", refuse)
+    newer = _bases()
+    newer["basis"] = newer["basis"] + 1
+    with pytest.raises(ValueError, match="disk full"):
+        jsparse.save_bases(path, newer, _meta(), overwrite=True)
+    monkeypatch.undo()
+    restored, _ = jsparse.load_bases(path)
+    np.testing.assert_array_equal(restored["basis"], _bases()["basis"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging left
+    jsparse.save_bases(path, newer, _meta(), overwrite=True)
+    np.testing.assert_array_equal(jsparse.load_bases(path)[0]["basis"], newer["basis"])
+
+
+@pytest.mark.parametrize(
+    "bases, message",
+    [
+        ({"a.b": 0, "a": {"b": 0}}, r"keys 'a\.b' and 'a/b' .* name one Orbax array"),
+        ({"basis": 0, "extra": np.zeros((L, HKV, 0), np.int32)}, "extra is int32 of shape"),
+        ({"basis": 0, "names": np.full((L, HKV), "x")}, "names is str32 of shape"),
+        ({"extra": {}}, "bases hold no array"),
+    ],
+    ids=["orbax-name-collision", "zero-size", "strings", "only-empty-dicts"],
+)
+def test_save_refuses_what_orbax_cannot_store_before_touching_the_disk(tmp_path, bases, message):
+    """Each once failed inside Orbax (after ``overwrite`` had deleted the old checkpoint)
+    or, for colliding names, saved one array over another and never loaded."""
+    basis = _bases()["basis"]
+    bases = {k: (basis if isinstance(v, int) else v) for k, v in bases.items()}
+    if "a" in bases:
+        bases["a"] = {"b": basis + 1}
+    path = jsparse.save_bases(tmp_path / "ckpt", _bases(), _meta())
+    with pytest.raises(ValueError, match=message):
+        jsparse.save_bases(path, bases, _meta(), overwrite=True)
+    np.testing.assert_array_equal(jsparse.load_bases(path)[0]["basis"], basis)
+
+
+@pytest.mark.parametrize("arrays", [[1, 2], None, "x"])
+def test_metadata_whose_arrays_is_not_a_dict_is_corrupt(tmp_path, arrays):
+    path = jsparse.save_bases(tmp_path / "ckpt", _bases(), _meta())
+    meta = json.loads((path / "metadata.json").read_text())
+    meta["arrays"] = arrays
+    (path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="is not jsparse-bases/1 metadata"):
+        jsparse.load_bases(path)

@@ -49,7 +49,8 @@ def top_eigenvectors(
     d = sym.shape[-1]
     if not 1 <= rank <= d:
         raise ValueError(f"top_eigenvectors: rank must be in [1, {d}], got {rank}")
-    sym = 0.5 * (sym + jnp.swapaxes(sym, -1, -2)).astype(jnp.float32)
+    sym = sym.astype(jnp.float32)  # halves before the sum: near f32's largest, no overflow
+    sym = 0.5 * sym + 0.5 * jnp.swapaxes(sym, -1, -2)
     values, vectors = eigh_or_nan(sym)  # ascending; vectors are columns
     values = values[..., ::-1][..., :rank]
     rows = jnp.swapaxes(vectors[..., :, ::-1][..., :, :rank], -1, -2)

@@ -134,6 +134,8 @@ def _check_update_inputs(state: MomentState, q, k, mask) -> None:
         raise ValueError(f"q: {q.shape[-2]} query heads are not a multiple of {n_kv} KV heads")
     if mask is not None and tuple(mask.shape) != tuple(k.shape[:-2]):
         raise ValueError(f"mask: expected shape {tuple(k.shape[:-2])}, got {tuple(mask.shape)}")
+    if mask is not None and mask.dtype != jnp.bool_:
+        raise ValueError(f"mask: dtype {mask.dtype}; expected bool (True: a valid token)")
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -142,6 +144,9 @@ def _update(state: MomentState, q, k, mask) -> MomentState:
     qm = group_mean_queries(q, n_kv)
     k = k.astype(jnp.float32)
     w = jnp.ones(k.shape[:-2], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    if mask is not None:  # selected, not multiplied: a masked-out NaN or inf adds nothing
+        qm = jnp.where(mask[..., None, None], qm, 0.0)
+        k = jnp.where(mask[..., None, None], k, 0.0)
     qw = qm * w[..., None, None]
     kw = k * w[..., None, None]
     # Sum over tokens inside one matmul per chunk; f32 with HIGHEST precision (no TF32 on GPU).
@@ -165,6 +170,7 @@ def update_moments(
     ``mask`` (optional) marks the valid tokens of a padded chunk, so a fixed chunk shape
     compiles once. The input state's buffers are donated: use the returned state.
     """
+    mask = None if mask is None else jnp.asarray(mask)
     _check_update_inputs(state, q, k, mask)
     return _update(state, q, k, mask)
 

@@ -111,6 +111,11 @@ def refine_basis(
             f"refine_basis: basis {tuple(basis.shape)} must be [*L, R, D] and gram_q "
             f"{tuple(gram_q.shape)} [*L, D, D] with the same D"
         )
+    if basis.shape[-2] > basis.shape[-1]:
+        raise ValueError(
+            f"refine_basis: basis {tuple(basis.shape)} has rank R = {basis.shape[-2]} > "
+            f"D = {basis.shape[-1]}; expected at most D orthonormal rows"
+        )
     if gram_q.shape != gram_k.shape or gram_q.shape[:-2] != basis.shape[:-2]:
         raise ValueError(
             f"refine_basis: leading shapes differ: basis {tuple(basis.shape)}, "

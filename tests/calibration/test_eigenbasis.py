@@ -85,3 +85,12 @@ def test_non_finite_matrices_give_nan_not_an_arbitrary_basis():
     assert np.isnan(rows[:2]).all() and np.isnan(values[:2]).all()
     np.testing.assert_allclose(np.abs(rows[2]), np.eye(4)[:2], atol=1e-6)
     np.testing.assert_allclose(values[2], [4.0, 3.0])
+
+
+def test_a_float16_matrix_near_its_largest_value_symmetrises_without_overflow():
+    """The symmetrisation once added the matrix to its transpose in the input dtype,
+    so a float16 entry of 40000 (twice of which passes float16's 65504) became inf."""
+    sym = np.diag([40000.0, 1.0]).astype(np.float16)
+    vectors, values = top_eigenvectors(sym, 1)
+    np.testing.assert_array_equal(np.asarray(vectors), [[1.0, 0.0]])
+    np.testing.assert_allclose(np.asarray(values), [40000.0])

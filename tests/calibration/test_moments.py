@@ -58,6 +58,17 @@ def test_mask_and_layer_axis():
         np.testing.assert_allclose(m.gram_q[layer], gq, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(m.layer(layer).gram_k, gk, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(m.n_tokens, [25, 25])
+    # masked-out padding holding NaN or inf adds nothing (a multiply by 0 once made NaN)
+    for bad in (np.nan, np.inf):
+        q2, k2 = q.copy(), k.copy()
+        q2[:, 30], k2[:, 31] = bad, bad
+        m2 = finalize_moments(update_moments(init_moments(hkv, d, (n_layers,)), q2, k2, mask))
+        np.testing.assert_array_equal(np.asarray(m2.gram_k), np.asarray(m.gram_k))
+        np.testing.assert_array_equal(np.asarray(m2.gram_q), np.asarray(m.gram_q))
+    # the mask selects tokens; any other dtype would weight them
+    for weights in (mask.astype(np.int32) * 3, mask.astype(np.float32)):
+        with pytest.raises(ValueError, match=f"mask: dtype {weights.dtype}; expected bool"):
+            update_moments(init_moments(hkv, d, (n_layers,)), q, k, weights)
 
 
 def test_group_mean_and_trace():

@@ -85,5 +85,10 @@ def test_bad_inputs():
     basis, gq, gk = _calibrated(4)
     with pytest.raises(ValueError, match="leading"):
         refine_basis(basis[:2], gq, gk, steps=1)
+    # more rows than D once came back as a D × D basis of another shape
+    d = gq.shape[-1]
+    tall = np.zeros((*gq.shape[:-2], d + 1, d), np.float32)
+    with pytest.raises(ValueError, match=rf"rank R = {d + 1} > D = {d}"):
+        refine_basis(tall, gq, gk, steps=1)
     with pytest.raises(ValueError, match="lr"):
         refine_basis(basis, gq, gk, steps=1, lr=0.0)
