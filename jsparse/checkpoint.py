@@ -73,6 +73,8 @@ def save_bases(
     ``metadata`` must hold ``model``, ``method``, ``n_layers``, ``n_kv_heads``,
     ``head_dim`` and ``rank``; add ``calibration`` (data and token count) and anything
     else JSON can encode. ``jsparse_version`` and the array specs are added here.
+    ``overwrite=True`` replaces a checkpoint (never another directory): the new one is
+    written beside it and moved in once complete, so a failed save keeps the old one.
     Returns the absolute path.
     """
     import orbax.checkpoint as ocp
