@@ -76,10 +76,9 @@ class Moments(NamedTuple):
 
 def init_moments(n_kv_heads: int, head_dim: int, batch_shape: tuple[int, ...] = ()) -> MomentState:
     """An empty accumulator for ``n_kv_heads`` KV heads of dimension ``head_dim``."""
-    if n_kv_heads < 1 or head_dim < 1:
-        raise ValueError(
-            f"init_moments: need n_kv_heads, head_dim >= 1, got {n_kv_heads=}, {head_dim=}"
-        )
+    n_kv_heads = _checks.check_int("n_kv_heads", n_kv_heads, 1)
+    head_dim = _checks.check_int("head_dim", head_dim, 1)
+    batch_shape = tuple(_checks.check_int("batch_shape", n, 0) for n in batch_shape)
     shape = (*batch_shape, n_kv_heads)
     f32 = jnp.float32
     return MomentState(
@@ -97,6 +96,7 @@ def group_mean_queries(q: Float[Array, "*N H D"], n_kv_heads: int) -> Float[Arra
     Query head ``h`` reads KV head ``h // G`` (the usual grouped-query layout, where the
     KV heads are repeated ``G`` times consecutively).
     """
+    n_kv_heads = _checks.check_int("n_kv_heads", n_kv_heads, 1)
     n_heads = q.shape[-2]
     if n_heads % n_kv_heads:
         raise ValueError(

@@ -13,11 +13,14 @@ construction (with a step small enough to never be rejected this is the paper's 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+from jsparse import _checks
 
 __all__ = [
     "RefineResult",
@@ -121,8 +124,13 @@ def refine_basis(
             f"refine_basis: leading shapes differ: basis {tuple(basis.shape)}, "
             f"gram_q {tuple(gram_q.shape)}, gram_k {tuple(gram_k.shape)}"
         )
-    if steps < 0 or not lr > 0:
-        raise ValueError(f"refine_basis: need steps >= 0 and lr > 0, got {steps=}, {lr=}")
+    steps = _checks.check_int("steps", steps, 0)
+    try:
+        lr_value = float(lr)
+    except (TypeError, ValueError):
+        lr_value = math.nan
+    if isinstance(lr, bool | str | bytes) or not (math.isfinite(lr_value) and lr_value > 0):
+        raise ValueError(f"refine_basis: need a finite lr > 0, got {lr=}")
     return _refine(
         basis, gram_q.astype(jnp.float32), gram_k.astype(jnp.float32), lr, steps, monotone
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jsparse import _checks
 from jsparse.calibration.moments import Moments, finalize_moments, init_moments, update_moments
 from jsparse.eval.captures import read_layer, read_meta
 
@@ -48,6 +49,7 @@ def moments_from_captures(
 
     if not dirs:
         raise ValueError("moments_from_captures: no calibration capture given")
+    chunk = _checks.check_int("chunk", chunk, 1)
     metas = [read_meta(d) for d in dirs]
     first = metas[0]
     shape_keys = ("n_layers", "n_heads", "n_kv_heads", "head_dim")

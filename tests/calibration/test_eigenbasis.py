@@ -94,3 +94,11 @@ def test_a_float16_matrix_near_its_largest_value_symmetrises_without_overflow():
     vectors, values = top_eigenvectors(sym, 1)
     np.testing.assert_array_equal(np.asarray(vectors), [[1.0, 0.0]])
     np.testing.assert_allclose(np.asarray(values), [40000.0])
+
+
+def test_rank_and_shape_are_refused_by_name():
+    sym = np.eye(4, dtype=np.float32)
+    with pytest.raises(ValueError, match="rank must be in"):
+        top_eigenvectors(sym, 2.0)
+    with pytest.raises(ValueError, match=r"sym has shape \(4, 3\); expected \[\*L, D, D\]"):
+        top_eigenvectors(sym[:, :3], 2)

@@ -12,6 +12,7 @@ from jsparse.calibration import (
     normalize_trace,
     update_moments,
 )
+from jsparse.calibration.stream import moments_from_captures
 
 
 def _numpy_moments(q, k, n_kv):
@@ -133,3 +134,19 @@ def test_non_finite_moments_are_refused(who, change):
     k = jax.numpy.asarray(rng.standard_normal((20, 2, 6)), np.float32)
     with pytest.raises(ValueError, match=rf"the {who}' moments at .* = \[1\] are not finite"):
         compute_moments(*change(q, k))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: init_moments(1, 4.5), r"head_dim: expected an int >= 1, got 4\.5"),
+        (lambda: init_moments(2, 8, (-1,)), "batch_shape: expected an int >= 0, got -1"),
+        (lambda: group_mean_queries(np.zeros((3, 4, 8)), 0), "n_kv_heads: expected an int >= 1"),
+        (lambda: moments_from_captures(["unread"], chunk=0), "chunk: expected an int >= 1"),
+    ],
+    ids=["float-dim", "negative-batch", "zero-kv-heads", "zero-chunk"],
+)  # fmt: skip
+def test_counts_are_refused_by_name(call, message):
+    """Each once raised TypeError or ZeroDivisionError from inside jax or Python."""
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -90,5 +90,10 @@ def test_bad_inputs():
     tall = np.zeros((*gq.shape[:-2], d + 1, d), np.float32)
     with pytest.raises(ValueError, match=rf"rank R = {d + 1} > D = {d}"):
         refine_basis(tall, gq, gk, steps=1)
+    with pytest.raises(ValueError, match=r"steps: expected an int >= 0, got 2\.5"):
+        refine_basis(basis, gq, gk, steps=2.5)
+    for lr in (float("inf"), float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="need a finite lr > 0"):
+            refine_basis(basis, gq, gk, steps=1, lr=lr)
     with pytest.raises(ValueError, match="lr"):
         refine_basis(basis, gq, gk, steps=1, lr=0.0)
