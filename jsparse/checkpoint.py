@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -129,7 +129,8 @@ def save_bases(
     # Written beside the target and moved in place once complete, so a save that fails
     # (Orbax refusing an array, a full disk) leaves any checkpoint it replaces intact.
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.saving-", dir=path.parent))
+    staging = path.parent / f".{path.name}.saving-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()  # mkdir, not mkdtemp: the checkpoint keeps the umask's permissions
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(staging / _ARRAYS, _unflatten(flat))
@@ -162,7 +163,9 @@ def _check_replaceable(path: Path) -> None:
     """Refuses to let ``overwrite`` replace anything but a checkpoint directory
     (complete or not, an interrupted Orbax save's temporary directory included)."""
     if not path.is_dir() or path.is_symlink():
-        raise ValueError(f"save_bases: {path} exists and is not a directory; not replacing it")
+        raise ValueError(
+            f"save_bases: {path} exists and is not a directory (or is a link); not replacing it"
+        )
     leftover = f"{_ARRAYS}.orbax-checkpoint-tmp"
     names = [e.name for e in path.iterdir()]
     others = sorted(n for n in names if n not in (_ARRAYS, _META) and not n.startswith(leftover))
