@@ -143,19 +143,19 @@ def _update(state: MomentState, q, k, mask) -> MomentState:
     n_kv = state.sum_k.shape[-2]
     qm = group_mean_queries(q, n_kv)
     k = k.astype(jnp.float32)
-    w = jnp.ones(k.shape[:-2], jnp.float32) if mask is None else mask.astype(jnp.float32)
-    if mask is not None:  # selected, not multiplied: a masked-out NaN or inf adds nothing
+    if mask is None:
+        count = jnp.full(k.shape[:-3], k.shape[-3], jnp.float32)
+    else:  # selected, not multiplied: a masked-out NaN or inf adds nothing
         qm = jnp.where(mask[..., None, None], qm, 0.0)
         k = jnp.where(mask[..., None, None], k, 0.0)
-    qw = qm * w[..., None, None]
-    kw = k * w[..., None, None]
+        count = mask.sum(axis=-1, dtype=jnp.float32)
     # Sum over tokens inside one matmul per chunk; f32 with HIGHEST precision (no TF32 on GPU).
     return MomentState(
-        gram_q=state.gram_q + jnp.einsum("...nhd,...nhe->...hde", qw, qm, precision=_HIGHEST),
-        gram_k=state.gram_k + jnp.einsum("...nhd,...nhe->...hde", kw, k, precision=_HIGHEST),
-        sum_q=state.sum_q + qw.sum(axis=-3),
-        sum_k=state.sum_k + kw.sum(axis=-3),
-        count=state.count + w.sum(axis=-1),
+        gram_q=state.gram_q + jnp.einsum("...nhd,...nhe->...hde", qm, qm, precision=_HIGHEST),
+        gram_k=state.gram_k + jnp.einsum("...nhd,...nhe->...hde", k, k, precision=_HIGHEST),
+        sum_q=state.sum_q + qm.sum(axis=-3),
+        sum_k=state.sum_k + k.sum(axis=-3),
+        count=state.count + count,
     )
 
 
