@@ -181,12 +181,19 @@ def check_positive_finite(name: str, x) -> None:
         raise ValueError(f"{name}: {name}{list(at)} = {values[at]}; expected finite and > 0")
 
 
+def finite_real(x) -> float | None:
+    """``x`` as a float if it is a finite real Python or numpy number (not a bool), else
+    None: the caller names the argument and what else it needs."""
+    real = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+    return float(x) if real and math.isfinite(x) else None
+
+
 def check_logit_scale(scale) -> float:
     """A finite real (Python or numpy) number: the static logit scale of an attention op."""
-    real = isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool)
-    if not (real and math.isfinite(scale)):
+    value = finite_real(scale)
+    if value is None:
         raise ValueError(f"scale: got {scale!r}; expected a finite real number")
-    return float(scale)
+    return value
 
 
 def usable_pages(page_table, n_pages: int):

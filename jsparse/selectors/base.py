@@ -39,8 +39,6 @@ Contract of ``select``:
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -559,8 +557,8 @@ def amax_scale(amax: Array, levels: float) -> Array:
 
 
 def _check_headroom(headroom: float) -> None:
-    number = isinstance(headroom, numbers.Real) and not isinstance(headroom, bool)
-    if not (number and math.isfinite(headroom) and headroom >= 1.0):
+    value = _checks.finite_real(headroom)
+    if value is None or value < 1.0:
         raise ValueError(f"headroom: got {headroom!r}; expected a finite number >= 1")
 
 
