@@ -147,6 +147,12 @@ class SparseMLA(nnx.Module):
         one (``rows`` then a pool [n_pages, P, D]), as
         :func:`jsparse.indexed_mla_attention` takes them; prefill sees them as dense f32."""
         params = self.params.get_value()
+        calibrated = getattr(self.selector, "latent_dim", latent_dim)
+        if calibrated != latent_dim:  # its map treats a row's first latent_dim values as c
+            raise ValueError(
+                f"latent_dim: the layer's rows hold {latent_dim} latent values; the selector "
+                f"{self.selector.name!r} was made for latent_dim={calibrated}"
+            )
         scale_2d = None
         if cache_scale is not None:
             _checks.check_rank("cache_scale", cache_scale, 1, "[B]")

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from jsparse import _checks
 from jsparse.calibration.moments import Moments
 from jsparse.selectors.base import register
 from jsparse.selectors.jssa import JSSASelector
@@ -45,10 +46,9 @@ class JSSAMLASelector(JSSASelector):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.latent_dim, int) or self.latent_dim < self.rank:
-            raise ValueError(
-                f"latent_dim: got {self.latent_dim!r}; expected an int >= rank = {self.rank}"
-            )
+        object.__setattr__(
+            self, "latent_dim", _checks.check_int("latent_dim", self.latent_dim, self.rank)
+        )
 
     def calibrate_from_moments(self, moments: Moments):
         hkv, d = moments.gram_q.shape[-3], moments.gram_q.shape[-1]

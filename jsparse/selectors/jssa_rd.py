@@ -7,7 +7,9 @@ Two changes to JSSA (MATH.md §2.1-2.4), each measured on held-out SmolLM2 activ
    bound of ``E[(q̄ᵀ(I - P)k)²]`` over shared subspaces ``P = MᵀM``. Allowing the query and
    key maps to differ, ``q̄·k ≈ (A q̄)·(B k)``, the same objective has an exact closed-form
    minimiser, the rank-R SVD of ``G_Q^{1/2} G_K^{1/2}`` (Eckart-Young; the KQ-SVD
-   factorisation of §2.7). Components come sorted by their share of the score variance.
+   factorisation of §2.7). Of its components the selector keeps the R with the largest
+   share of the *centred* score variance, largest first: a key's mean shifts every score
+   of a query alike and ranks nothing, so it earns no bits.
    ``maps_kind="shared"`` keeps JSSA's closed-form basis instead (for ablations).
 
 2. **Rate-distortion allocation of the byte budget.** JSSA spends its budget uniformly:
@@ -23,7 +25,8 @@ Two changes to JSSA (MATH.md §2.1-2.4), each measured on held-out SmolLM2 activ
 Cache per token per KV head: ``fp8_dims + int4_dims / 2`` bytes (int4 packed two per
 byte; per-(sequence, KV head) FP8 scale and per-(sequence, KV head, dim) int4 scales are
 per-sequence constants). Scales are the amax of the keys given to ``project_keys``, as
-for the FP8 cache of the other selectors.
+for the FP8 cache of the other selectors. int4 has no NaN: a NaN in a key's int4 dims
+stores 0 there (its mean), while one in its FP8 dims makes the key's score NaN.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from jsparse import _checks
 from jsparse.calibration.eigenbasis import jssa_basis
 from jsparse.calibration.moments import Moments
 from jsparse.selectors.base import (
@@ -62,44 +66,63 @@ FP8_REL_NOISE = (2.0**-4) ** 2 / 3
 
 def component_weights(a, b, moments: Moments) -> np.ndarray:
     """``[*L, Hkv, R]`` share of the centred score variance carried by each component:
-    ``E[(A q̄)_r²] · Var[(B k)_r]``, normalised to sum to 1 per (layer, KV head)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    gq = np.asarray(moments.gram_q, np.float64)
-    ck = np.asarray(moments.cov_k, np.float64)
-    wq = np.einsum("...rd,...de,...re->...r", a, gq, a)
-    wk = np.einsum("...rd,...de,...re->...r", b, ck, b)
-    w = np.maximum(wq * wk, 0.0)
-    return w / np.maximum(w.sum(axis=-1, keepdims=True), 1e-30)
+    ``E[(A q̄)_r²] · Var[(B k)_r]``, normalised to sum to 1 per (layer, KV head). Centred,
+    because a key's mean shifts every score of a query by one constant and ranks nothing."""
+    return np.asarray(_shares(a, b, moments), np.float64)
+
+
+def _shares(a, b, moments: Moments) -> Array:
+    """:func:`component_weights` in jnp (f32), so that calibration can run under ``jit``."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    wq = jnp.einsum("...rd,...de,...re->...r", a, moments.gram_q, a, precision=HIGHEST)
+    wk = jnp.einsum("...rd,...de,...re->...r", b, moments.cov_k, b, precision=HIGHEST)
+    w = jnp.maximum(wq * wk, 0.0)
+    return w / jnp.maximum(w.sum(axis=-1, keepdims=True), 1e-30)
 
 
 def plan_bit_allocation(weights, bytes_per_token: float, *, kappa: float = 4.0) -> tuple[int, int]:
-    """``(fp8_dims, int4_dims)`` for a budget of ``bytes_per_token`` (reverse water-filling).
+    """``(fp8_dims, int4_dims)`` for a budget of ``bytes_per_token``: the split whose
+    modelled distortion is least among those a :class:`JSSARDSelector` can apply.
 
-    ``weights [..., R]`` are component variance shares (:func:`component_weights`), in
-    decreasing order along the last axis; leading axes are averaged (one split for a whole
-    model keeps shapes uniform). Starting from nothing stored, the 4-bit step with the
-    largest distortion saving per bit is taken until the budget is spent: storing a
-    component in int4 saves ``w (1 - ε4)``, upgrading it to FP8 saves ``w (ε4 - ε8)``,
-    with ``ε4 = (kappa/7)²/12``, ``ε8`` = :data:`FP8_REL_NOISE`. ``kappa`` is the ratio
-    of a dimension's amax to its standard deviation (≈ 4 for 8K Gaussian samples).
+    ``weights [..., R]`` are component variance shares (:func:`component_weights`) in the
+    order the selector keeps components (largest first); leading axes are averaged
+    (one split for a whole model keeps shapes uniform). A selector of rank
+    ``n = fp8 + int4`` keeps the first ``n`` components and stores the ``fp8`` of them
+    with the largest shares in FP8 (it orders its components by share), so a split costs
+    each (layer, KV head) ``Σ_dropped w + ε8 Σ_FP8 w + ε4 Σ_int4 w``, with ``ε4 =
+    (kappa/7)²/12`` the int4 noise of an amax scale and ``ε8`` = :data:`FP8_REL_NOISE`.
+    ``kappa`` is a dimension's amax over its standard deviation (≈ 4 for 8K Gaussian
+    samples). Every split within the budget is tried (at most R²/2); ties go to fewer
+    bytes, then fewer components.
     """
     w = np.asarray(weights, np.float64)
-    w = w.reshape(-1, w.shape[-1]).mean(axis=0)
-    eps4 = (kappa / _INT4_MAX) ** 2 / 12
-    bits_left = round(8 * bytes_per_token)
-    fmt = np.zeros(w.shape[0], int)  # bits per component: 0, 4 or 8
-    while bits_left >= 4:
-        gain = np.where(
-            fmt == 0, w * (1 - eps4), np.where(fmt == 4, w * (eps4 - FP8_REL_NOISE), -1)
+    if w.ndim < 1 or w.shape[-1] < 1 or not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError(
+            f"weights: expected finite shares >= 0 of shape [..., R], R >= 1, got shape "
+            f"{w.shape}{'' if w.size == 0 else f' in [{w.min()}, {w.max()}]'}"
         )
-        r = int(np.argmax(gain))
-        if gain[r] <= 0:
-            break
-        fmt[r] += 4
-        bits_left -= 4
-    fp8 = int((fmt == 8).sum())
-    int4 = int((fmt == 4).sum())
-    return fp8, int4
+    budget = _checks.finite_real(bytes_per_token)
+    if budget is None or budget < 0.5:
+        raise ValueError(
+            f"bytes_per_token: got {bytes_per_token!r}; expected a finite number >= 0.5 "
+            "(one int4 component)"
+        )
+    if _checks.finite_real(kappa) is None or kappa <= 0:
+        raise ValueError(f"kappa: got {kappa!r}; expected a finite number > 0")
+    w = w.reshape(-1, w.shape[-1])
+    eps4, eps8 = (kappa / _INT4_MAX) ** 2 / 12, FP8_REL_NOISE
+    best = None
+    for n in range(1, w.shape[1] + 1):
+        kept = -np.sort(-w[:, :n], axis=1)  # the first n, largest first: FP8 takes a prefix
+        top = np.concatenate([np.zeros((w.shape[0], 1)), np.cumsum(kept, axis=1)], axis=1)
+        fp8 = np.arange(n + 1)
+        cost = (w[:, n:].sum(1)[:, None] + eps8 * top + eps4 * (top[:, -1:] - top)).mean(0)
+        spent = fp8 + (n - fp8) / 2
+        for f in np.flatnonzero(spent <= budget):
+            key = (cost[f], spent[f], n)
+            if best is None or key < best[0]:
+                best = (key, int(f), int(n - f))
+    return best[1], best[2]
 
 
 class MixedKeys(NamedTuple):
@@ -170,29 +193,41 @@ class JSSARDSelector(ProjectedSelector):
     ) -> JSSARDSelector:
         """The selector whose FP8 / int4 split :func:`plan_bit_allocation` chooses for
         ``bytes_per_token`` from calibration ``moments`` (any leading axes: one split)."""
-        d = moments.gram_q.shape[-1]
-        full = cls(fp8_dims=d, int4_dims=0, maps_kind=maps_kind, rcond=rcond)
-        a, b = full.maps(full.calibrate_from_moments(moments))
-        fp8, int4 = plan_bit_allocation(
-            component_weights(a, b, moments), bytes_per_token, kappa=kappa
-        )
+        selector = cls(fp8_dims=1, int4_dims=0, maps_kind=maps_kind, rcond=rcond)
+        fitted = selector._fit_by_share(moments)  # what every rank keeps a prefix of
+        weights = component_weights(fitted["query_map"], fitted["key_map"], moments)
+        fp8, int4 = plan_bit_allocation(weights, bytes_per_token, kappa=kappa)
         return cls(fp8_dims=fp8, int4_dims=int4, maps_kind=maps_kind, rcond=rcond)
 
     def calibrate_from_moments(self, moments: Moments):
         d = moments.gram_q.shape[-1]
         if self.rank > d:
             raise ValueError(f"jssa_rd: rank {self.rank} exceeds head_dim {d}")
-        if self.maps_kind == "exact":
-            params = dict(_kq_svd_fit(moments.gram_q, moments.gram_k, self.rank, self.rcond))
-        else:
-            basis = jssa_basis(moments, self.rank)
-            params = {"query_map": basis, "key_map": basis}
+        params = {name: m[..., : self.rank, :] for name, m in self._fit_by_share(moments).items()}
         params["key_offset"] = jnp.einsum(
             "...rd,...d->...r", params["key_map"], moments.mean_k, precision=HIGHEST
         )
         return params
 
+    def _fit_by_share(self, moments: Moments) -> dict:
+        """All ``D`` components of the fit, largest centred share first.
+
+        The fit orders them by raw second moments, where a key's mean (large in real
+        models' keys) can lead while it ranks nothing; by their centred share, the kept
+        ``rank`` components and the FP8 ones among them (the leading ``fp8_dims``) are
+        those that rank keys the most."""
+        d = moments.gram_q.shape[-1]
+        if self.maps_kind == "exact":
+            maps = dict(_kq_svd_fit(moments.gram_q, moments.gram_k, d, self.rcond))
+        else:
+            basis = jssa_basis(moments, d)
+            maps = {"query_map": basis, "key_map": basis}
+        order = jnp.argsort(-_shares(maps["query_map"], maps["key_map"], moments), axis=-1)
+        return {name: jnp.take_along_axis(m, order[..., None], axis=-2) for name, m in maps.items()}
+
     def maps(self, params):
+        if "key_offset" not in params:  # the cache is centred by it
+            raise KeyError("key_offset")  # checked_maps turns it into a ValueError
         return params["query_map"], params["key_map"]
 
     def project_keys(self, params, k, *, headroom: float = 1.0) -> MixedKeys:

@@ -156,6 +156,14 @@ def test_bad_configuration():
     params = sel.calibrate(q, q[:, :1])
     with pytest.raises(ValueError, match="MLA rows are one KV head of dim 40"):
         layer(SparseMLA(sel, params, budget=4)).init_cache(1, 8)
+    # rows as wide as the layer's, but a selector made for another split into latent and
+    # RoPE dims would read RoPE values as latent ones
+    other = jsparse.make_selector("jssa_mla", rank=4, latent_dim=24)
+    rows = jax.random.normal(jax.random.PRNGKey(1), (64, 1, 40))
+    mla = layer(SparseMLA(other, other.calibrate(rows, rows), budget=4))
+    cache = mla.init_cache(1, 8)
+    with pytest.raises(ValueError, match=r"latent_dim: the layer's rows hold 32 .* latent_dim=24"):
+        mla(inputs(1, 1), cache)
 
 
 def test_bad_inputs_and_caches_are_refused_by_name():

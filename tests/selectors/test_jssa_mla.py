@@ -89,8 +89,10 @@ def test_embed_has_leading_axes():
 
 
 def test_bad_configuration_and_moments():
-    with pytest.raises(ValueError, match=r"latent_dim: got 4; expected an int >= rank = 8"):
-        jsparse.make_selector("jssa_mla", rank=8, latent_dim=4)
+    for bad in (4, True, 16.0, "16"):
+        with pytest.raises(ValueError, match=r"latent_dim: expected an int >= 8"):
+            jsparse.make_selector("jssa_mla", rank=8, latent_dim=bad)
+    assert jsparse.make_selector("jssa_mla", rank=8, latent_dim=np.int64(16)).latent_dim == 16
     q, k = mla_activations(100)
     sel = jsparse.make_selector("jssa_mla", rank=4, latent_dim=DC)
     with pytest.raises(ValueError, match="jssa_mla: moments of 2 KV heads"):

@@ -61,16 +61,119 @@ def test_cache_round_trip_and_projected_select():
     )
 
 
-def test_exact_maps_match_kq_svd_and_planning():
+def _centred_shares(maps, m):
+    """``[Hkv, R]`` ``E[(A q̄)_r²] · Var[(B k)_r]`` of ``maps`` (A, B) [Hkv, R, D], unnormalised
+    (numpy float64 oracle)."""
+    a, b = (np.asarray(x, np.float64) for x in maps)
+    gq, ck = np.asarray(m.gram_q, np.float64), np.asarray(m.cov_k, np.float64)
+    return np.einsum("hrd,hde,hre->hr", a, gq, a) * np.einsum("hrd,hde,hre->hr", b, ck, b)
+
+
+def _by_share(maps, m):
+    """``maps`` [Hkv, R, D] reordered largest centred share first."""
+    order = np.argsort(-_centred_shares(maps, m), axis=-1, kind="stable")
+    return [np.take_along_axis(np.asarray(x, np.float64), order[..., None], axis=-2) for x in maps]
+
+
+def test_exact_maps_are_kq_svds_largest_centred_shares():
     q, k, _, _ = _data()
     m = compute_moments(q, k)
     rd = make_selector("jssa_rd", fp8_dims=4, int4_dims=0).calibrate_from_moments(m)
-    kq = make_selector("kq_svd", rank=4).calibrate_from_moments(m)
-    np.testing.assert_allclose(rd["query_map"], kq["query_map"], atol=1e-6)
+    kq = make_selector("kq_svd", rank=D).calibrate_from_moments(m)
+    want = _by_share((kq["query_map"], kq["key_map"]), m)
+    for got, full in zip((rd["query_map"], rd["key_map"]), want, strict=True):
+        np.testing.assert_allclose(got, full[:, :4], atol=1e-5)
     shared = make_selector("jssa_rd", fp8_dims=4, int4_dims=0, maps_kind="shared")
-    basis = make_selector("jssa", rank=4).calibrate_from_moments(m)["basis"]
-    np.testing.assert_allclose(shared.calibrate_from_moments(m)["query_map"], basis, atol=1e-6)
+    basis = make_selector("jssa", rank=D).calibrate_from_moments(m)["basis"]
+    np.testing.assert_allclose(
+        shared.calibrate_from_moments(m)["query_map"],
+        _by_share((basis, basis), m)[0][:, :4],
+        atol=1e-5,
+    )
     w = component_weights(rd["query_map"], rd["key_map"], m)
     np.testing.assert_allclose(w.sum(axis=-1), 1.0, rtol=1e-6)
+    assert (np.diff(w, axis=-1) <= 1e-7).all()
     planned = JSSARDSelector.planned(m, 4.0)
     assert planned.bytes_per_token(D) <= 4.0 and planned.rank >= 4
+
+
+def _plan_oracle(w, budget, kappa=4.0):
+    """Every (fp8, int4) within ``budget``, each (row of ``w``)'s components given their
+    format one by one as the selector stores them; the least mean distortion wins."""
+    w = np.asarray(w, np.float64).reshape(-1, np.shape(w)[-1])
+    eps4, eps8 = (kappa / 7) ** 2 / 12, (2.0**-4) ** 2 / 3
+    best = None
+    for fp8 in range(w.shape[1] + 1):
+        for int4 in range(w.shape[1] + 1 - fp8):
+            if fp8 + int4 == 0 or fp8 + int4 / 2 > budget:
+                continue
+            cost = 0.0
+            for row in w:
+                kept = sorted(row[: fp8 + int4], reverse=True)
+                noise = [eps8] * fp8 + [eps4] * int4
+                cost += sum(x * e for x, e in zip(kept, noise, strict=True))
+                cost += row[fp8 + int4 :].sum()
+            key = (round(cost / len(w), 12), fp8 + int4 / 2, fp8 + int4)
+            best = min(best or (key, fp8, int4), (key, fp8, int4))
+    return best[1], best[2]
+
+
+def test_plan_is_the_least_distortion_within_the_budget():
+    rng = np.random.default_rng(0)
+    for trial in range(12):
+        w = rng.dirichlet(np.full(7, 0.4), size=3)  # 3 heads, unsorted shares
+        if trial % 3 == 0:
+            w = np.sort(w, axis=-1)[:, ::-1]
+        for budget in (0.5, 1.0, 1.49, 2.45, 4.0, 7.0):
+            fp8, int4 = plan_bit_allocation(w, budget)
+            assert fp8 + int4 / 2 <= budget
+            assert (fp8, int4) == _plan_oracle(w, budget), (trial, budget)
+
+
+def test_planned_spends_bits_on_the_keys_spread_not_their_mean():
+    # A large constant offset on one direction of the keys (as real keys have) leads the
+    # fit's raw-moment order but carries no centred variance: it must not get the bits.
+    rng = np.random.default_rng(0)
+    n = 4000
+    q = rng.standard_normal((n, 2, 8)) * np.linspace(2, 0.5, 8)
+    k = rng.standard_normal((n, 1, 8)) * np.array([0.05, 1.5, 1.2, 1.0, 0.8, 0.6, 0.4, 0.2])
+    k[..., 0] += 10.0
+    m = compute_moments(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32))
+    kq = make_selector("kq_svd", rank=8).calibrate_from_moments(m)
+    shares = np.sort(component_weights(kq["query_map"], kq["key_map"], m)[0])[::-1]
+    for budget, least in ((1.0, 0.75), (3.0, 0.98)):
+        sel = JSSARDSelector.planned(m, budget)
+        assert sel.bytes_per_token(8) <= budget
+        params = sel.calibrate_from_moments(m)
+        kept = _by_share((params["query_map"], params["key_map"]), m)
+        np.testing.assert_allclose(params["key_map"], kept[1], atol=1e-6)  # largest first
+        # the kept components are the best sel.rank of the full fit, by centred share
+        total = _centred_shares((kq["query_map"], kq["key_map"]), m).sum()
+        got = _centred_shares((params["query_map"], params["key_map"]), m).sum()
+        np.testing.assert_allclose(got / total, shares[: sel.rank].sum(), rtol=1e-4)
+        assert got / total >= least
+
+
+@pytest.mark.parametrize(
+    ("weights", "budget", "kappa", "match"),
+    [
+        ([0.5, 0.5], 0.25, 4.0, "bytes_per_token"),
+        ([0.5, 0.5], float("nan"), 4.0, "bytes_per_token"),
+        ([0.5, 0.5], float("inf"), 4.0, "bytes_per_token"),
+        ([0.5, 0.5], "16", 4.0, "bytes_per_token"),
+        ([float("nan"), 0.5], 1.0, 4.0, "weights"),
+        ([-0.1, 0.5], 1.0, 4.0, "weights"),
+        ([], 1.0, 4.0, "weights"),
+        ([0.5, 0.5], 1.0, 0.0, "kappa"),
+    ],
+)
+def test_plan_refuses_bad_arguments(weights, budget, kappa, match):
+    with pytest.raises(ValueError, match=match):
+        plan_bit_allocation(weights, budget, kappa=kappa)
+
+
+def test_other_selectors_params_are_named():
+    q, k, qe, kb = _data()
+    kq = make_selector("kq_svd", rank=4).calibrate(q, k)
+    with pytest.raises(ValueError, match=r"params.*key_offset"):
+        make_selector("jssa_rd", fp8_dims=2, int4_dims=2).select(kq, qe, kb, jnp.array([90] * 3), 8)
