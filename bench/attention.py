@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jsparse
-from jsparse.ops.attention.reference import listed_locations
+from jsparse.ops.attention.reference import indexed_attention_reference, listed_locations
 from jsparse.selectors.base import quantize_cache
 
 from . import common
@@ -136,11 +136,19 @@ def method_fn(method, impl, scale, *, heads: int, on_gpu: bool, dense_cache=None
     raise SystemExit(f"--op attention has methods base, xla and dense, not {method!r}")
 
 
+_reference = jax.jit(indexed_attention_reference, static_argnames="scale")
+
+
+def attention_reference(q, k, v, lists, *, scale, k_scale, v_scale, page_table):
+    """The f32 output of the op's own reference (not the public API the methods call)."""
+    return _reference(q, k, v, lists, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                      page_table=page_table)[0]  # fmt: skip
+
+
 def check(method, got, *, q, idx, cache, dense_cache, scale) -> list[str]:
-    """The first and last sequence against the f32 reference (dense: every row listed)."""
-    b = q.shape[0]
+    """Every sequence against the f32 reference (``dense``: over every row)."""
     problems = []
-    for i in sorted({0, b - 1}):
+    for i in range(q.shape[0]):
         src = dense_cache if method == "dense" else cache
         one = {n: None if src[n] is None else src[n][i : i + 1]
                for n in ("k_scale", "v_scale", "page_table")}  # fmt: skip
@@ -151,21 +159,37 @@ def check(method, got, *, q, idx, cache, dense_cache, scale) -> list[str]:
         if method == "dense":
             s, hkv = src["k"].shape[1], src["k"].shape[2]
             lists = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, hkv, s))
-        want = jsparse.indexed_attention(
-            q[i : i + 1], k, v, lists, scale=scale, **one, implementation="reference"
-        )
-        problems += bf16_mismatch(i, got[i], want[0])
+        want = attention_reference(q[i : i + 1], k, v, lists, scale=scale, **one)
+        problems += output_mismatch(i, got[i], want[0])
     return problems
 
 
-def bf16_mismatch(i: int, got, want) -> list[str]:
+# BF16 arithmetic (the probabilities and the output rounded to 8 significant bits) puts a
+# correct output within ~2^-8 of the reference's largest magnitude and ~2^-9 of its RMS
+# (measured on the CPU: at most 6.1e-3 and 2.4e-3); dropping one attended row of 512, or
+# adding 2e-2 to every output, is 2.5e-2 of the RMS or more.
+MAX_ERROR = 2.0**-6  # of the reference's largest magnitude
+RMS_ERROR = 2.0**-7  # of the reference's root mean square
+
+
+def output_mismatch(i: int, got, want) -> list[str]:
     """A problem when sequence i's output is off its f32 reference by more than BF16
-    arithmetic allows (3% of the output's largest magnitude, at least 3e-2)."""
-    err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
-    bound = 3e-2 * max(1.0, float(np.max(np.abs(np.asarray(want, np.float32)))))
-    if err.max() <= bound:
-        return []
-    return [f"sequence {i}: max |error| {err.max():.3g} > {bound:.3g}"]
+    arithmetic allows: :data:`MAX_ERROR` of the largest magnitude at any entry, or
+    :data:`RMS_ERROR` of the RMS over the sequence."""
+    want = np.asarray(want, np.float64)
+    err = np.asarray(got, np.float64) - want
+    if not np.all(np.isfinite(err)):
+        return [f"sequence {i}: non-finite output where the reference is finite"]
+    tiny = np.finfo(np.float32).tiny
+    largest, rms = np.max(np.abs(want), initial=tiny), np.sqrt(np.mean(want**2)) + tiny
+    worst, rms_err = np.max(np.abs(err), initial=0.0), np.sqrt(np.mean(err**2))
+    if worst > MAX_ERROR * largest:
+        return [
+            f"sequence {i}: max |error| {worst:.3g} > {MAX_ERROR} × max |reference| {largest:.3g}"
+        ]
+    if rms_err > RMS_ERROR * rms:
+        return [f"sequence {i}: RMS error {rms_err:.3g} > {RMS_ERROR} × RMS {rms:.3g}"]
+    return []
 
 
 def run(args, floors: common.Floors, impl: str) -> list[dict]:

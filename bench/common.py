@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse._cli import check_writable, positive_int  # noqa: F401  (the bench's flags use them)
 from jsparse._environment import environment  # noqa: F401  (bench modules call common.environment)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,9 +47,67 @@ def rotation_sets(bytes_per_set: int) -> int:
 BACKENDS = {"pallas-gpu": "triton", "interpret": "triton", "xla": "reference"}
 
 
+# Preset fields that mean the same in every configs/<op>.toml, checked when the presets
+# are read: a bad value used to surface as a KeyError or a shape error deep in a case.
+POSITIVE_FIELDS = ("t", "s", "b", "h", "hkv", "d", "dc", "dr", "hi", "di", "rank", "budget",
+                   "top_k")  # fmt: skip
+PAGE_FIELDS = ("page", "page_size")  # 0: a dense cache
+DTYPE_FIELDS = ("dtype", "index_dtype", "kv")
+DTYPE_NAMES = ("bf16", "fp8", "f32")  # the names measure_floors knows
+RANGES = ("all", "causal", "batch")
+
+
 def load_presets(op: str) -> dict:
+    """configs/<op>.toml, every preset checked by :func:`check_preset`."""
     with open(ROOT / "configs" / f"{op}.toml", "rb") as f:
-        return tomllib.load(f)
+        presets = tomllib.load(f)
+    for name, preset in presets.items():
+        check_preset(op, name, preset)
+    return presets
+
+
+def check_preset(op: str, name: str, preset, dtypes: Sequence[str] = DTYPE_NAMES) -> None:
+    """Stops with ``preset NAME: field=value: expected ...`` when a case of the preset has
+    a field no op can run: a non-positive size, an unknown dtype name (``dtype``: one of
+    ``dtypes``, the op's own where it has a list), an unknown ``ranges``, a causal chunk
+    longer than its context, a budget beyond the context, query heads not a multiple of
+    the KV heads, a page not dividing the context, a rank beyond the head dim."""
+    where = f"configs/{op}.toml: preset {name}"
+    cases = preset.get("cases") if isinstance(preset, dict) else None
+    if not isinstance(cases, list) or not cases or not all(isinstance(c, dict) for c in cases):
+        raise SystemExit(f"{where}: expected a non-empty `cases` list of tables")
+
+    def refuse(case, field, expected):
+        raise SystemExit(f"{where}: {field}={case[field]!r}: expected {expected}")
+
+    def is_int(value):
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for case in expand_cases(preset):
+        for field in POSITIVE_FIELDS:
+            if field in case and not (is_int(case[field]) and case[field] >= 1):
+                refuse(case, field, "a positive int")
+        for field in PAGE_FIELDS:
+            if field in case and not (is_int(case[field]) and case[field] >= 0):
+                refuse(case, field, "an int >= 0 (0: dense)")
+        for field in DTYPE_FIELDS:
+            known = dtypes if field == "dtype" else DTYPE_NAMES
+            if field in case and case[field] not in known:
+                refuse(case, field, f"one of {', '.join(known)}")
+        if "ranges" in case and case["ranges"] not in RANGES:
+            refuse(case, "ranges", f"one of {', '.join(RANGES)}")
+        s = case.get("s")
+        if s is not None:
+            if case.get("ranges") == "causal" and case.get("t", 0) > s:
+                refuse(case, "t", f"at most s={s} (a causal chunk is the last t of s positions)")
+            if case.get("budget", 0) > s:
+                refuse(case, "budget", f"at most s={s} tokens")
+            if case.get("page") and s % case["page"]:
+                refuse(case, "page", f"a divisor of s={s}")
+        if "hkv" in case and case.get("h", 0) % case["hkv"]:
+            refuse(case, "h", f"a multiple of hkv={case['hkv']}")
+        if "rank" in case and "d" in case and case["rank"] > case["d"]:
+            refuse(case, "rank", f"at most d={case['d']}")
 
 
 def expand_cases(preset: dict) -> list[dict]:
@@ -207,6 +266,20 @@ def kernels_from_trace(events: list[dict], calls: int) -> dict[str, float] | Non
     return dict(sorted(by_name.items(), key=lambda kv: -kv[1])) or None
 
 
+CHECK_EVERY_ROW_UP_TO = 64
+OUT_OF_MEMORY = "out of memory"
+
+
+def rows_to_check(n: int, rows: int) -> np.ndarray:
+    """Which of ``n`` rows (queries, sequences) a correctness check compares: all of
+    them up to :data:`CHECK_EVERY_ROW_UP_TO` (every decode shape), else ``rows`` spread
+    evenly from the first to the last (a reference over 8192 long rows costs more than
+    timing them)."""
+    if n <= max(rows, CHECK_EVERY_ROW_UP_TO):
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, rows).astype(int))
+
+
 def check_then_time(row: dict, fn: Callable, sets: Sequence, check: Callable, *,
                     budget_s: float, device_time: bool, nbytes: float, floor_s: float,
                     flops: float | None = None):  # fmt: skip
@@ -216,8 +289,13 @@ def check_then_time(row: dict, fn: Callable, sets: Sequence, check: Callable, *,
     and by kernel) and returns the result (None when it did not run)."""
     try:
         result = block(fn(sets[0]))
-    except Exception as err:  # e.g. out of memory for a naive baseline
-        row["status"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
+    except Exception as err:
+        text = str(err)
+        # A naive baseline may not fit in memory (the indexer's `xla` at causal 64K):
+        # reported as such, so that the run can tell it from a failure (bench/run.py).
+        oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+        kind = OUT_OF_MEMORY if oom else "error"
+        row["status"] = f"{kind}: {type(err).__name__}: {text.splitlines()[0][:80]}"
         return None
     problems = check(result)
     if problems:

@@ -133,7 +133,7 @@ def reference_lists(sel, params, q, keys: CacheView, state, budget):
 
 
 def check(method, got, *, q, cache, dense, want_lists, scale) -> list[str]:
-    """The first and last sequence against the f32 reference attention over the rows
+    """Every sequence against the f32 reference attention over the rows
     ``lax.top_k`` picks from the serving cache (every row of the dense BF16 cache for
     ``dense``): the attention bench's check of those lists."""
     plain = dict(k=dense[0], v=dense[1], k_scale=None, v_scale=None, page_table=None)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jsparse
-from bench import common
+from bench import common, indexer
 from jsparse import backend
 from jsparse.certified import (
     VARIANTS,
@@ -79,7 +79,26 @@ def _time(fn, iters: int, warmup: int = 2):
 
 
 def _same(a, b) -> bool:
-    return bool(np.array_equal(np.asarray(a.indices), np.asarray(b.indices)))
+    """Id for id and score for score: methods that share the scorer must agree exactly."""
+    return bool(
+        np.array_equal(np.asarray(a.indices), np.asarray(b.indices))
+        and np.array_equal(np.asarray(a.scores), np.asarray(b.scores), equal_nan=True)
+    )
+
+
+def _dtype_name(x) -> str:
+    return {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "float32": "f32"}[jnp.dtype(x.dtype).name]
+
+
+def _reference_problems(result, inputs: dict, top_k: int, check_rows: int) -> list[str]:
+    """``base``'s answer against the jnp reference scorer (the indexer bench's check):
+    the answer every other method must then equal exactly."""
+    keys = inputs["k_cache"] if "k_cache" in inputs else inputs["k"]
+    case = dict(
+        t=inputs["q"].shape[0], top_k=top_k, dtype=_dtype_name(keys),
+        ranges="batch" if "k_cache" in inputs else "ranges",
+    )  # fmt: skip
+    return indexer.check(case, inputs, result, check_rows)
 
 
 def _frac(num, den, mask=None):
@@ -146,6 +165,16 @@ def run_certificate(wl, args, out):
         )
 
 
+def _unpack(got):
+    """(result, info) of a method's call (``info`` None for ``base`` and ``full``)."""
+    return got if isinstance(got, tuple) else (got, None)
+
+
+def _prefill_inputs(wl) -> dict:
+    return dict(q=wl.q, weights=wl.weights, k=wl.k, k_scale=wl.k_scale, kv_start=wl.kv_start,
+                kv_end=wl.kv_end)  # fmt: skip
+
+
 def run_prefill(wl, args, out):
     t, s, _, _ = wl.shape
     arrays = (wl.q, wl.weights, wl.k, wl.k_scale, wl.kv_start, wl.kv_end)
@@ -182,17 +211,23 @@ def run_prefill(wl, args, out):
         )
     for variant in args.variants:
         calls[f"dosa[{variant},always]"] = call(variant=variant, policy="always")
+    # base first, checked against the reference, whether or not it is timed: every
+    # method's answer must equal it id for id (one scorer), or the method is not timed.
+    base, _ = _unpack(calls["base"]())
+    problems = _reference_problems(base, _prefill_inputs(wl), top_k, args.check_rows)
     rows = []
-    base = None
     for name, fn in calls.items():
         if args.methods and name.split("[")[0] not in args.methods:
             continue
-        got = fn()
-        res, info = got if isinstance(got, tuple) else (got, None)
-        if base is None:
-            base = res
-        row = {"workload": wl.name, "T": t, "S": s, "method": name, "exact": _same(res, base)}
-        row.update(_time(fn, args.iters))
+        res, info = _unpack(fn())
+        row = {"workload": wl.name, "T": t, "S": s, "method": name}
+        if problems:
+            row.update(exact=False, status="CHECK FAILED: base: " + problems[0])
+        elif not _same(res, base):
+            row.update(exact=False, status="CHECK FAILED: differs from base")
+        else:
+            row.update(exact=True, status="ok")
+            row.update(_time(fn, args.iters))
         vis = np.asarray(res.visible)
         row["records_per_query"] = float(np.mean(np.asarray(res.candidates)))
         row["fallback_pct"] = 100 * float(np.mean(np.asarray(res.fallback)))
@@ -224,7 +259,10 @@ def _print_tables(rows):
           "records | fallback % | exact |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        speed = base["median_ms"] / r["median_ms"] if r["exact"] else float("nan")
+        if not r["exact"]:
+            print(f"| {r['method']} | not timed | | | | | {r['status']} |")
+            continue
+        speed = base["median_ms"] / r["median_ms"] if base["exact"] else float("nan")
         surv = r.get("survival_pct", float("nan"))
         print(
             f"| {r['method']} | {r['median_ms']:.2f} | {speed:.2f} | {surv:.2f} | "
@@ -270,17 +308,29 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
 
         base = base_fn()
         res, new_witnesses = dosa_fn()
-        exact = bool(np.array_equal(np.asarray(res.indices), np.asarray(base.indices)))
+        # Every step is checked, step 0 (default seeds) too: base against the reference,
+        # the witness steps against base; a failed step is reported and not timed.
+        inputs = dict(q=q, weights=w, k_cache=wl.k_cache, k_scale=wl.k_scale, lengths=lengths)
+        problems = _reference_problems(base, inputs, top_k, args.check_rows)
+        problems += [] if _same(res, base) else ["dosa differs from base"]
         if args.page_size:
             paged, paged_witnesses_next = paged_fn()
-            exact &= bool(np.array_equal(np.asarray(paged.indices), np.asarray(base.indices)))
-        if n > 0:  # step 0 has no witnesses yet (default seeds)
+            problems += [] if _same(paged, base) else ["paged dosa differs from base"]
+        exact = not problems
+        if not exact:
+            row = {"workload": name, "batch": batch, "context": length, "step": n,
+                   "exact": False, "status": "CHECK FAILED: " + problems[0]}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+        elif n > 0:  # step 0 has no witnesses yet (default seeds): checked, not timed
             tb, td = _time(base_fn, args.iters), _time(dosa_fn, args.iters)
             records = np.asarray(res.candidates, np.float64)
             vis = np.asarray(lengths, np.float64)
             row = {
                 "workload": name, "batch": batch, "context": length, "step": n,
-                "exact": exact, "base_ms": tb["median_ms"], "dosa_ms": td["median_ms"],
+                "exact": True, "status": "ok",
+                "base_ms": tb["median_ms"], "dosa_ms": td["median_ms"],
                 "base_spread_ms": [tb["min_ms"], tb["max_ms"]],
                 "dosa_spread_ms": [td["min_ms"], td["max_ms"]],
                 "records_per_query": float(records.mean()),
@@ -304,8 +354,11 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
         witnesses = new_witnesses
         if args.page_size:
             paged_witnesses = paged_witnesses_next
-    if rows:
-        r = rows[-1]
+    timed = [r for r in rows if r["exact"]]
+    if not all(r["exact"] for r in rows):
+        print(f"| decode {name} B={batch} S={length} | {rows[0]['status']} | not timed |")
+    elif timed:
+        r = timed[-1]
         busy = (
             f" busy base {r['base_busy_us']:.1f} µs | dosa {r['dosa_busy_us']:.1f} µs |"
             if "dosa_busy_us" in r and "base_busy_us" in r
@@ -314,15 +367,27 @@ def run_decode(name, batch, length, args, out, heads=HEADS, dim=DIM):
         print(
             f"| decode {name} B={batch} S={length} | base {r['base_ms']:.3f} ms | dosa "
             f"{r['dosa_ms']:.3f} ms | records/query {r['records_per_query']:.0f} | cut "
-            f"{r['record_cut']:.1f}× | exact {all(x['exact'] for x in rows)} |"
+            f"{r['record_cut']:.1f}× | exact True |"
             + (f" paged (P={args.page_size}) {r['paged_ms']:.3f} ms |" if args.page_size else "")
             + busy
         )
 
 
-def _parse_shapes(specs):
-    """["8192x131072", ...] -> [(8192, 131072), ...]."""
-    return [tuple(int(x) for x in v.split("x")) for v in specs]
+def _shape(text: str) -> tuple[int, int]:
+    """An argparse type: ``"8192x131072"`` -> (8192, 131072), both ints >= 1."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected NxM with two ints >= 1, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return int(text)
+
+
+METHODS = ("base", "full", "dense", "dosa")
 
 
 def main(argv=None) -> int:
@@ -331,21 +396,33 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", action="store_true", help="prefill only")
     parser.add_argument("--decode", action="store_true", help="decode only")
     parser.add_argument("--workloads", default="iid,deepseek_like,low_survival")
-    parser.add_argument("--keys", type=int, nargs="*", help="prefill key counts (default all)")
-    parser.add_argument("--queries", type=int, help="prefill queries (default per shape)")
     parser.add_argument(
-        "--shapes", nargs="*", metavar="TxS", help="prefill queries x keys (default all)"
+        "--keys", type=common.positive_int, nargs="*", help="prefill key counts (default all)"
     )
-    parser.add_argument("--methods", nargs="*", help="subset of base full dense dosa")
+    parser.add_argument(
+        "--queries", type=common.positive_int, help="prefill queries (default per shape)"
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        type=_shape,
+        metavar="TxS",
+        help="prefill queries x keys (default all)",
+    )
+    parser.add_argument("--methods", nargs="*", choices=METHODS, help="a subset (default all)")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
-    parser.add_argument("--top-k", type=int, default=TOP_K)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--decode-steps", type=int, default=3)
+    parser.add_argument("--top-k", type=common.positive_int, default=TOP_K)
+    parser.add_argument("--iters", type=common.positive_int, default=5)
+    parser.add_argument("--decode-steps", type=common.positive_int, default=3)
     parser.add_argument(
-        "--decode-shapes", nargs="*", metavar="BxS", help="decode batch x context (default all)"
+        "--decode-shapes",
+        nargs="*",
+        type=_shape,
+        metavar="BxS",
+        help="decode batch x context (default all)",
     )
     parser.add_argument(
-        "--page-size", type=int, default=0,
+        "--page-size", type=_non_negative_int, default=0,
         help="decode: also run from a shuffled paged cache with pages of this many keys",
     )  # fmt: skip
     parser.add_argument(
@@ -354,7 +431,11 @@ def main(argv=None) -> int:
     )  # fmt: skip
     parser.add_argument("--refine-block", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--diag-queries", type=int, default=8)
+    parser.add_argument("--diag-queries", type=common.positive_int, default=8)
+    parser.add_argument(
+        "--check-rows", type=common.positive_int, default=16,
+        help="queries of a long prefill checked against the reference (decode: every one)",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpret)")
     parser.add_argument(
         "--screen-configs",
@@ -371,6 +452,14 @@ def main(argv=None) -> int:
         "--r", nargs="*", default=["auto"], help="retained heads for --certificate (auto or ints)"
     )
     args = parser.parse_args(argv)
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = sorted(set(names) - set(workloads.WORKLOADS))
+    if unknown or not names:
+        parser.error(
+            f"--workloads: got {args.workloads!r}; expected a comma-separated subset of "
+            f"{', '.join(sorted(workloads.WORKLOADS))}"
+        )
+    common.check_writable("--json", args.json)
 
     env = common.environment()  # JSPARSE_COMMIT names the commit on copies without .git
     print("jsparse bench dosa | " + " | ".join(f"{k} {v}" for k, v in env.items()))
@@ -381,13 +470,12 @@ def main(argv=None) -> int:
         args.diag_queries = min(args.diag_queries, 2)
     if not backend.has_nvidia_gpu():
         print("no NVIDIA GPU: Pallas kernels run in interpret mode (timings meaningless)")
-    names = [n for n in args.workloads.split(",") if n]
     rows: list[dict] = []
     with backend.interpret_mode(not backend.has_nvidia_gpu()):
         if not args.decode:
             shapes = SMOKE_PREFILL if args.smoke else PREFILL_SHAPES
             if args.shapes:
-                shapes = _parse_shapes(args.shapes)
+                shapes = args.shapes
             for t, s in shapes:
                 if args.keys and s not in args.keys:
                     continue
@@ -399,18 +487,30 @@ def main(argv=None) -> int:
         if not args.prefill and not args.certificate:
             shapes = SMOKE_DECODE if args.smoke else DECODE_SHAPES
             if args.decode_shapes:
-                shapes = _parse_shapes(args.decode_shapes)
+                shapes = args.decode_shapes
             kw = dict(heads=16, dim=32) if args.smoke else {}
             for batch, length in shapes:
                 run_decode("deepseek_like", batch, length, args, rows, **kw)
     if args.json:
-        args.json.write_text(json.dumps({"env": env, "args": vars(args) | {"json": str(args.json)},
-                                         "rows": rows}, indent=1))  # fmt: skip
+        payload = {"env": env, "args": vars(args) | {"json": str(args.json)}, "rows": rows}
+        args.json.write_text(json.dumps(_strict(payload), indent=1, allow_nan=False))
     bad = [r for r in rows if not r.get("exact", True)]
     if bad:
-        print(f"MISMATCH against base in {len(bad)} rows: no speedup is valid for those")
+        print(f"CHECK FAILED in {len(bad)} rows (not timed): " + bad[0]["status"])
         return 1
     return 0
+
+
+def _strict(x):
+    """``x`` with NaN and ±inf as null: strict JSON (a survival over no screened query
+    is NaN)."""
+    if isinstance(x, float):
+        return x if np.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_strict(v) for v in x]
+    return x
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import jax
@@ -12,7 +13,7 @@ from tqdm import tqdm
 import jsparse
 from jsparse.ops.indexer import triton as indexer_triton
 from jsparse.ops.indexer.api import METHODS  # noqa: F401  (bench.run checks --method against it)
-from jsparse.testing import topk_mismatches
+from jsparse.testing import order_mismatches, topk_mismatches
 
 from . import common
 
@@ -26,14 +27,15 @@ CHECK_RTOL = {"bf16": 2e-5, "fp8": 1e-3, "f32": 2e-5}
 
 def add_arguments(parser):
     parser.add_argument(
-        "--check-rows", type=int, default=8, help="rows checked against the reference"
-    )
+        "--check-rows", type=common.positive_int, default=8,
+        help="rows of a long shape checked against the reference (decode shapes: every row)",
+    )  # fmt: skip
     parser.add_argument(
         "--unsorted", action="store_true",
         help="sorted=False: the exact Top-K set without the final sort by score",
     )  # fmt: skip
     parser.add_argument(
-        "--scorer-config", default=None,
+        "--scorer-config", type=_scorer_config_arg, default=None,
         help="block_t,block_s,num_warps,num_stages for the Triton scorer (default: heuristic)",
     )  # fmt: skip
     parser.add_argument(
@@ -133,34 +135,66 @@ def counts(case, inputs):
     return flops, nbytes
 
 
-def check(case, inputs, result, rows: int) -> list[str]:
-    """The result on a sample of rows against the jnp reference scorer."""
-    t = case["t"]
-    pick = np.unique(np.linspace(0, t - 1, min(rows, t)).astype(int))
+def check(case, inputs, result, rows: int, *, in_order: bool = True) -> list[str]:
+    """The result against the jnp reference scorer on every row of a decode shape (a
+    spread of ``rows`` of longer ones): the Top-K by the reference's scores, and with
+    ``in_order`` the contract's order (score descending, then id) as returned."""
+    from jsparse.ops.indexer.reference import indexer_scores_reference
+
+    pick = common.rows_to_check(case["t"], rows)
     if is_batch(case):  # each picked query over its own cache
         oracle = np.stack([_batch_oracle_row(inputs, r) for r in pick])
     else:
-        sub = {
-            k: (v[pick] if k in ("q", "weights", "kv_start", "kv_end") else v)
-            for k, v in inputs.items()
-        }
-        oracle = np.asarray(jsparse.indexer_scores(**sub, implementation="reference"), np.float64)
+        scores = indexer_scores_reference(
+            inputs["q"][pick], inputs["weights"][pick], inputs["k"], inputs["k_scale"],
+            inputs["kv_start"][pick], inputs["kv_end"][pick],
+        )  # fmt: skip
+        oracle = np.asarray(scores, np.float64)
     scale = np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0.0) + 1e-12
     atol = CHECK_RTOL[case["dtype"]] * scale
     indices, scores = np.asarray(result.indices)[pick], np.asarray(result.scores)[pick]
-    # put unsorted rows in the contract's order (the set is what is checked)
-    for r in range(len(pick)):
-        order = np.lexsort((indices[r], -np.nan_to_num(scores[r], nan=np.inf, neginf=-3e38)))
-        order = order[np.argsort(indices[r][order] < 0, kind="stable")]  # padding last
-        indices[r], scores[r] = indices[r][order], scores[r][order]
-    return topk_mismatches(indices, scores, oracle, case["top_k"], atol)
+    problems = []
+    for i, r in enumerate(pick):
+        ids, vals = indices[i : i + 1], scores[i : i + 1]
+        if in_order:
+            found = order_mismatches(ids, vals)
+        else:  # an unsorted result: its set is what is checked, so sort it first
+            order = np.lexsort((ids[0], -np.nan_to_num(vals[0], nan=np.inf, neginf=-3e38)))
+            order = order[np.argsort(ids[0][order] < 0, kind="stable")]  # padding last
+            ids, vals, found = ids[:, order], vals[:, order], []
+        found += topk_mismatches(ids, vals, oracle[i : i + 1], case["top_k"], atol)
+        problems += [p.replace("row 0:", f"row {r}:", 1) for p in found]
+    return problems
+
+
+SCORER_FIELDS = ("block_t", "block_s", "num_warps", "num_stages")
 
 
 def _scorer_config(text):
+    """``--scorer-config`` as a ScorerConfig (None: the heuristic); a ValueError naming
+    the expected form for anything else."""
     if not text:
         return None
-    bt, bs, nw, ns = (int(v) for v in text.split(","))
-    return indexer_triton.ScorerConfig(block_t=bt, block_s=bs, num_warps=nw, num_stages=ns)
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(SCORER_FIELDS):
+        raise ValueError(f"got {text!r}; expected four integers {','.join(SCORER_FIELDS)}")
+    try:
+        return indexer_triton.ScorerConfig(**dict(zip(SCORER_FIELDS, values, strict=True)))
+    except ValueError as err:
+        raise ValueError(f"got {text!r}: {err}") from None
+
+
+def _scorer_config_arg(text: str) -> str:
+    """``--scorer-config``'s parser type: checked when parsed, before the run (a bad one
+    failed in ``run``: unpacking or int() errors); ``run`` builds the config."""
+    try:
+        _scorer_config(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def run(args, floors: common.Floors, impl: str) -> list[dict]:
@@ -208,7 +242,7 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
 
             checked = functools.partial(
                 _check_row, case=case, inputs=inputs, rows=args.check_rows, method=method,
-                row=row, results=results,
+                row=row, results=results, in_order=kwargs.get("sorted", True),
             )  # fmt: skip
             common.check_then_time(
                 row, fn, sets, checked, budget_s=args.budget, device_time=args.device_time,
@@ -223,16 +257,17 @@ def run(args, floors: common.Floors, impl: str) -> list[dict]:
     return rows
 
 
-def _check_row(result, *, case, inputs, rows, method, row, results):
+def _check_row(result, *, case, inputs, rows, method, row, results, in_order):
     """Problems of one method's result: the reference on sampled rows, and id-for-id
     equality with ``base`` (one scorer). Records the result and its report in ``row``."""
-    problems = check(case, inputs, result, rows)
+    problems = check(case, inputs, result, rows, in_order=in_order)
     base = results.get("base")
     shares_the_scorer = method not in ("base", "xla") and base is not None
-    if shares_the_scorer and not np.array_equal(
-        np.asarray(result.indices), np.asarray(base.indices)
+    if shares_the_scorer and not (
+        np.array_equal(np.asarray(result.indices), np.asarray(base.indices))
+        and np.array_equal(np.asarray(result.scores), np.asarray(base.scores), equal_nan=True)
     ):
-        problems.append(f"{method} ids differ from base ids (same scorer: must be equal)")
+        problems.append(f"{method} differs from base (same scorer: ids and scores must be equal)")
     results[method] = result
     row["candidates"] = float(np.mean(np.asarray(result.candidates)))
     row["fallbacks"] = int(np.sum(np.asarray(result.fallback)))

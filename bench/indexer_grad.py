@@ -21,6 +21,7 @@ case is that step.
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import jax
@@ -53,7 +54,7 @@ def add_arguments(parser):
         help="also the GPU busy time per call from a profiler trace (kernels only), by kernel",
     )  # fmt: skip
     parser.add_argument(
-        "--backward-config", default=None,
+        "--backward-config", type=_backward_config_arg, default=None,
         help="block_t,block_s,head_groups,num_warps,num_stages,dq_heads of the backward "
         "kernels for base (default: BackwardConfig()); several, separated by ';', each a row",
     )  # fmt: skip
@@ -61,19 +62,42 @@ def add_arguments(parser):
 
 def backward_configs(text: str | None) -> list:
     """``--backward-config`` as BackwardConfigs ([None]: the default)."""
+    try:
+        return _parse_backward_configs(text)
+    except ValueError as err:
+        raise SystemExit(f"--backward-config: {err}") from None
+
+
+def _parse_backward_configs(text: str | None) -> list:
+    """:func:`backward_configs`, with a ValueError naming the expected form for a spec
+    that is not six integers (an int() error before) or not a valid BackwardConfig."""
     from jsparse.ops.indexer.backward import BackwardConfig
 
     if not text:
         return [None]
     configs = []
     for spec in text.split(";"):
-        values = [int(v) for v in spec.split(",")]
-        if len(values) != 6:
-            raise SystemExit(
-                f"--backward-config: {spec!r}; expected six integers {','.join(CONFIG_FIELDS)}"
-            )
-        configs.append(BackwardConfig(**dict(zip(CONFIG_FIELDS, values, strict=True))))
+        try:
+            values = [int(v) for v in spec.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != len(CONFIG_FIELDS):
+            raise ValueError(f"{spec!r}; expected six integers {','.join(CONFIG_FIELDS)}")
+        try:
+            configs.append(BackwardConfig(**dict(zip(CONFIG_FIELDS, values, strict=True))))
+        except ValueError as err:
+            raise ValueError(f"{spec!r}: {err}") from None
     return configs
+
+
+def _backward_config_arg(text: str) -> str:
+    """``--backward-config``'s parser type: checked when parsed, before the floors are
+    measured (it was checked in ``run``, and a non-integer gave a raw int() error)."""
+    try:
+        _parse_backward_configs(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def kernels_fn(cfg):

@@ -118,7 +118,7 @@ def reference_lists(sel, params, q, keys: CacheView, state, budget):
 
 
 def check(method, got, *, q, src, rows, want_lists, dc) -> list[str]:
-    """The first and last sequence against the f32 reference over the rows ``lax.top_k``
+    """Every sequence against the f32 reference over the rows ``lax.top_k``
     picks from the serving cache ``src`` (every row of the dense BF16 ``rows`` for
     ``dense``): the MLA bench's check of those lists."""
     if method == "dense":

@@ -26,16 +26,18 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jsparse._cli import check_writable, positive_int  # noqa: E402
 from jsparse._environment import environment  # noqa: E402
 from jsparse.calibration.stream import moments_from_captures, stack_moments  # noqa: E402
 from jsparse.eval import protocol  # noqa: E402
 from jsparse.eval.captures import read_layer, read_meta  # noqa: E402
 
 
-def _positive_int(text: str) -> int:
+def _layer(text: str) -> int:
+    """A layer number; checked against the capture's layers once its meta is read."""
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a layer number >= 0, got {text}")
     return value
 
 
@@ -44,18 +46,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", nargs="+", help="calibration capture directories")
     p.add_argument("--eval", help="held-out capture directory")
     p.add_argument("--synthetic", action="store_true", help="tiny synthetic smoke run")
-    p.add_argument("--contexts", nargs="+", type=_positive_int, default=[2048, 4096, 8192])
+    p.add_argument("--contexts", nargs="+", type=positive_int, default=[2048, 4096, 8192])
     p.add_argument(
-        "--queries", type=_positive_int, default=256, help="last positions of each window"
+        "--queries", type=positive_int, default=256, help="last positions of each window"
     )
-    p.add_argument("--ranks", nargs="+", type=_positive_int, default=[8, 16])
-    p.add_argument("--budgets", nargs="+", type=_positive_int, default=[64, 128, 256, 512])
-    p.add_argument("--layers", nargs="+", type=int, help="default: every layer")
+    p.add_argument("--ranks", nargs="+", type=positive_int, default=[8, 16])
+    p.add_argument("--budgets", nargs="+", type=positive_int, default=[64, 128, 256, 512])
+    p.add_argument("--layers", nargs="+", type=_layer, help="default: every layer")
     p.add_argument(
         "--families", nargs="+", choices=protocol.FAMILIES, help="only these method families"
     )
-    p.add_argument("--calib-tokens", type=int, help="cap on calibration tokens")
-    p.add_argument("--query-chunk", type=int, default=64)
+    # (0 or fewer calibration tokens, or a query chunk of 0, failed deep in the run)
+    p.add_argument("--calib-tokens", type=positive_int, help="cap on calibration tokens")
+    p.add_argument("--query-chunk", type=positive_int, default=64)
     p.add_argument("--json", help="write every record and the summary here")
     p.add_argument("--plot", help="write recall-vs-budget plots here (PNG)")
     p.add_argument("--no-progress", action="store_true")
@@ -170,7 +173,14 @@ def plot(summary: dict, contexts, budgets, ranks, path: str, header: str) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.report and not Path(args.report).is_file():
+        parser.error(f"--report: no such file {args.report}")
+    # the outputs' paths, before the run rather than after it
+    check_writable("--plot", args.plot)
+    if not args.report:
+        check_writable("--json", args.json)
     if args.report:
         report(args.report)
         if args.plot:
@@ -198,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("give --calib and --eval capture directories (or --synthetic)")
 
     eval_meta = read_meta(args.eval)
+    # a layer past the captures' used to stop at its file, after the calibration
+    n_layers = min(read_meta(d)["n_layers"] for d in [args.eval, *args.calib])
+    missing = sorted({layer for layer in args.layers or [] if layer >= n_layers})
+    if missing:
+        parser.error(f"--layers: {missing}; the captures have layers 0..{n_layers - 1}")
     layers = args.layers or list(range(eval_meta["n_layers"]))
     head_dim = eval_meta["head_dim"]
     methods = protocol.default_methods(args.ranks, head_dim, args.families)

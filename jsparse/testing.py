@@ -39,3 +39,25 @@ def topk_mismatches(indices, scores, oracle_scores, top_k: int, atol: float) -> 
             if separated and set(ids.tolist()) != set(order.tolist()):
                 problems.append(f"row {t}: id set differs from the oracle's")
     return problems
+
+
+def order_mismatches(indices, scores) -> list[str]:
+    """Rows not in the Top-K contract's order: score descending (NaN first, as the
+    selection ranks it), equal scores by id ascending, then the -1 / -inf padding."""
+    indices, scores = np.asarray(indices), np.asarray(scores, np.float64)
+    problems = []
+    for t in range(indices.shape[0]):
+        n = int(np.sum(indices[t] >= 0))
+        if np.any(indices[t, :n] < 0):
+            problems.append(f"row {t}: padding (-1) before a listed id")
+            continue
+        key = -np.nan_to_num(scores[t, :n], nan=np.inf, posinf=np.finfo(np.float64).max)
+        ids = indices[t, :n]
+        later = (key[1:] < key[:-1]) | ((key[1:] == key[:-1]) & (ids[1:] < ids[:-1]))
+        if later.any():
+            at = int(np.flatnonzero(later)[0]) + 1
+            problems.append(
+                f"row {t}: entry {at} (id {ids[at]}, score {scores[t, at]:.6g}) is out of "
+                f"order after id {ids[at - 1]} (score {scores[t, at - 1]:.6g})"
+            )
+    return problems

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -22,9 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse._cli import check_writable, positive_int
 from jsparse._environment import environment
 
 __all__ = ["main"]
+
+
+SYNTHETIC_SHAPE = (30, 9, 3, 64)  # layers, query heads, KV heads, head_dim (SmolLM2)
 
 
 def _parse_value(text: str):
@@ -34,28 +39,61 @@ def _parse_value(text: str):
         return text
 
 
+def _bytes_per_token(text: str) -> float:
+    """An argparse type: jssa_rd's budget, at least one int4 dimension (half a byte)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0.5):
+        raise argparse.ArgumentTypeError(f"expected a number of bytes >= 0.5, got {text!r}")
+    return value
+
+
+def _check_outputs(args) -> None:
+    """``--out`` and ``--json`` refused before any work: an existing checkpoint without
+    ``--overwrite`` was refused by ``save_bases`` after the calibration, and an unwritable
+    ``--json`` failed after the checkpoint was written."""
+    if Path(args.out).exists() and not args.overwrite:
+        raise SystemExit(f"--out: {args.out} exists; pass --overwrite to replace it")
+    check_writable("--json", args.json)
+
+
+def _check_rank(args, selector, head_dim: int) -> None:
+    """``--rank`` beyond the head dim failed deep in the eigenbasis fit; refused once the
+    head dim is known, before the moments are computed (jssa_rd plans its own dims)."""
+    if args.method != "jssa_rd" and selector.rank > head_dim:
+        raise SystemExit(f"--rank: got {selector.rank}; expected at most head_dim = {head_dim}")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jsparse.calibration", description=__doc__.split("\n")[0]
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--captures", nargs="+", help="calibration capture directories")
-    src.add_argument("--synthetic-tokens", type=int, help="generate this many tokens on the device")
+    src.add_argument(
+        "--synthetic-tokens", type=positive_int, help="generate this many tokens on the device"
+    )
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--method", default="jssa", help="a calibrated selector (default jssa)")
-    p.add_argument("--rank", type=int, default=16, help="R (ignored by jssa_rd: see --bytes)")
+    p.add_argument(
+        "--rank", type=positive_int, default=16, help="R (ignored by jssa_rd: see --bytes)"
+    )
     p.add_argument(
         "--bytes",
-        type=float,
+        type=_bytes_per_token,
         default=16.0,
         help="jssa_rd: scoring bytes per token per KV head; the FP8/int4 split is planned "
         "from the calibration moments (default 16, JSSA's r = 16 FP8 budget for D = 64)",
     )
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="selector options")
-    p.add_argument("--max-tokens", type=int, help="cap on calibration tokens (captures)")
-    p.add_argument("--window", type=int, default=8192, help="tokens per synthetic window")
-    p.add_argument("--chunk", type=int, default=4096, help="tokens per moment update (captures)")
+    p.add_argument("--max-tokens", type=positive_int, help="cap on calibration tokens (captures)")
+    p.add_argument("--window", type=positive_int, default=8192, help="tokens per synthetic window")
+    p.add_argument(
+        "--chunk", type=positive_int, default=4096, help="tokens per moment update (captures)"
+    )
     p.add_argument("--model", help="model name for the metadata (default: from the captures)")
     p.add_argument("--json", help="also write the timings and environment as JSON here")
     p.add_argument("--no-progress", action="store_true")
@@ -66,7 +104,7 @@ def _synthetic_moments(n_tokens: int, window: int, timings: dict):
     from jsparse.calibration.moments import finalize_moments, init_moments, update_moments
     from jsparse.eval.synthetic import synthetic_qkv
 
-    n_layers, n_heads, n_kv, d = 30, 9, 3, 64
+    n_layers, n_heads, n_kv, d = SYNTHETIC_SHAPE
 
     @jax.jit
     def generate(start):
@@ -137,9 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     from jsparse.selectors import make_selector
 
     args = _parser().parse_args(argv)
+    _check_outputs(args)
     env = environment()
     print(" | ".join(f"{k}: {env[k]}" for k in ("date", "device", "jax", "commit")))
     selector, planned, options = _selector(args, make_selector)
+    if args.captures:
+        from jsparse.eval.captures import read_meta
+
+        try:
+            metas = [read_meta(d) for d in args.captures]
+        except (FileNotFoundError, ValueError) as err:
+            raise SystemExit(f"--captures: {err}") from None
+        _check_rank(args, selector, metas[0]["head_dim"])
+    else:
+        _check_rank(args, selector, SYNTHETIC_SHAPE[-1])
 
     timings = {"data_s": 0.0, "moments_s": 0.0}
     t_start = time.perf_counter()

@@ -21,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jsparse import _checks, backend
@@ -131,6 +132,12 @@ class RecallReference:
                 f"RecallReference: expected q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv], "
                 f"lengths [T]; got {q.shape}, {k.shape}, {v.shape}, {lengths.shape}"
             )
+        seen = _checks.concrete(lengths)  # (under jit: not checked)
+        if seen is not None and seen.size and not ((seen >= 1) & (seen <= k.shape[0])).all():
+            # 0 gave NaN recalls, a length past S a recall scored against S keys only
+            raise ValueError(
+                f"lengths: expected every length in [1, S = {k.shape[0]}], got {seen.tolist()}"
+            )
         self.q, self.k, self.v = q, k, v
         self.lengths = jnp.asarray(lengths, jnp.int32)
         self.probs, self.out = _dense(q, k, v, self.lengths)
@@ -166,9 +173,29 @@ class RecallReference:
                 )
             if _checks.first_repeating_row(ids) is not None:
                 raise ValueError("idx: a row lists a key more than once (recall counts each once)")
+            self._check_width(ids, budget)
         denom = jnp.minimum(budget, self.lengths).astype(jnp.float32)
         fn = _metrics_gather if 4 * idx.shape[-1] <= self.n_keys else _metrics_dense
         return fn(self.probs, self.out, self.v, idx, self.oracle_mask(budget), denom)
+
+    def _check_width(self, ids, budget: int) -> None:
+        """A row may list more than ``budget`` ids only as the dense ceiling (the ``full``
+        selector: every visible key, whatever the budget); other wider selections scored
+        as if within budget (5 ids at budget 2 could score recall 1.0). Skipped under jit."""
+        lengths = _checks.concrete(self.lengths)
+        if lengths is None:
+            return
+        valid = ids >= 0
+        count = valid.sum(axis=-1)  # [T, Hkv]
+        visible = np.where(valid, ids < lengths[:, None, None], True).all(axis=-1)
+        ceiling = (count == lengths[:, None]) & visible  # distinct ids (checked): the prefix
+        wide = (count > budget) & ~ceiling
+        if wide.any():
+            t, h = np.argwhere(wide)[0]
+            raise ValueError(
+                f"idx: row (query {t}, KV head {h}) selects {count[t, h]} ids, more than "
+                f"budget = {budget} (wider only as every visible key, {lengths[t]})"
+            )
 
 
 @backend.jit_per_mode(static_argnames=("budget",))

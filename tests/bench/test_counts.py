@@ -54,3 +54,19 @@ def test_floors_line_names_only_what_was_measured():
     assert Floors(3.0e12, {}).describe() == "floors: copy 3000 GB/s (read+write)"
     line = Floors(3.0e12, {"bfloat16": 7.15e14}).describe()
     assert line == "floors: copy 3000 GB/s (read+write) | XLA matmul bfloat16 715 TFLOP/s"
+
+
+def test_the_indexer_check_holds_a_sorted_result_to_its_order_and_sees_every_row():
+    import jsparse
+    from bench.indexer import check, make_inputs
+
+    case = dict(t=16, s=200, h=2, d=8, top_k=8, dtype="bf16", ranges="causal")
+    inputs = make_inputs(case, seed=0)
+    result = jsparse.indexer_topk(top_k=8, implementation="reference", **inputs)
+    assert check(case, inputs, result, rows=8) == []
+    reversed_ = result.replace(indices=result.indices[:, ::-1], scores=result.scores[:, ::-1])
+    assert check(case, inputs, reversed_, rows=8, in_order=False) == []  # the set is right
+    assert "out of order" in check(case, inputs, reversed_, rows=8)[0]
+    # one wrong row of 16, with 8 rows asked for: a decode-sized case checks them all
+    row1 = result.replace(indices=result.indices.at[1, 0].set(result.indices[1, 7] + 1))
+    assert [p[:6] for p in check(case, inputs, row1, rows=8)][:1] == ["row 1:"]

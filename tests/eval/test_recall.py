@@ -125,3 +125,30 @@ def test_families_name_every_method_family_and_nothing_else():
     assert made | {"jssa_rd", "jssa_rd-shared"} == set(protocol.FAMILIES)
     with pytest.raises(ValueError, match=r"families: unknown \['lokii'\]; expected some of"):
         protocol.default_methods([8], families=["jssa", "lokii"])
+
+
+def test_reference_refuses_lengths_outside_one_to_s():
+    """A length past S scored oracle recall 0.8 for every key selected; 0 gave NaN."""
+    q, k, v = synthetic_qkv(jax.random.key(7), 16, n_heads=2, n_kv_heads=1, head_dim=8, latent=4)
+    for lengths in ([16, 20], [0, 16], [-1, 16]):
+        with pytest.raises(ValueError, match=r"lengths: expected every length in \[1, S = 16\]"):
+            RecallReference(q[:2], k, v, jnp.asarray(lengths, jnp.int32))
+    RecallReference(q[:2], k, v, jnp.asarray([1, 16], jnp.int32))
+
+
+def test_metrics_refuse_more_ids_than_the_budget_except_every_visible_key():
+    """5 ids at budget 2 scored as if within budget; the `full` selector's every visible
+    key (the accuracy ceiling, wider by design) is still scored."""
+    q, k, v = synthetic_qkv(jax.random.key(8), 16, n_heads=2, n_kv_heads=1, head_dim=8, latent=4)
+    lengths = jnp.asarray([12, 16], jnp.int32)
+    ref = RecallReference(q[jnp.asarray([11, 15])], k, v, lengths)
+    every = jnp.where(jnp.arange(16) < lengths[:, None], jnp.arange(16), -1)[:, None, :]
+    m = ref.metrics(every.astype(jnp.int32), 2)  # every visible key: the dense ceiling
+    np.testing.assert_allclose(m["oracle_recall"], 1.0)
+    five = jnp.full((2, 1, 8), -1, jnp.int32).at[:, :, :5].set(jnp.arange(5))
+    with pytest.raises(ValueError, match=r"selects 5 ids, more than budget = 2"):
+        ref.metrics(five, 2)
+    ref.metrics(five, 5)
+    past = every.at[0, 0, 12].set(12)  # 13 ids for a query that sees 12 keys
+    with pytest.raises(ValueError, match=r"\(query 0, KV head 0\) selects 13 ids"):
+        ref.metrics(past.astype(jnp.int32), 2)
