@@ -19,9 +19,11 @@
 Every case is checked against the jnp reference before it is timed (every row or
 sequence of a decode shape, a spread of rows of a longer one; Top-K results id for id in
 the contract's order); a red check is reported and not timed. The run exits 1 when any
-row failed its check or raised, except a naive ``xla`` baseline out of memory. Times are medians over repeats of back-to-back calls with
-rotating inputs; "% floor" compares with the larger of FLOPs at the XLA matmul rate and
-bytes at the copy bandwidth, both measured at the start of the run on this device.
+row failed its check or raised, except a naive ``xla`` baseline out of memory.
+
+Times are medians over repeats of back-to-back calls with rotating inputs; "% floor"
+compares with the larger of FLOPs at the XLA matmul rate and bytes at the copy
+bandwidth, both measured at the start of the run on this device.
 """
 
 from __future__ import annotations
