@@ -62,6 +62,7 @@ _INT4_MAX = 7  # symmetric levels -7..7
 # step²/12): FP8 e4m3 has 3 mantissa bits (relative step 2^-3, so (2^-4)²/3 of x²);
 # int4 with an amax scale has step amax/7, i.e. (kappa/7)²/12 of σ², kappa = amax/σ.
 FP8_REL_NOISE = (2.0**-4) ** 2 / 3
+EMPTY_CACHE_KAPPA = 4.0  # amax / std of ~8K Gaussian samples (the planner's kappa)
 
 
 def component_weights(a, b, moments: Moments) -> np.ndarray:
@@ -144,7 +145,8 @@ class JSSARDSelector(ProjectedSelector):
     be passed differently), ``maps_kind`` (``"exact"`` or ``"shared"``), ``rcond``. The
     default split (3 + 26 = 16 bytes per token) is what :meth:`planned` gives on SmolLM2's
     calibration moments at 16 bytes; plan your own for another model or budget.
-    Params: ``query_map``, ``key_map`` ``[Hkv, R, D]`` and ``key_offset [Hkv, R]``.
+    Params: ``query_map``, ``key_map`` ``[Hkv, R, D]``, ``key_offset [Hkv, R]`` and
+    ``key_spread [Hkv, R]`` (the calibrated standard deviation of each stored component).
     """
 
     fp8_dims: int = 3
@@ -204,9 +206,10 @@ class JSSARDSelector(ProjectedSelector):
         if self.rank > d:
             raise ValueError(f"jssa_rd: rank {self.rank} exceeds head_dim {d}")
         params = {name: m[..., : self.rank, :] for name, m in self._fit_by_share(moments).items()}
-        params["key_offset"] = jnp.einsum(
-            "...rd,...d->...r", params["key_map"], moments.mean_k, precision=HIGHEST
-        )
+        b = params["key_map"]
+        params["key_offset"] = jnp.einsum("...rd,...d->...r", b, moments.mean_k, precision=HIGHEST)
+        spread = jnp.einsum("...rd,...de,...re->...r", b, moments.cov_k, b, precision=HIGHEST)
+        params["key_spread"] = jnp.sqrt(jnp.maximum(spread, 0.0))
         return params
 
     def _fit_by_share(self, moments: Moments) -> dict:
@@ -252,12 +255,24 @@ class JSSARDSelector(ProjectedSelector):
         return MixedKeys(high, hi_scale, low, lo_scale)
 
     def empty_cache(self, params, batch: int, slots: int) -> MixedKeys:
+        """A zero cache; FP8 scale 1 as every selector's, int4 scales from calibration.
+
+        int4 levels are uniform, so scale 1 (a step of 1 whatever the component's spread)
+        would store most of a small component as 0 for a whole decode that starts here
+        (a one-token prompt): the scales are :data:`EMPTY_CACHE_KAPPA` calibrated
+        standard deviations (``key_spread``) over 7 instead, as an amax of as many
+        tokens would give. Bases saved without ``key_spread`` keep scale 1."""
         hkv = params["key_map"].shape[0]
+        spread = params.get("key_spread")
+        if spread is None:
+            low_scale = jnp.ones((hkv, self.int4_dims), jnp.float32)
+        else:
+            low_scale = amax_scale(EMPTY_CACHE_KAPPA * spread[:, self.fp8_dims :], _INT4_MAX)
         return MixedKeys(
             jnp.zeros((batch, slots, hkv, self.fp8_dims), _FP8),
             jnp.ones((batch, hkv), jnp.float32),
             jnp.zeros((batch, slots, hkv, self.int4_dims), jnp.int4),
-            jnp.ones((batch, hkv, self.int4_dims), jnp.float32),
+            jnp.broadcast_to(low_scale, (batch, hkv, self.int4_dims)).astype(jnp.float32),
         )
 
     def append_keys(self, params, cache: MixedKeys, k_new, slots) -> MixedKeys:

@@ -177,3 +177,34 @@ def test_other_selectors_params_are_named():
     kq = make_selector("kq_svd", rank=4).calibrate(q, k)
     with pytest.raises(ValueError, match=r"params.*key_offset"):
         make_selector("jssa_rd", fp8_dims=2, int4_dims=2).select(kq, qe, kb, jnp.array([90] * 3), 8)
+
+
+def test_a_decode_from_an_empty_cache_uses_calibrated_int4_scales():
+    """A one-token prompt starts decoding from ``empty_cache``: int4 scale 1 stored most
+    of a small component as 0 for the whole decode. The scales are now 4 calibrated
+    standard deviations over 7, and the decode selects like a prefilled cache."""
+    q, k, qe, kb = _data()
+    k, kb = 0.25 * k, 0.25 * kb  # components of spread < 1 (scale 1: 58% stored, 0.88 overlap)
+    sel = make_selector("jssa_rd", fp8_dims=2, int4_dims=6)
+    params = sel.calibrate(q, k)
+    b = np.asarray(params["key_map"], np.float64)
+    cov = np.asarray(compute_moments(q, k).cov_k, np.float64)
+    spread = np.sqrt(np.einsum("hrd,hde,hre->hr", b, cov, b))
+    np.testing.assert_allclose(params["key_spread"], spread, rtol=1e-4)
+    cache = sel.empty_cache(params, 3, 90)
+    np.testing.assert_allclose(cache.low_scale[0], 4 * spread[:, 2:] / 7, rtol=1e-4)
+    for t in range(90):
+        cache = sel.append_keys(params, cache, kb[:, t], jnp.full((3,), t))
+    prefilled = sel.project_keys(params, kb)
+    stored = [int((np.asarray(c.low, np.int32) != 0).sum()) for c in (cache, prefilled)]
+    assert stored[0] >= 0.9 * stored[1], stored
+    lengths = jnp.array([90, 50, 7])
+    got, want = (
+        np.asarray(sel.select_projected(params, qe, c, lengths, 16)) for c in (cache, prefilled)
+    )
+    overlap = np.mean([len(set(a.ravel()) & set(w.ravel())) / len(set(w.ravel()))
+                       for a, w in zip(got, want, strict=True)])  # fmt: skip
+    assert overlap >= 0.95, overlap
+    # bases saved before key_spread keep the old scale 1
+    old = {name: v for name, v in params.items() if name != "key_spread"}
+    np.testing.assert_array_equal(sel.empty_cache(old, 1, 4).low_scale, 1.0)
