@@ -409,6 +409,21 @@ def print_kernels(rows: list[dict], *, top: int = 8):
         print(f"  {r['case']} {r['method']}: {shown}{more}")
 
 
+def config_from_ints(spec: str, cls, fields: Sequence[str]):
+    """``"a,b,..."`` as ``cls(**{field: int})`` (a tile config from the command line); a
+    ValueError naming the expected form, or the config's own complaint."""
+    try:
+        values = [int(v) for v in spec.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(fields):
+        raise ValueError(f"got {spec!r}; expected {len(fields)} integers {','.join(fields)}")
+    try:
+        return cls(**dict(zip(fields, values, strict=True)))
+    except ValueError as err:
+        raise ValueError(f"got {spec!r}: {err}") from None
+
+
 def write_json(path: str | None, payload: dict):
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -171,20 +171,10 @@ SCORER_FIELDS = ("block_t", "block_s", "num_warps", "num_stages")
 
 
 def _scorer_config(text):
-    """``--scorer-config`` as a ScorerConfig (None: the heuristic); a ValueError naming
-    the expected form for anything else."""
+    """``--scorer-config`` as a ScorerConfig (None: the heuristic)."""
     if not text:
         return None
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if len(values) != len(SCORER_FIELDS):
-        raise ValueError(f"got {text!r}; expected four integers {','.join(SCORER_FIELDS)}")
-    try:
-        return indexer_triton.ScorerConfig(**dict(zip(SCORER_FIELDS, values, strict=True)))
-    except ValueError as err:
-        raise ValueError(f"got {text!r}: {err}") from None
+    return common.config_from_ints(text, indexer_triton.ScorerConfig, SCORER_FIELDS)
 
 
 def _scorer_config_arg(text: str) -> str:

@@ -75,19 +75,9 @@ def _parse_backward_configs(text: str | None) -> list:
 
     if not text:
         return [None]
-    configs = []
-    for spec in text.split(";"):
-        try:
-            values = [int(v) for v in spec.split(",")]
-        except ValueError:
-            values = []
-        if len(values) != len(CONFIG_FIELDS):
-            raise ValueError(f"{spec!r}; expected six integers {','.join(CONFIG_FIELDS)}")
-        try:
-            configs.append(BackwardConfig(**dict(zip(CONFIG_FIELDS, values, strict=True))))
-        except ValueError as err:
-            raise ValueError(f"{spec!r}: {err}") from None
-    return configs
+    return [
+        common.config_from_ints(spec, BackwardConfig, CONFIG_FIELDS) for spec in text.split(";")
+    ]
 
 
 def _backward_config_arg(text: str) -> str:

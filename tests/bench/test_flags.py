@@ -135,8 +135,8 @@ def test_set_names_a_module_that_does_not_exist():
     [
         ("--check-rows", "0", "expected an int >= 1, got '0'"),
         ("--check-rows", "x", "expected an int >= 1, got 'x'"),
-        ("--scorer-config", "1,2", "got '1,2'; expected four integers block_t,block_s,"),
-        ("--scorer-config", "a,b,c,d", "got 'a,b,c,d'; expected four integers"),
+        ("--scorer-config", "1,2", "got '1,2'; expected 4 integers block_t,block_s,"),
+        ("--scorer-config", "a,b,c,d", "got 'a,b,c,d'; expected 4 integers"),
         ("--scorer-config", "3,128,8,2", "got '3,128,8,2': ScorerConfig.block_t must be a power"),
     ],
 )  # fmt: skip
@@ -157,9 +157,9 @@ def test_indexer_flags_are_checked_by_the_parser(flag, value, message, capsys):
 @pytest.mark.parametrize(
     "value, message",
     [
-        ("a,b,c,d,e,f", "'a,b,c,d,e,f'; expected six integers block_t,block_s,head_groups,"),
-        ("1,2,3", "'1,2,3'; expected six integers"),
-        ("16,16,2,4,2,1;8,16,2,4,2,1", "'8,16,2,4,2,1': BackwardConfig.block_t must be ≥ 16"),
+        ("a,b,c,d,e,f", "got 'a,b,c,d,e,f'; expected 6 integers block_t,block_s,head_groups,"),
+        ("1,2,3", "got '1,2,3'; expected 6 integers"),
+        ("16,16,2,4,2,1;8,16,2,4,2,1", "got '8,16,2,4,2,1': BackwardConfig.block_t must be ≥ 16"),
     ],
 )  # fmt: skip
 def test_backward_config_is_checked_by_the_parser(value, message, capsys):

@@ -55,6 +55,6 @@ def test_backward_configs_parse_and_a_wrong_one_is_refused():
     assert (cfg.block_t, cfg.block_s, cfg.head_groups, cfg.dq_heads) == (16, 32, 4, 2)
     assert (cfg.num_warps, cfg.num_stages) == (4, 3)
     assert indexer_grad.backward_configs(None) == [None]
-    with pytest.raises(SystemExit, match="six integers"):
+    with pytest.raises(SystemExit, match="6 integers"):
         indexer_grad.backward_configs("16,32")
     assert main(["--op", "indexer-grad", "--quiet", "--backward-config", "16,16,2,4,2,1"]) == 0
