@@ -425,8 +425,25 @@ def config_from_ints(spec: str, cls, fields: Sequence[str]):
 
 
 def write_json(path: str | None, payload: dict):
+    """``payload`` as strict JSON at ``path`` (arrays as lists; other objects, such as
+    paths among the arguments, as their text)."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
-            json.dump(payload, f, indent=1, default=float)
+            json.dump(strict_json(payload), f, indent=1, allow_nan=False, default=str)
         print(f"wrote {path}")
+
+
+def strict_json(x):
+    """``x`` with NaN and ±inf as null and numpy numbers as Python ones: JSON that every
+    parser reads (a floor the device could not measure is NaN, a survival over no
+    screened query too)."""
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [strict_json(v) for v in x]
+    if isinstance(x, np.generic | np.ndarray | jax.Array):
+        return strict_json(np.asarray(x).tolist())
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    return x

@@ -493,24 +493,12 @@ def main(argv=None) -> int:
                 run_decode("deepseek_like", batch, length, args, rows, **kw)
     if args.json:
         payload = {"env": env, "args": vars(args) | {"json": str(args.json)}, "rows": rows}
-        args.json.write_text(json.dumps(_strict(payload), indent=1, allow_nan=False))
+        args.json.write_text(json.dumps(common.strict_json(payload), indent=1, allow_nan=False))
     bad = [r for r in rows if not r.get("exact", True)]
     if bad:
         print(f"CHECK FAILED in {len(bad)} rows (not timed): " + bad[0]["status"])
         return 1
     return 0
-
-
-def _strict(x):
-    """``x`` with NaN and ±inf as null: strict JSON (a survival over no screened query
-    is NaN)."""
-    if isinstance(x, float):
-        return x if np.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _strict(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_strict(v) for v in x]
-    return x
 
 
 if __name__ == "__main__":

@@ -301,3 +301,16 @@ def test_a_method_that_raises_is_reported_by_kind(message, kind):
     common.check_then_time(row, fails, [None], lambda r: [], budget_s=0.1, device_time=False,
                            nbytes=1.0, floor_s=1.0)  # fmt: skip
     assert row["status"] == f"{kind}: RuntimeError: {message}"
+
+
+def test_json_is_strict(tmp_path):
+    """NaN (a floor the device could not measure) was written as the non-JSON NaN."""
+    import json
+
+    import numpy as np
+
+    out = tmp_path / "r.json"
+    common.write_json(str(out), {"floor": float("nan"), "ms": np.float32(1.5), "at": tmp_path})
+    assert json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(c)) == {
+        "floor": None, "ms": 1.5, "at": str(tmp_path),
+    }  # fmt: skip
