@@ -164,12 +164,13 @@ def check(method, got, *, q, idx, cache, dense_cache, scale) -> list[str]:
     return problems
 
 
-# BF16 arithmetic (the probabilities and the output rounded to 8 significant bits) puts a
-# correct output within ~2^-8 of the reference's largest magnitude and ~2^-9 of its RMS
-# (measured on the CPU: at most 6.1e-3 and 2.4e-3); dropping one attended row of 512, or
-# adding 2e-2 to every output, is 2.5e-2 of the RMS or more.
-MAX_ERROR = 2.0**-6  # of the reference's largest magnitude
-RMS_ERROR = 2.0**-7  # of the reference's root mean square
+# BF16 arithmetic puts a correct output within 2^-5 of the reference's largest magnitude
+# and 2^-6 of its RMS: the kernels (f32 logits) stay within 6.1e-3 and 2.4e-3 (CPU), XLA's
+# gather-then-attend baseline, whose logits are rounded to BF16, within 1.6e-2 and 8.8e-3
+# (MLA on an H100, run 271). Dropping one attended row of 512, or adding 2e-2 to every
+# output, moves the RMS by 2.5e-2 or more.
+MAX_ERROR = 2.0**-5  # of the reference's largest magnitude
+RMS_ERROR = 2.0**-6  # of the reference's root mean square
 
 
 def output_mismatch(i: int, got, want) -> list[str]:
