@@ -34,12 +34,14 @@ from flax import nnx  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from jsparse import assets  # noqa: E402
+from jsparse._cli import check_writable, positive_int  # noqa: E402
 from jsparse._environment import environment  # noqa: E402
 from jsparse.models.llama import DenseCausalAttention, Llama, LlamaConfig, forward_fn  # noqa: E402
 
 # Perplexity of this GGUF measured with Hugging Face transformers (REAL_DATA.md):
 # Pride and Prejudice from its first token, no BOS, one window.
 REFERENCE_PPL = {("prideprejudice", 0, 512): 16.1, ("prideprejudice", 0, 4096): 18.5}
+PPL_TOLERANCE = 0.1  # the reference's rounding (0.05) and f32 against its arithmetic
 
 
 def build_model(weights: str, query_chunk: int, key_chunk: int) -> Llama:
@@ -69,6 +71,59 @@ def forward_flops(c: LlamaConfig, t: int) -> float:
     return dense + attention
 
 
+def reference_core(q, k, v, *, q_positions, k_positions):
+    """The checks' attention: one masked softmax over every slot at full f32 precision,
+    no blocks and no online softmax (what :class:`DenseCausalAttention` computes
+    blockwise, skipping blocks)."""
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") / math.sqrt(q.shape[-1])
+    kp, qp = k_positions[:, None, None, :], q_positions[:, None, :, None]
+    probs = jax.nn.softmax(jnp.where((kp >= 0) & (kp <= qp), logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", probs, v, precision="highest")
+
+
+# Tokens of the checks' prefix: past the dense core's first 512-query, 512-key block.
+CHECK_TOKENS = 640
+# Per-token NLL the checked program may differ by from the reference core's: summation
+# order (and TF32 projections on a GPU, in both); a causal leak or a position error
+# moves most tokens' NLL by tenths to units of a nat.
+NLL_TOLERANCE = 2e-2
+
+
+def _token_nll(logits, ids) -> np.ndarray:
+    """NLL of ids[1:] from logits[:-1] ([T, V], [T]), float64."""
+    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)[:-1], axis=-1)
+    return -np.asarray(
+        jnp.take_along_axis(logp, jnp.asarray(ids)[1:, None], axis=-1)[:, 0], np.float64
+    )
+
+
+def reference_problem(model: Llama, core, ids, logits) -> str | None:
+    """The timed program's ``logits`` of row 0 against the same weights with
+    :func:`reference_core`, token by token over the first :data:`CHECK_TOKENS` (a causal
+    model's prefix does not depend on what follows it); ``core`` is put back."""
+    n = min(CHECK_TOKENS, ids.shape[1])
+    model.set_core(lambda i: reference_core)
+    try:
+        want, _ = forward_fn(model)(jnp.asarray(ids[:1, :n]))
+    finally:
+        model.set_core(core)
+    got_nll, want_nll = _token_nll(logits[0, :n], ids[0, :n]), _token_nll(want[0], ids[0, :n])
+    worst = int(np.argmax(np.abs(got_nll - want_nll)))
+    gap = float(np.abs(got_nll - want_nll)[worst])
+    if np.isfinite(gap) and gap <= NLL_TOLERANCE:
+        return None
+    return (
+        f"token {worst + 1}: NLL {got_nll[worst]:.4f}, the reference core's "
+        f"{want_nll[worst]:.4f} (tolerance {NLL_TOLERANCE})"
+    )
+
+
+def dense_core(args):
+    return lambda i: DenseCausalAttention(args.query_chunk, args.key_chunk)
+
+
 @jax.jit
 def _mean_nll(logits, ids):
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -92,10 +147,11 @@ def cmd_throughput(args) -> dict:
         logits, _ = fwd(ids)
         logits.block_until_ready()
         first = time.perf_counter() - t0
-        # Check before timing: finite logits and, with real weights, a sane perplexity.
+        # Check before timing: the prefix against the reference core, a sane perplexity.
         nll = float(_mean_nll(logits, jnp.asarray(ids)))
-        if not np.isfinite(nll) or (args.weights == "real" and not nll < 5.0):
-            raise SystemExit(f"throughput: check failed at T={t}: mean NLL {nll}")
+        problem = reference_problem(model, dense_core(args), ids, logits)
+        if problem or not np.isfinite(nll) or (args.weights == "real" and not nll < 5.0):
+            raise SystemExit(f"throughput: CHECK FAILED at T={t}: {problem or f'mean NLL {nll}'}")
         del logits
         times, cpu = [], []
         for _ in tqdm(range(args.repeats), desc=f"forward T={t}", unit="run"):
@@ -197,10 +253,20 @@ def cmd_perplexity(args) -> dict:
     for n in args.tokens:
         ids = assets.novel_token_ids(args.novel, args.offset, n)
         context = min(n, model.config.max_seq_len) if args.context_len is None else args.context_len
-        t0 = time.perf_counter()
+        # Check before timing: the model's prefix against the reference core, and the
+        # perplexity against Hugging Face's where the protocol is its (one window).
+        prefix = np.asarray(ids[: min(n, CHECK_TOKENS)])[None]
+        logits, _ = forward_fn(model)(jnp.asarray(prefix))
+        problem = reference_problem(model, dense_core(args), prefix, logits)
+        result = perplexity(model, ids, context_len=context, stride=args.stride)
+        ref = REFERENCE_PPL.get((args.novel, args.offset, n)) if context >= n else None
+        if problem is None and ref is not None and abs(result.perplexity - ref) > PPL_TOLERANCE:
+            problem = f"perplexity {result.perplexity:.4f}, Hugging Face's ≈ {ref}"
+        if problem:
+            raise SystemExit(f"perplexity: CHECK FAILED at {n} tokens: {problem}")
+        t0 = time.perf_counter()  # a second call: the first one compiled
         result = perplexity(model, ids, context_len=context, stride=args.stride, progress=True)
         seconds = time.perf_counter() - t0
-        ref = REFERENCE_PPL.get((args.novel, args.offset, n))
         rows.append(
             {
                 "novel": args.novel,
@@ -253,8 +319,18 @@ def cmd_sparse_decode(args) -> dict:
 
     dense_core = lambda i: DenseCausalAttention(args.query_chunk, args.key_chunk)  # noqa: E731
     dense = decode_nll(dense_core, jnp.dtype(jnp.float32))  # the reference: an f32 cache
-    if not np.all(np.isfinite(dense)):
-        raise SystemExit("the dense decode gave non-finite NLLs: not comparing against it")
+    # Check before comparing: the dense decode's NLLs (prefill, then a step a token from
+    # the cache) against one causal forward of the same tokens with the reference core.
+    model.set_core(lambda i: reference_core)
+    whole, _ = forward_fn(model)(jnp.asarray(ids[None]))
+    want = _token_nll(whole[0], ids)[args.prefill - 1 :]
+    gap = np.abs(dense - want)
+    if not (np.all(np.isfinite(gap)) and gap.max() <= NLL_TOLERANCE):
+        worst = int(np.nanargmax(np.where(np.isfinite(gap), gap, np.inf)))
+        raise SystemExit(
+            f"sparse-decode: CHECK FAILED: the dense decode's NLL at step {worst} is "
+            f"{dense[worst]:.4f}, one forward's {want[worst]:.4f} (tolerance {NLL_TOLERANCE})"
+        )
     rows = [dict(core="dense", budget=None, kv_dtype="float32", mean_nll=float(dense.mean()),
                  perplexity=math.exp(dense.mean()), delta_nll=0.0)]  # fmt: skip
     print(f"dense: mean NLL {dense.mean():.4f} (perplexity {math.exp(dense.mean()):.3f}) "
@@ -296,21 +372,25 @@ def cmd_sparse_decode(args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--query-chunk", type=int, default=512, help="dense core query block")
-    parser.add_argument("--key-chunk", type=int, default=512, help="dense core key block")
+    parser.add_argument(
+        "--query-chunk", type=positive_int, default=512, help="dense core query block"
+    )
+    parser.add_argument("--key-chunk", type=positive_int, default=512, help="dense core key block")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("perplexity", help="perplexity under jsparse.models.perplexity")
     p.add_argument("--novel", default=assets.PERPLEXITY_CHECK_NOVEL, choices=sorted(assets.NOVELS))
     p.add_argument("--offset", type=int, default=0)
-    p.add_argument("--tokens", type=int, nargs="+", default=[512, 4096])
-    p.add_argument("--context-len", type=int, help="window (default: the text, up to 8192)")
-    p.add_argument("--stride", type=int, help="default context_len // 2")
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[512, 4096])
+    p.add_argument(
+        "--context-len", type=positive_int, help="window (default: the text, up to 8192)"
+    )
+    p.add_argument("--stride", type=positive_int, help="default context_len // 2")
 
     p = sub.add_parser("throughput", help="forward tokens/s at each context length")
-    p.add_argument("--context", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--context", type=positive_int, nargs="+", default=[2048, 8192])
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--weights", choices=("real", "synthetic"), default="real")
     p.add_argument("--novel", default=assets.EVALUATION_NOVELS[0], choices=sorted(assets.NOVELS))
     p.add_argument("--offset", type=int, default=0)
@@ -318,7 +398,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("capture", help="time capture_qkv over all layers")
     p.add_argument("--novel", default=assets.EVALUATION_NOVELS[0], choices=sorted(assets.NOVELS))
     p.add_argument("--offset", type=int, default=0)
-    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--tokens", type=positive_int, default=8192)
     p.add_argument("--layers", type=int, nargs="+")
     p.add_argument("--out", type=Path, help="also write the capture directory here")
     p.add_argument("--weights", choices=("real", "synthetic"), default="real")
@@ -326,13 +406,13 @@ def main(argv=None) -> int:
     p = sub.add_parser("sparse-decode", help="decoded tokens' NLL: SparseAttention vs dense")
     p.add_argument("--novel", default=assets.EVALUATION_NOVELS[0], choices=sorted(assets.NOVELS))
     p.add_argument("--offset", type=int, default=0)
-    p.add_argument("--prefill", type=int, default=2048, help="dense prefill tokens")
-    p.add_argument("--steps", type=int, default=192, help="tokens decoded one at a time")
-    p.add_argument("--budgets", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--prefill", type=positive_int, default=2048, help="dense prefill tokens")
+    p.add_argument("--steps", type=positive_int, default=192, help="tokens decoded one at a time")
+    p.add_argument("--budgets", type=positive_int, nargs="+", default=[32, 64, 128])
     p.add_argument("--selectors", nargs="+", default=["oracle", "jssa_rd", "jssa"])
     p.add_argument("--calib-novel", default=assets.CALIBRATION_NOVELS[0],
                    choices=sorted(assets.CALIBRATION_NOVELS))  # fmt: skip
-    p.add_argument("--calib-tokens", type=int, default=16384,
+    p.add_argument("--calib-tokens", type=positive_int, default=16384,
                    help="calibration tokens; the exact-objective maps (jssa_rd, kq_svd) "
                    "overfit 2048 (WORKSPACE.md, session 28)")  # fmt: skip
     p.add_argument(
@@ -346,6 +426,7 @@ def main(argv=None) -> int:
                    "instead of keeping the projected cache from the prefill")  # fmt: skip
 
     args = parser.parse_args(argv)
+    check_writable("--json", args.json)
     env = environment()
     print(
         f"device {env['device']} (x{env['n_devices']}), {env['host_cpus']} host CPUs, "
