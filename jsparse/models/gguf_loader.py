@@ -91,7 +91,57 @@ def open_gguf(path: str | os.PathLike):
             raise ValueError(
                 f"{path}: truncated: tensor {t.name} needs bytes up to {end}, the file has {size}"
             )
+    _check_data_layout(reader, path, size)
     return reader
+
+
+def _check_data_layout(reader, path, size: int) -> None:
+    """Each tensor's bytes (its type and shape give their count) fill the data section
+    up to the next tensor's offset, or the end of the file, but for the alignment
+    padding: the reader trusts each offset and type on its own, so a type code changed
+    F32 -> F16 or an offset moved by a block would load a silently wrong model."""
+    align = int(reader.alignment)
+    tensors = sorted(reader.tensors, key=lambda t: int(t.data_offset))
+    start = int(reader.data_offset)
+
+    def what(t):
+        return f"tensor {t.name} ({t.tensor_type.name}, shape {[int(n) for n in t.shape]})"
+
+    for t in tensors:
+        if (int(t.data_offset) - start) % align:
+            raise ValueError(
+                f"{path}: {what(t)} at data offset {int(t.data_offset) - start} is not a "
+                f"multiple of the file's alignment {align}"
+            )
+    if tensors and int(tensors[0].data_offset) != start:
+        t = tensors[0]
+        raise ValueError(
+            f"{path}: {what(t)} starts at byte {int(t.data_offset)}; the data section starts "
+            f"at {start} (its first tensor's offset should be 0, not {int(t.data_offset) - start})"
+        )
+    for i, t in enumerate(tensors):
+        offset, n_bytes = int(t.data_offset), int(t.n_bytes)
+        end = offset + n_bytes
+        padded = -(-end // align) * align
+        if i + 1 < len(tensors):
+            nxt = tensors[i + 1]
+            following = int(nxt.data_offset)
+            if following < end:
+                raise ValueError(
+                    f"{path}: {what(t)} needs {n_bytes} bytes at {offset}..{end}, which overlap "
+                    f"tensor {nxt.name} at {following}"
+                )
+            if following != padded:
+                raise ValueError(
+                    f"{path}: {what(t)} needs {n_bytes} bytes at {offset}..{end} (padded to "
+                    f"{padded}), but the next tensor, {nxt.name}, starts at {following}: its "
+                    f"type, shape or offset is wrong"
+                )
+        elif not end <= size <= padded:
+            raise ValueError(
+                f"{path}: {what(t)} needs {n_bytes} bytes at {offset}..{end} (padded to "
+                f"{padded}), but the file ends at {size}: its type, shape or offset is wrong"
+            )
 
 
 def _field(reader, key: str, path, default: Any = ...) -> Any:
@@ -103,6 +153,32 @@ def _field(reader, key: str, path, default: Any = ...) -> Any:
     return field.contents()
 
 
+def _int_field(reader, key: str, path, default: Any = ...) -> int:
+    """A metadata count (>= 1): int() would truncate 32.9, parse "2", or fail on a
+    per-layer array with a TypeError naming nothing."""
+    value = _field(reader, key, path, default)
+    if isinstance(value, list):
+        raise ValueError(
+            f"{path}: metadata {key!r} is a per-layer array {value[:8]}; this loader needs "
+            f"one integer for every layer"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{path}: metadata {key!r} is {value!r}; expected an integer >= 1")
+    return int(value)
+
+
+def _float_field(reader, key: str, path, default: Any = ...) -> float:
+    """A positive, finite float metadata value, as :func:`_f32` reads it."""
+    value = _field(reader, key, path, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not (np.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{path}: metadata {key!r} is {value!r}; expected a finite number > 0")
+    return _f32(value)
+
+
 def config_from_gguf(reader, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
     """The model's shapes and constants from the GGUF metadata; Llama architecture only."""
     arch = _field(reader, "general.architecture", path)
@@ -112,28 +188,39 @@ def config_from_gguf(reader, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
         )
     if _field(reader, "llama.rope.scaling.type", path, None) not in (None, "none"):
         raise ValueError(f"{path}: RoPE scaling is not supported")
-    d_model = int(_field(reader, "llama.embedding_length", path))
-    n_heads = int(_field(reader, "llama.attention.head_count", path))
-    head_dim = int(_field(reader, "llama.attention.key_length", path, d_model // n_heads))
-    rope_dims = int(_field(reader, "llama.rope.dimension_count", path, head_dim))
+    d_model = _int_field(reader, "llama.embedding_length", path)
+    n_heads = _int_field(reader, "llama.attention.head_count", path)
+    if d_model % n_heads and "llama.attention.key_length" not in reader.fields:
+        raise ValueError(
+            f"{path}: metadata 'llama.attention.head_count' is {n_heads}, which does not "
+            f"divide 'llama.embedding_length' {d_model} (and no 'llama.attention.key_length')"
+        )
+    head_dim = _int_field(reader, "llama.attention.key_length", path, d_model // n_heads)
+    value_dim = _int_field(reader, "llama.attention.value_length", path, head_dim)
+    if value_dim != head_dim:
+        raise ValueError(
+            f"{path}: metadata 'llama.attention.value_length' is {value_dim}; this model "
+            f"needs it equal to the key length {head_dim}"
+        )
+    rope_dims = _int_field(reader, "llama.rope.dimension_count", path, head_dim)
     if rope_dims != head_dim:
         raise ValueError(f"{path}: partial RoPE ({rope_dims} of {head_dim} dims) unsupported")
     names = {t.name for t in reader.tensors}
     if "token_embd.weight" not in names:
         raise ValueError(f"{path}: no token_embd.weight tensor")
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = int(_field(reader, "llama.vocab_size", path, int(embd.shape[-1])))
+    vocab = _int_field(reader, "llama.vocab_size", path, int(embd.shape[-1]))
     return LlamaConfig(
         vocab_size=vocab,
         d_model=d_model,
-        n_layers=int(_field(reader, "llama.block_count", path)),
+        n_layers=_int_field(reader, "llama.block_count", path),
         n_heads=n_heads,
-        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv", path, n_heads)),
+        n_kv_heads=_int_field(reader, "llama.attention.head_count_kv", path, n_heads),
         head_dim=head_dim,
-        d_ff=int(_field(reader, "llama.feed_forward_length", path)),
-        rope_theta=_f32(_field(reader, "llama.rope.freq_base", path, 10_000.0)),
-        norm_eps=_f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", path)),
-        max_seq_len=int(_field(reader, "llama.context_length", path)),
+        d_ff=_int_field(reader, "llama.feed_forward_length", path),
+        rope_theta=_float_field(reader, "llama.rope.freq_base", path, 10_000.0),
+        norm_eps=_float_field(reader, "llama.attention.layer_norm_rms_epsilon", path),
+        max_seq_len=_int_field(reader, "llama.context_length", path),
         tie_embeddings="output.weight" not in names,
         # The file name says which model and which quantisation ("SmolLM2-135M-Instruct.Q4_1");
         # the metadata's general.name of this GGUF is a training-run label.
@@ -147,13 +234,21 @@ def _f32(x) -> float:
     return float(str(np.float32(x)))
 
 
-def gguf_tensors(reader) -> dict[str, np.ndarray]:
+def gguf_tensors(reader, path: str | os.PathLike = "<gguf>") -> dict[str, np.ndarray]:
     """Every tensor dequantised to float32, numpy layout ([d_out, d_in] for projections)."""
     from gguf import quants
 
     out = {}
     for t in reader.tensors:
-        w = quants.dequantize(t.data, t.tensor_type)
+        kind = t.tensor_type.name
+        if kind.startswith("I"):  # I8 ... I64: integers, not weights
+            raise ValueError(f"{path}: tensor {t.name} has type {kind}; expected float weights")
+        try:
+            w = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as err:
+            raise ValueError(
+                f"{path}: tensor {t.name} has type {kind}, which gguf cannot dequantise ({err})"
+            ) from None
         out[t.name] = np.asarray(w, dtype=np.float32).reshape(tuple(int(s) for s in t.shape[::-1]))
     return out
 
@@ -259,4 +354,4 @@ def load_model(
             return load_pack(assets.pack_dir(), core=core)
     reader = open_gguf(path)
     config = config_from_gguf(reader, path)
-    return model_from_tensors(config, gguf_tensors(reader), core=core, source=str(path))
+    return model_from_tensors(config, gguf_tensors(reader, path), core=core, source=str(path))

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -74,6 +75,18 @@ __all__ = [
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+_SIZE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "d_ff",
+    "max_seq_len",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Shapes and constants of a Llama-style decoder."""
@@ -92,9 +105,27 @@ class LlamaConfig:
     name: str = "llama"
 
     def __post_init__(self):
-        for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"LlamaConfig.{field}: got {getattr(self, field)}; expected >= 1")
+        for field in _SIZE_FIELDS:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"LlamaConfig.{field}: got {value!r}; expected an int >= 1")
+        # A zero, negative or non-finite RoPE base or RMSNorm epsilon gives NaN logits.
+        for field in ("rope_theta", "norm_eps"):
+            value = getattr(self, field)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float, np.integer, np.floating))
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ValueError(
+                    f"LlamaConfig.{field}: got {value!r}; expected a finite number > 0"
+                )
+        if not isinstance(self.tie_embeddings, (bool, np.bool_)):  # "false" would be truthy
+            raise ValueError(
+                f"LlamaConfig.tie_embeddings: got {self.tie_embeddings!r}; expected a bool"
+            )
+        if not isinstance(self.name, str):
+            raise ValueError(f"LlamaConfig.name: got {self.name!r}; expected a str")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"LlamaConfig: n_heads={self.n_heads} is not a multiple of "
@@ -113,8 +144,20 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """The inverse of :meth:`to_dict`: every field, no other key. A missing key would
+        take its default (a model without its rope_theta loads with 10000 and gives
+        wrong logits) and a misspelt one would be dropped, so both are errors."""
+        if not isinstance(d, dict):
+            raise ValueError(f"LlamaConfig.from_dict: got a {type(d).__name__}; expected a dict")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [k for k in names if k not in d]
+        unknown = sorted(str(k) for k in d if k not in names)
+        if missing or unknown:
+            raise ValueError(
+                f"LlamaConfig.from_dict: missing keys {missing}, unknown keys {unknown}; "
+                f"expected exactly {names}"
+            )
+        return cls(**d)
 
     @classmethod
     def smollm2_135m(cls) -> LlamaConfig:
@@ -564,11 +607,62 @@ class Llama(nnx.Module):
         return self.logits(h), cache
 
 
+def integer_ids(name: str, tokens) -> Any:
+    """``tokens`` unchanged when it has an integer dtype; a nested list of python ints
+    as a numpy array. A float, bool or other dtype is refused: converting it to int32
+    would truncate (1.7 -> 1) or wrap silently."""
+    if not hasattr(tokens, "dtype"):
+        try:
+            array = np.asarray(tokens)
+        except ValueError as err:  # ragged nested lists
+            raise ValueError(f"{name}: not an array of token ids ({err})") from None
+        if array.size == 0:  # [] reads as float64
+            array = array.astype(np.int32)
+        elif array.dtype == object and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in array.flat
+        ):  # python ints beyond uint64: no vocabulary holds them
+            big = next(i for i, v in enumerate(array.flat) if not -(2**63) <= v < 2**63)
+            pos = np.unravel_index(big, array.shape)
+            raise ValueError(
+                f"{name}: id {array.flat[big]} at position "
+                f"{tuple(int(i) for i in pos) if array.ndim > 1 else big} is outside the int64 "
+                f"range; expected ids in the model's vocabulary"
+            )
+        tokens = array
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"{name}: dtype {jnp.dtype(tokens.dtype).name} is not an integer type; "
+            f"expected integer token ids"
+        )
+    return tokens
+
+
+def check_id_range(name: str, values: np.ndarray, vocab_size: int) -> None:
+    """Every id of the concrete ``values`` in ``[0, vocab_size)``; out of range, a
+    gather would clamp, wrap or read NaN silently. Names the first bad id's position."""
+    if not values.size:
+        return
+    bad = (values < 0) | (values >= vocab_size)
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = pos[0] if len(pos) == 1 else pos
+        raise ValueError(
+            f"{name}: ids must lie in [0, {vocab_size}); got {values[pos]} at position "
+            f"{where} ({int(bad.sum())} out of range; min {values.min()}, max {values.max()})"
+        )
+
+
 def _check_tokens(tokens, config: LlamaConfig, cache) -> None:
     if tokens.ndim != 2:
         raise ValueError(f"tokens: expected rank 2 [B, T], got shape {tuple(tokens.shape)}")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens: dtype {tokens.dtype} is not an integer type")
+    integer_ids("tokens", tokens)
+    if 0 in tokens.shape:
+        # Nothing to run: the attention blocks would divide by T = 0, the checks reduce
+        # over no ids.
+        raise ValueError(
+            f"tokens: shape {tuple(tokens.shape)} is empty; expected B >= 1 sequences "
+            f"of T >= 1 tokens"
+        )
     if cache is not None:
         if len(cache) != config.n_layers:
             raise ValueError(f"cache: {len(cache)} layers, the model has {config.n_layers}")
@@ -576,15 +670,8 @@ def _check_tokens(tokens, config: LlamaConfig, cache) -> None:
         if cache[0].k.shape[0] != tokens.shape[0]:
             raise ValueError(f"cache: batch {cache[0].k.shape[0]}, tokens batch {tokens.shape[0]}")
     values = concrete(tokens)
-    if (
-        values is not None
-        and values.size
-        and (values.min() < 0 or values.max() >= config.vocab_size)
-    ):
-        raise ValueError(
-            f"tokens: ids must lie in [0, {config.vocab_size}); got min {values.min()}, "
-            f"max {values.max()}"
-        )
+    if values is not None:
+        check_id_range("tokens", values, config.vocab_size)
 
 
 def forward_fn(model: Llama) -> Callable[..., Any]:
@@ -607,8 +694,10 @@ def forward_fn(model: Llama) -> Callable[..., Any]:
         return nnx.merge(graphdef, state)(tokens, cache)
 
     def forward(tokens, cache=None):
-        tokens = jnp.asarray(tokens, jnp.int32)
+        # Checked before the int32 conversion, which would truncate floats and wrap
+        # ids >= 2^31 into range.
+        tokens = integer_ids("tokens", tokens)
         _check_tokens(tokens, config, cache)
-        return run(state, tokens, cache)
+        return run(state, jnp.asarray(tokens, jnp.int32), cache)
 
     return forward

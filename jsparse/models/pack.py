@@ -2,7 +2,8 @@
 
 ``python -m jsparse.assets export-pack DIR`` writes::
 
-    DIR/manifest.json       format, config, source GGUF sha256, tensor index
+    DIR/manifest.json       format, config (every LlamaConfig field), source GGUF sha256,
+                            tensor index
     DIR/weights_XX.npz      the GGUF's tensors as stored: raw Q4_1 / Q8_0 blocks (uint8)
                             and F32 norms, split into parts of at most --max-part-mib
     DIR/tokens.npz          token ids (uint16) of the six novels, tokenised as
@@ -39,15 +40,40 @@ FORMAT = "jsparse.pack/1"
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
 
 
-def dequantize(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
-    """float32 ``shape`` from the stored bytes of one tensor (``kind`` as in ggml)."""
+def dequantize(
+    raw: np.ndarray, kind: str, shape: tuple[int, ...], *, name: str = "dequantize"
+) -> np.ndarray:
+    """float32 ``shape`` from the stored bytes of one tensor (``kind`` as in ggml).
+
+    ``raw`` must be what the GGUF stores for ``kind`` and ``shape``: float32 / float16
+    values for F32 / F16, uint8 blocks otherwise; anything else is refused (``name`` in
+    the message), since a converted or reinterpreted array loads silently wrong."""
+    if kind not in ("F32", "F16", *_BLOCK_BYTES):
+        raise ValueError(f"{name}: tensor type {kind!r} unsupported; have F32, F16, Q8_0, Q4_1")
+    if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+        raise ValueError(f"{name}: shape {list(shape)}; expected positive ints")
+    raw = np.asarray(raw)
+    count = int(np.prod(shape))
+    if kind in ("F32", "F16"):
+        dtype = np.dtype(np.float32 if kind == "F32" else np.float16)
+        expected = f"{count} {dtype.name} values"
+        ok = raw.dtype == dtype and raw.size == count
+    else:
+        nbytes = count // 32 * _BLOCK_BYTES[kind]
+        expected = f"{nbytes} uint8 bytes ({count // 32} blocks of {_BLOCK_BYTES[kind]})"
+        ok = shape[-1] % 32 == 0 and raw.dtype == np.uint8 and raw.size == nbytes
+        if shape[-1] % 32:
+            expected = "a last dimension that is a multiple of the 32-weight block"
+    if not ok:
+        raise ValueError(
+            f"{name}: {kind} {list(shape)} stored as {raw.size} {raw.dtype.name} values; "
+            f"expected {expected}"
+        )
     if kind == "F32":
-        return np.asarray(raw, np.float32).reshape(shape)
+        return raw.reshape(shape)
     if kind == "F16":
-        return np.asarray(raw, np.float16).astype(np.float32).reshape(shape)
-    if kind not in _BLOCK_BYTES:
-        raise ValueError(f"dequantize: tensor type {kind!r} unsupported; have F32, F16, Q8_0, Q4_1")
-    blocks = np.ascontiguousarray(raw, np.uint8).reshape(-1, _BLOCK_BYTES[kind])
+        return raw.astype(np.float32).reshape(shape)
+    blocks = np.ascontiguousarray(raw).reshape(-1, _BLOCK_BYTES[kind])
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
     if kind == "Q8_0":
         q = blocks[:, 2:].copy().view(np.int8).astype(np.float32)
@@ -131,10 +157,17 @@ def _manifest(pack_dir: Path) -> dict:
     path = pack_dir / "manifest.json"
     if not path.is_file():
         raise FileNotFoundError(f"{pack_dir}: not a model pack (no manifest.json)")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    missing = [p for p in manifest["parts"] if not (pack_dir / p).is_file()]
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise ValueError(f"{path}: format {found!r}, expected {FORMAT!r}")
+    parts = manifest.get("parts")
+    if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+        raise ValueError(f"{path}: 'parts' is {parts!r}; expected a list of file names")
+    missing = [p for p in parts if not (pack_dir / p).is_file()]
     if missing:
         raise FileNotFoundError(f"{pack_dir}: pack parts missing: {missing}")
     return manifest
@@ -148,13 +181,43 @@ def load_pack(
 
     pack_dir = Path(pack_dir)
     manifest = _manifest(pack_dir)
-    config = LlamaConfig.from_dict(manifest["config"])
+    try:
+        config = LlamaConfig.from_dict(manifest.get("config"))
+    except ValueError as err:
+        raise ValueError(f"{pack_dir / 'manifest.json'}: config: {err}") from None
+    index = manifest.get("tensors")
+    if not isinstance(index, dict):
+        raise ValueError(f"{pack_dir / 'manifest.json'}: no 'tensors' index")
     tensors = {}
     for part in manifest["parts"]:
-        with np.load(pack_dir / part) as f:
+        path = pack_dir / part
+        try:
+            f = np.load(path)
+        except Exception as err:  # a truncated or corrupted part: BadZipFile, EOFError ...
+            raise ValueError(f"{path}: unreadable pack part ({type(err).__name__}: {err})") from err
+        if not isinstance(f, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path}: not an .npz archive of tensors")
+        with f:
             for name in f.files:
-                entry = manifest["tensors"][name]
-                tensors[name] = dequantize(f[name], entry["type"], tuple(entry["shape"]))
+                entry = index.get(name)
+                if not isinstance(entry, dict) or entry.get("part") != part:
+                    where = "missing from" if entry is None else f"listed as {entry!r} in"
+                    raise ValueError(f"{path}: tensor {name} is {where} the manifest's index")
+                try:
+                    raw = f[name]
+                except Exception as err:  # a corrupted member
+                    raise ValueError(
+                        f"{path}: tensor {name} is unreadable ({type(err).__name__}: {err})"
+                    ) from err
+                tensors[name] = dequantize(
+                    raw,
+                    entry.get("type"),
+                    tuple(entry.get("shape") or ()),
+                    name=f"{path}: tensor {name}",
+                )
+    listed = sorted(set(index) - set(tensors))
+    if listed:
+        raise ValueError(f"{pack_dir}: tensors in the manifest but in no part: {listed[:8]}")
     return model_from_tensors(config, tensors, core=core, source=str(pack_dir))
 
 

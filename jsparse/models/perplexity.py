@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jsparse import backend
-from jsparse.models.llama import Llama
+from jsparse.models.llama import Llama, check_id_range, integer_ids
 
 __all__ = ["PerplexityResult", "perplexity", "token_nll", "windows"]
 
@@ -100,14 +100,21 @@ def token_nll(
     progress: bool = False,
 ) -> np.ndarray:
     """float32 [N - 1]: the NLL of ``x[1] ... x[N-1]`` under the protocol above."""
-    ids = np.asarray(token_ids, np.int32)
+    # Checked before the int32 conversion: a float id would truncate, one >= 2^31 wrap,
+    # and one outside the vocabulary score silently (a negative id wraps, V gives NaN).
+    ids = np.asarray(integer_ids("token_ids", token_ids))
     if ids.ndim != 1:
         raise ValueError(f"token_ids: expected a vector [N], got shape {ids.shape}")
+    check_id_range("token_ids", ids, model.config.vocab_size)
+    ids = ids.astype(np.int32)
     if context_len > model.config.max_seq_len:
         raise ValueError(
             f"context_len: got {context_len}; the model's context is {model.config.max_seq_len}"
         )
     stride = context_len // 2 if stride is None else stride
+    for name, value in (("context_len", context_len), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name}: got {value!r}; expected an int")
     plan = windows(len(ids), context_len, stride)
     graphdef, state = nnx.split(model)
     parts = []

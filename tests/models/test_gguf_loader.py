@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import struct
+
 import numpy as np
 import numpy_llama
 import pytest
@@ -157,3 +160,122 @@ def test_load_model_with_a_calibrated_core_keeps_its_params(gguf_path):
     dense_logits, _ = forward_fn(load_model(gguf_path))(ids[None])
     sparse_logits, _ = forward_fn(sparse)(ids[None])
     np.testing.assert_allclose(np.asarray(sparse_logits), np.asarray(dense_logits), atol=1e-5)
+
+
+def tensor_info(data: bytes, path, name: str) -> dict[str, int]:
+    """Byte positions of tensor ``name``'s type code and data offset in its info record."""
+    import gguf
+
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    at = t.field.offset
+    at += 8 + struct.unpack_from("<Q", data, at)[0]  # name
+    at += 4 + 8 * struct.unpack_from("<I", data, at)[0]  # n_dims, dims
+    return {"type": at, "offset": at + 4}
+
+
+def patched(gguf_path, tmp_path, name, field, value_of) -> object:
+    """A copy of the file with tensor ``name``'s ``field`` set to ``value_of(old)``; a
+    type given by name ("F16")."""
+    import gguf
+
+    data = bytearray(gguf_path.read_bytes())
+    at = tensor_info(bytes(data), gguf_path, name)[field]
+    fmt = "<I" if field == "type" else "<Q"
+    value = value_of(struct.unpack_from(fmt, data, at)[0])
+    if isinstance(value, str):
+        value = gguf.GGMLQuantizationType[value]
+    struct.pack_into(fmt, data, at, value)
+    out = tmp_path / "patched.gguf"
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "value_of", "match"),
+    [
+        # Each loaded silently wrong before: the reader trusts every type and offset.
+        (
+            "blk.0.attn_norm.weight",
+            "type",
+            lambda _: "F16",
+            r"attn_norm\.weight \(F16, shape \[32\]\) needs 64 bytes",
+        ),
+        ("blk.0.attn_norm.weight", "type", lambda _: "BF16", r"attn_norm\.weight \(BF16"),
+        ("blk.0.attn_q.weight", "type", lambda _: "Q4_0", r"attn_q\.weight \(Q4_0.*next tensor"),
+        ("blk.0.attn_q.weight", "type", lambda _: "Q5_0", r"attn_q\.weight \(Q5_0.*which overlap"),
+        (
+            "token_embd.weight",
+            "type",
+            lambda _: "Q8_1",
+            r"token_embd\.weight \(Q8_1.*which overlap",
+        ),
+        (
+            "blk.0.attn_q.weight",
+            "offset",
+            lambda v: v + 32,
+            r"attn_norm\.weight .* the next tensor, blk\.0\.attn_q\.weight, starts",
+        ),
+        (
+            "blk.0.attn_q.weight",
+            "offset",
+            lambda v: v + 4,
+            r"attn_q\.weight .* not a multiple of the file's alignment 32",
+        ),
+        ("blk.1.ffn_down.weight", "offset", lambda v: v - 32, r"which overlap"),
+        (
+            "token_embd.weight",
+            "offset",
+            lambda v: v + 32,
+            r"token_embd\.weight .* starts at byte \d+; the data section starts at",
+        ),
+        # as large as F32: caught by its type (gguf's I32 dequantiser raised a bare
+        # NotImplementedError)
+        (
+            "blk.0.attn_norm.weight",
+            "type",
+            lambda _: "I32",
+            r"tensor blk\.0\.attn_norm\.weight has type I32; expected float",
+        ),
+    ],
+)
+def test_inconsistent_tensor_data_is_refused(gguf_path, tmp_path, name, field, value_of, match):
+    bad = patched(gguf_path, tmp_path, name, field, value_of)
+    with pytest.raises(ValueError, match=r"patched\.gguf: (tensor )?.*" + match):
+        load_model(bad)
+
+
+def test_last_tensor_must_end_the_file(gguf_path, tmp_path):
+    longer = tmp_path / "longer.gguf"
+    longer.write_bytes(gguf_path.read_bytes() + bytes(64))
+    with pytest.raises(ValueError, match=r"longer\.gguf: tensor .* but the file ends at"):
+        load_model(longer)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("llama.attention.head_count", (0, "UINT32"), "is 0; expected an integer >= 1"),
+        ("llama.attention.head_count_kv", (0, "UINT32"), "is 0; expected an integer >= 1"),
+        ("llama.attention.head_count", ([4, 4], "ARRAY"), r"is a per-layer array \[4, 4\]"),
+        ("llama.attention.head_count_kv", ([2, 2], "ARRAY"), r"is a per-layer array"),
+        ("llama.block_count", ("2", "STRING"), "is '2'; expected an integer"),
+        ("llama.block_count", (2.0, "FLOAT32"), r"is 2\.0; expected an integer"),
+        ("llama.embedding_length", (32.9, "FLOAT32"), r"is 32\.9\d*; expected an integer"),
+        ("llama.context_length", (-5, "INT32"), "is -5; expected an integer >= 1"),
+        ("llama.rope.freq_base", ("100", "STRING"), "is '100'; expected a finite number > 0"),
+        ("llama.rope.freq_base", (0.0, "FLOAT32"), r"is 0\.0; expected a finite number > 0"),
+        ("llama.attention.layer_norm_rms_epsilon", (-1.0, "FLOAT32"), r"is -1\.0"),
+        ("llama.attention.head_count", (3, "UINT32"), "is 3, which does not divide"),
+        ("llama.attention.value_length", (16, "UINT32"), "is 16; this model needs it equal"),
+    ],
+)
+def test_bad_metadata_names_its_key(tmp_path, weights, key, value, match):
+    # Were ZeroDivisionError / TypeError, or loaded truncated or parsed ("2", 32.9).
+    import gguf
+
+    entry = (value[0], gguf.GGUFValueType[value[1]])
+    path = tiny_gguf.write_tiny_gguf(
+        tmp_path / "meta.gguf", CFG.to_dict(), weights, metadata={key: entry}
+    )
+    with pytest.raises(ValueError, match=rf"meta\.gguf: metadata '{re.escape(key)}' {match}"):
+        load_model(path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -335,3 +337,75 @@ def test_a_decode_step_consumes_the_cache_it_is_given():
     before = cache[0].k
     _, after = fwd(ids[:, 5:], cache)
     assert before.is_deleted() and int(after[0].length) == 6
+
+
+@pytest.mark.parametrize(
+    ("tokens", "match"),
+    [
+        # forward_fn converted to int32 before checking: floats truncated, ids wrapped
+        (np.array([[1.5, 2.7, 3.2]]), "tokens: dtype float64 is not an integer type"),
+        ([[1.0, 2.0]], "tokens: dtype float64"),
+        (np.array([[True, False]]), "tokens: dtype bool"),
+        (np.array([[1, 2**32 + 1, 3]]), r"got 4294967297 at position \(0, 1\)"),
+        ([[1, 2, 2**70]], r"tokens: id 1180591620717411303424 at position \(0, 2\)"),
+        (np.array([[1, 2], [3, -1]]), r"got -1 at position \(1, 1\)"),
+        # empty inputs: a ZeroDivisionError (T = 0) or a numpy reduction error (B = 0)
+        (np.zeros((1, 0), np.int32), r"tokens: shape \(1, 0\) is empty"),
+        (np.zeros((0, 3), np.int32), r"tokens: shape \(0, 3\) is empty"),
+        ([[]], r"tokens: shape \(1, 0\) is empty"),
+    ],
+)
+def test_bad_tokens_are_refused_before_conversion(tokens, match):
+    model = nnx_model(TINY, random_hf_weights(TINY))
+    with pytest.raises(ValueError, match=match):
+        forward_fn(model)(tokens)
+    if hasattr(tokens, "dtype"):
+        with pytest.raises(ValueError, match=match):
+            model(jnp.asarray(tokens) if tokens.dtype.itemsize <= 4 else tokens)
+
+
+def test_empty_decode_step_is_refused():
+    model = nnx_model(TINY, random_hf_weights(TINY))
+    with pytest.raises(ValueError, match=r"tokens: shape \(1, 0\) is empty"):
+        forward_fn(model)(np.zeros((1, 0), np.int32), model.init_cache(1, 8))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("d_ff", 0, "LlamaConfig.d_ff: got 0; expected an int >= 1"),
+        ("max_seq_len", 0, "LlamaConfig.max_seq_len: got 0"),
+        ("d_model", 32.0, "LlamaConfig.d_model: got 32.0; expected an int"),
+        ("n_layers", True, "LlamaConfig.n_layers: got True"),
+        ("rope_theta", 0.0, "LlamaConfig.rope_theta: got 0.0; expected a finite number > 0"),
+        ("rope_theta", -100.0, "LlamaConfig.rope_theta: got -100.0"),
+        ("rope_theta", float("inf"), "LlamaConfig.rope_theta: got inf"),
+        ("rope_theta", float("nan"), "LlamaConfig.rope_theta: got nan"),
+        ("rope_theta", "1e4", "LlamaConfig.rope_theta: got '1e4'"),
+        ("norm_eps", 0.0, "LlamaConfig.norm_eps: got 0.0"),
+        ("norm_eps", -1e-5, "LlamaConfig.norm_eps: got -1e-05"),
+        ("norm_eps", float("nan"), "LlamaConfig.norm_eps: got nan"),
+        ("tie_embeddings", "false", "LlamaConfig.tie_embeddings: got 'false'; expected a bool"),
+        ("name", None, "LlamaConfig.name: got None"),
+    ],
+)
+def test_config_fields_are_validated(field, value, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        LlamaConfig(**{**TINY.to_dict(), field: value})
+
+
+def test_config_from_dict_is_exact():
+    assert LlamaConfig.from_dict(TINY.to_dict()) == TINY
+    without = {k: v for k, v in TINY.to_dict().items() if k != "rope_theta"}
+    # A missing key used to take its default (rope_theta 10000: wrong logits).
+    with pytest.raises(ValueError, match=r"missing keys \['rope_theta'\], unknown keys \[\]"):
+        LlamaConfig.from_dict(without)
+    # A misspelt key used to be dropped silently.
+    with pytest.raises(
+        ValueError, match=r"missing keys \['rope_theta'\], unknown keys \['rope_thta'\]"
+    ):
+        LlamaConfig.from_dict({**without, "rope_thta": 100.0})
+    with pytest.raises(ValueError, match=r"unknown keys \['extra'\]"):
+        LlamaConfig.from_dict({**TINY.to_dict(), "extra": 1})
+    with pytest.raises(ValueError, match="got a list; expected a dict"):
+        LlamaConfig.from_dict([])

@@ -60,3 +60,33 @@ def test_context_longer_than_model_is_refused():
     model = nnx_model(TINY, random_hf_weights(TINY))
     with pytest.raises(ValueError, match="context_len"):
         token_nll(model, tokens_of(10), context_len=TINY.max_seq_len + 1)
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        ([1, -2, 3, 4], r"token_ids: ids must lie in \[0, 96\); got -2 at position 1"),
+        ([1, 2, 96, 4], r"token_ids: ids must lie in \[0, 96\); got 96 at position 2"),
+        (np.array([1, 2, 3, 2**32 + 1]), r"got 4294967297 at position 3"),
+        ([1, 2, 3, 2**70], r"token_ids: id 1180591620717411303424 at position 3"),
+        ([1.7, 2.9, 3.2, 4.8], "token_ids: dtype float64 is not an integer type"),
+        (np.array([1, 2, 3], np.float32), "token_ids: dtype float32"),
+        ([True, False, True], "token_ids: dtype bool"),
+    ],
+)
+def test_bad_token_ids_are_refused(ids, match):
+    # Each of these once scored silently: a negative id wrapped, id == V gave NaN,
+    # floats truncated and ids >= 2^32 wrapped into range.
+    model = nnx_model(TINY, random_hf_weights(TINY))
+    with pytest.raises(ValueError, match=match):
+        perplexity(model, ids, context_len=4)
+    with pytest.raises(ValueError, match=match):
+        token_nll(model, ids, context_len=4)
+
+
+def test_non_integer_window_sizes_are_refused():
+    model = nnx_model(TINY, random_hf_weights(TINY))
+    with pytest.raises(ValueError, match=r"context_len: got 4\.0; expected an int"):
+        perplexity(model, tokens_of(6), context_len=4.0)
+    with pytest.raises(ValueError, match=r"stride: got 1\.5; expected an int"):
+        perplexity(model, tokens_of(6), context_len=4, stride=1.5)

@@ -58,7 +58,8 @@ QUANTISED = {"token_embd.weight": "Q8_0", "attn_q.weight": "Q4_1", "ffn_up.weigh
 def quant_type(name: str):
     from gguf import GGMLQuantizationType
 
-    kind = QUANTISED.get(name.split(".", 1)[1] if name.startswith("blk.") else name)
+    # "blk.3.attn_q.weight" -> "attn_q.weight"
+    kind = QUANTISED.get(name.split(".", 2)[2] if name.startswith("blk.") else name)
     return None if kind is None else GGMLQuantizationType[kind]
 
 
@@ -80,12 +81,27 @@ def write_tiny_gguf(
     arch: str = "llama",
     permute: bool = True,
     drop: tuple[str, ...] = (),
+    metadata: dict | None = None,
 ) -> Path:
-    """``hf_weights``: GGUF names in the Hugging Face layout; q / k get interleaved here."""
+    """``hf_weights``: GGUF names in the Hugging Face layout; q / k get interleaved here.
+    ``metadata``: key -> ``(value, GGUFValueType)`` replacing (or adding) a key, or None
+    leaving it out; an array value is written as an array of UINT32."""
     import gguf
     from gguf import quants
 
-    writer = gguf.GGUFWriter(str(path), arch)
+    metadata = dict(metadata or {})
+
+    class Writer(gguf.GGUFWriter):
+        def add_key_value(self, key, val, vtype, sub_type=None):
+            if key in metadata:
+                if metadata[key] is None:
+                    return
+                val, vtype = metadata.pop(key)
+                if vtype == gguf.GGUFValueType.ARRAY:
+                    sub_type = gguf.GGUFValueType.UINT32
+            super().add_key_value(key, val, vtype, sub_type)
+
+    writer = Writer(str(path), arch)
     writer.add_name("tiny")
     writer.add_basename("tiny-llama")
     writer.add_block_count(cfg["n_layers"])
@@ -105,6 +121,9 @@ def write_tiny_gguf(
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_add_bos_token(False)
+    for key, entry in list(metadata.items()):  # keys the writer above does not write
+        if entry is not None:
+            writer.add_key_value(key, *entry)
     for name, w in hf_weights.items():
         if name in drop:
             continue
