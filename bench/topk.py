@@ -27,7 +27,7 @@ DEFAULT_METHODS = ["xla", "base"]
 def add_arguments(parser):
     parser.add_argument(
         "--check-rows",
-        type=int,
+        type=common.positive_int,
         default=16,
         help="rows of a long shape checked against the oracle (decode shapes: every row)",
     )
@@ -85,8 +85,8 @@ def check(inputs, got, *, top_k: int, rows: int, in_order: bool) -> list[str]:
         want[: best.size] = best
         ids, values = got_ids[r].astype(np.int64), got_values[r]
         if not in_order:  # the set is the contract: compare it in the oracle's order
-            ids, values = ids[np.argsort(-ids)], values[np.argsort(-ids)]
-            want = want[np.argsort(-want)]
+            order = np.argsort(-ids)
+            ids, values, want = ids[order], values[order], np.sort(want)[::-1]
         if not np.array_equal(ids, want):
             problems.append(f"row {r}: {int(np.sum(ids != want))} of {top_k} ids differ")
             continue

@@ -314,3 +314,14 @@ def test_json_is_strict(tmp_path):
     assert json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(c)) == {
         "floor": None, "ms": 1.5, "at": str(tmp_path),
     }  # fmt: skip
+
+
+def test_topk_check_rows_is_checked_by_the_parser(capsys):
+    """--check-rows 0 ran the selection and failed inside the check (as the indexer's)."""
+    from bench import topk
+
+    parser = argparse.ArgumentParser()
+    topk.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--check-rows", "0"])
+    assert "argument --check-rows: expected an int >= 1, got '0'" in capsys.readouterr().err
