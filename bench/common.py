@@ -409,6 +409,21 @@ def print_kernels(rows: list[dict], *, top: int = 8):
         print(f"  {r['case']} {r['method']}: {shown}{more}")
 
 
+def checked_by(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that runs ``parse`` on the flag's text when it is parsed, before
+    the run, and keeps the text (the run parses it again): ``parse``'s ValueError becomes
+    the parser's message naming the flag."""
+
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    return check
+
+
 def config_from_ints(spec: str, cls, fields: Sequence[str]):
     """``"a,b,..."`` as ``cls(**{field: int})`` (a tile config from the command line); a
     ValueError naming the expected form, or the config's own complaint."""

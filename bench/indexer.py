@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import jax
@@ -35,7 +34,7 @@ def add_arguments(parser):
         help="sorted=False: the exact Top-K set without the final sort by score",
     )  # fmt: skip
     parser.add_argument(
-        "--scorer-config", type=_scorer_config_arg, default=None,
+        "--scorer-config", type=common.checked_by(_scorer_config), default=None,
         help="block_t,block_s,num_warps,num_stages for the Triton scorer (default: heuristic)",
     )  # fmt: skip
     parser.add_argument(
@@ -175,16 +174,6 @@ def _scorer_config(text):
     if not text:
         return None
     return common.config_from_ints(text, indexer_triton.ScorerConfig, SCORER_FIELDS)
-
-
-def _scorer_config_arg(text: str) -> str:
-    """``--scorer-config``'s parser type: checked when parsed, before the run (a bad one
-    failed in ``run``: unpacking or int() errors); ``run`` builds the config."""
-    try:
-        _scorer_config(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
 
 
 def run(args, floors: common.Floors, impl: str) -> list[dict]:

@@ -21,7 +21,6 @@ case is that step.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import jax
@@ -54,7 +53,7 @@ def add_arguments(parser):
         help="also the GPU busy time per call from a profiler trace (kernels only), by kernel",
     )  # fmt: skip
     parser.add_argument(
-        "--backward-config", type=_backward_config_arg, default=None,
+        "--backward-config", type=common.checked_by(_parse_backward_configs), default=None,
         help="block_t,block_s,head_groups,num_warps,num_stages,dq_heads of the backward "
         "kernels for base (default: BackwardConfig()); several, separated by ';', each a row",
     )  # fmt: skip
@@ -78,16 +77,6 @@ def _parse_backward_configs(text: str | None) -> list:
     return [
         common.config_from_ints(spec, BackwardConfig, CONFIG_FIELDS) for spec in text.split(";")
     ]
-
-
-def _backward_config_arg(text: str) -> str:
-    """``--backward-config``'s parser type: checked when parsed, before the floors are
-    measured (it was checked in ``run``, and a non-integer gave a raw int() error)."""
-    try:
-        _parse_backward_configs(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
 
 
 def kernels_fn(cfg):

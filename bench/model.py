@@ -99,6 +99,15 @@ def _token_nll(logits, ids) -> np.ndarray:
     )
 
 
+def _worst_nll_gap(got, want) -> int | None:
+    """The token whose two NLLs differ most (a non-finite gap first), or None when every
+    gap is finite and within :data:`NLL_TOLERANCE`."""
+    gap = np.abs(got - want)
+    if np.all(np.isfinite(gap)) and gap.max(initial=0.0) <= NLL_TOLERANCE:
+        return None
+    return int(np.argmax(np.where(np.isfinite(gap), gap, np.inf)))
+
+
 def reference_problem(model: Llama, core, ids, logits) -> str | None:
     """The timed program's ``logits`` of row 0 against the same weights with
     :func:`reference_core`, token by token over the first :data:`CHECK_TOKENS` (a causal
@@ -110,9 +119,8 @@ def reference_problem(model: Llama, core, ids, logits) -> str | None:
     finally:
         model.set_core(core)
     got_nll, want_nll = _token_nll(logits[0, :n], ids[0, :n]), _token_nll(want[0], ids[0, :n])
-    worst = int(np.argmax(np.abs(got_nll - want_nll)))
-    gap = float(np.abs(got_nll - want_nll)[worst])
-    if np.isfinite(gap) and gap <= NLL_TOLERANCE:
+    worst = _worst_nll_gap(got_nll, want_nll)
+    if worst is None:
         return None
     return (
         f"token {worst + 1}: NLL {got_nll[worst]:.4f}, the reference core's "
@@ -317,16 +325,14 @@ def cmd_sparse_decode(args) -> dict:
                 logits, cache = fwd(jnp.asarray(ids[None, i : i + 1]), cache)
         return np.asarray(nll)
 
-    dense_core = lambda i: DenseCausalAttention(args.query_chunk, args.key_chunk)  # noqa: E731
-    dense = decode_nll(dense_core, jnp.dtype(jnp.float32))  # the reference: an f32 cache
+    dense = decode_nll(dense_core(args), jnp.dtype(jnp.float32))  # the reference: an f32 cache
     # Check before comparing: the dense decode's NLLs (prefill, then a step a token from
     # the cache) against one causal forward of the same tokens with the reference core.
     model.set_core(lambda i: reference_core)
     whole, _ = forward_fn(model)(jnp.asarray(ids[None]))
     want = _token_nll(whole[0], ids)[args.prefill - 1 :]
-    gap = np.abs(dense - want)
-    if not (np.all(np.isfinite(gap)) and gap.max() <= NLL_TOLERANCE):
-        worst = int(np.nanargmax(np.where(np.isfinite(gap), gap, np.inf)))
+    worst = _worst_nll_gap(dense, want)
+    if worst is not None:
         raise SystemExit(
             f"sparse-decode: CHECK FAILED: the dense decode's NLL at step {worst} is "
             f"{dense[worst]:.4f}, one forward's {want[worst]:.4f} (tolerance {NLL_TOLERANCE})"
@@ -336,7 +342,7 @@ def cmd_sparse_decode(args) -> dict:
     print(f"dense: mean NLL {dense.mean():.4f} (perplexity {math.exp(dense.mean()):.3f}) "
           f"over {args.steps} decoded tokens")  # fmt: skip
     if kv_dtype != jnp.dtype(jnp.float32):
-        nll = decode_nll(dense_core)
+        nll = decode_nll(dense_core(args))
         delta = float(nll.mean() - dense.mean())
         rows.append(dict(core="dense", budget=None, kv_dtype=kv_dtype.name,
                          mean_nll=float(nll.mean()), perplexity=math.exp(nll.mean()),

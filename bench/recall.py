@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     eval_meta = read_meta(args.eval)
     # a layer past the captures' used to stop at its file, after the calibration
-    n_layers = min(read_meta(d)["n_layers"] for d in [args.eval, *args.calib])
+    n_layers = min([eval_meta["n_layers"], *(read_meta(d)["n_layers"] for d in args.calib)])
     missing = sorted({layer for layer in args.layers or [] if layer >= n_layers})
     if missing:
         parser.error(f"--layers: {missing}; the captures have layers 0..{n_layers - 1}")

@@ -41,12 +41,16 @@ def _parse_value(text: str):
 
 def _bytes_per_token(text: str) -> float:
     """An argparse type: jssa_rd's budget, at least one int4 dimension (half a byte)."""
+    from jsparse.selectors.jssa_rd import MIN_BYTES_PER_TOKEN
+
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not (math.isfinite(value) and value >= 0.5):
-        raise argparse.ArgumentTypeError(f"expected a number of bytes >= 0.5, got {text!r}")
+    if not (math.isfinite(value) and value >= MIN_BYTES_PER_TOKEN):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of bytes >= {MIN_BYTES_PER_TOKEN}, got {text!r}"
+        )
     return value
 
 

@@ -62,6 +62,7 @@ _INT4_MAX = 7  # symmetric levels -7..7
 # step²/12): FP8 e4m3 has 3 mantissa bits (relative step 2^-3, so (2^-4)²/3 of x²);
 # int4 with an amax scale has step amax/7, i.e. (kappa/7)²/12 of σ², kappa = amax/σ.
 FP8_REL_NOISE = (2.0**-4) ** 2 / 3
+MIN_BYTES_PER_TOKEN = 0.5  # one int4 component
 EMPTY_CACHE_KAPPA = 4.0  # amax / std of ~8K Gaussian samples (the planner's kappa)
 
 
@@ -74,11 +75,16 @@ def component_weights(a, b, moments: Moments) -> np.ndarray:
 
 def _shares(a, b, moments: Moments) -> Array:
     """:func:`component_weights` in jnp (f32), so that calibration can run under ``jit``."""
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    a = jnp.asarray(a, jnp.float32)
     wq = jnp.einsum("...rd,...de,...re->...r", a, moments.gram_q, a, precision=HIGHEST)
-    wk = jnp.einsum("...rd,...de,...re->...r", b, moments.cov_k, b, precision=HIGHEST)
-    w = jnp.maximum(wq * wk, 0.0)
+    w = jnp.maximum(wq * _key_variance(b, moments), 0.0)
     return w / jnp.maximum(w.sum(axis=-1, keepdims=True), 1e-30)
+
+
+def _key_variance(b, moments: Moments) -> Array:
+    """``Var[(B k)_r]`` ``[*L, Hkv, R]`` of the key map's components (f32)."""
+    b = jnp.asarray(b, jnp.float32)
+    return jnp.einsum("...rd,...de,...re->...r", b, moments.cov_k, b, precision=HIGHEST)
 
 
 def plan_bit_allocation(weights, bytes_per_token: float, *, kappa: float = 4.0) -> tuple[int, int]:
@@ -103,10 +109,10 @@ def plan_bit_allocation(weights, bytes_per_token: float, *, kappa: float = 4.0) 
             f"{w.shape}{'' if w.size == 0 else f' in [{w.min()}, {w.max()}]'}"
         )
     budget = _checks.finite_real(bytes_per_token)
-    if budget is None or budget < 0.5:
+    if budget is None or budget < MIN_BYTES_PER_TOKEN:
         raise ValueError(
-            f"bytes_per_token: got {bytes_per_token!r}; expected a finite number >= 0.5 "
-            "(one int4 component)"
+            f"bytes_per_token: got {bytes_per_token!r}; expected a finite number >= "
+            f"{MIN_BYTES_PER_TOKEN} (one int4 component)"
         )
     if _checks.finite_real(kappa) is None or kappa <= 0:
         raise ValueError(f"kappa: got {kappa!r}; expected a finite number > 0")
@@ -208,8 +214,7 @@ class JSSARDSelector(ProjectedSelector):
         params = {name: m[..., : self.rank, :] for name, m in self._fit_by_share(moments).items()}
         b = params["key_map"]
         params["key_offset"] = jnp.einsum("...rd,...d->...r", b, moments.mean_k, precision=HIGHEST)
-        spread = jnp.einsum("...rd,...de,...re->...r", b, moments.cov_k, b, precision=HIGHEST)
-        params["key_spread"] = jnp.sqrt(jnp.maximum(spread, 0.0))
+        params["key_spread"] = jnp.sqrt(jnp.maximum(_key_variance(b, moments), 0.0))
         return params
 
     def _fit_by_share(self, moments: Moments) -> dict:
