@@ -263,3 +263,23 @@ def test_gpu_step_matches_the_reference(b, h, hkv, d, r):
     # truncating conversion would move about half of the written values)
     rows = np.arange(b), np.asarray(args[6])
     assert (f32(got)[rows] != f32(want)[rows]).mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("rows_at_once", [1, 7, 40])
+def test_key_projection_in_slices_equals_widening_at_once(dtype, rows_at_once):
+    """Keys narrower than f32 are widened a slice at a time above ``widen_at_once``
+    elements (a prefill's cache widened at once would not fit beside it); every row is
+    projected, the last slice's overlap included (3 x 41 rows is no multiple of 7 or 40)."""
+    from jsparse.ops.projected.reference import key_projection
+
+    rng = np.random.default_rng(3)
+    hkv, d, r = 2, 16, 4
+    k = jnp.asarray(rng.standard_normal((3, 41, hkv, d)), DTYPES[dtype])
+    key_map = jnp.asarray(rng.standard_normal((hkv, r, d)), jnp.float32)
+    at_once = key_projection(k, key_map)
+    sliced = key_projection(k, key_map, widen_at_once=rows_at_once * hkv * d)
+    assert sliced.shape == at_once.shape == (3, 41, hkv, r)
+    np.testing.assert_allclose(np.asarray(sliced), np.asarray(at_once), rtol=1e-6, atol=1e-6)
+    oracle = np.einsum("...hd,hrd->...hr", np.asarray(k, np.float64), np.float64(key_map))
+    np.testing.assert_allclose(np.asarray(sliced), oracle, rtol=1e-5, atol=1e-5)

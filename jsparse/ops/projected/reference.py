@@ -22,8 +22,41 @@ def query_projection(q: Float[Array, "B H D"], query_map: Float[Array, "Hkv R D"
     return jnp.einsum("bhd,hrd->bhr", qm, query_map, precision=jax.lax.Precision.HIGHEST)
 
 
-def key_projection(k: Float[Array, "*N Hkv D"], key_map: Float[Array, "Hkv R D"]):
-    """``B k`` [..., Hkv, R] in f32."""
+# Keys narrower than f32 are widened before the product. A prefill's cache widened at
+# once would take 2-4x its own size (16 GiB for 32 x 128K x 8 x 128 BF16 keys, more than
+# an 80 GB card has left beside the cache), so above this many elements the rows are
+# projected a slice at a time: 1 GiB of f32 at most.
+WIDEN_AT_ONCE = 1 << 28
+
+
+def key_projection(
+    k: Float[Array, "*N Hkv D"],
+    key_map: Float[Array, "Hkv R D"],
+    *,
+    widen_at_once: int = WIDEN_AT_ONCE,
+):
+    """``B k`` [..., Hkv, R] in f32 (keys of another dtype widened ``widen_at_once``
+    elements at a time at most)."""
+    if k.dtype == jnp.float32 or k.size <= widen_at_once:
+        return _key_projection(k, key_map)
+    hkv, d = k.shape[-2:]
+    rows = k.reshape(-1, hkv, d)
+    n, rank = rows.shape[0], key_map.shape[1]
+    chunk = max(1, widen_at_once // (hkv * d))
+
+    def project_slice(i, out):
+        # The last slice starts early instead of running past the end: the rows it
+        # repeats get the same values again.
+        start = jnp.minimum(i * chunk, n - chunk)
+        part = jax.lax.dynamic_slice_in_dim(rows, start, chunk)
+        return jax.lax.dynamic_update_slice_in_dim(out, _key_projection(part, key_map), start, 0)
+
+    out = jnp.zeros((n, hkv, rank), jnp.float32)
+    out = jax.lax.fori_loop(0, -(-n // chunk), project_slice, out)
+    return out.reshape(*k.shape[:-2], hkv, rank)
+
+
+def _key_projection(k, key_map):
     x = k.astype(jnp.float32)
     return jnp.einsum("...hd,hrd->...hr", x, key_map, precision=jax.lax.Precision.HIGHEST)
 
