@@ -268,6 +268,23 @@ def kernels_from_trace(events: list[dict], calls: int) -> dict[str, float] | Non
 
 CHECK_EVERY_ROW_UP_TO = 64
 OUT_OF_MEMORY = "out of memory"
+# A case whose inputs cannot be built in this device's memory (a preset sized for a
+# larger card): no method ran, and none is at fault.
+DOES_NOT_FIT = "does not fit this device"
+
+
+def out_of_memory(err: Exception) -> bool:
+    """Whether ``err`` is XLA's (or the allocator's) out-of-memory error."""
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def unfit_rows(label: str, methods: Sequence[str], err: Exception, **fields) -> list[dict]:
+    """One row per method of a case that :data:`DOES_NOT_FIT` (``err`` raised while
+    building it), saying so instead of stopping the run with a traceback."""
+    first = str(err).splitlines()[0][:80]
+    status = f"{DOES_NOT_FIT}: {type(err).__name__}: {first}"
+    return [dict(case=label, method=m, status=status, **fields) for m in methods]
 
 
 def rows_to_check(n: int, rows: int) -> np.ndarray:
@@ -290,12 +307,10 @@ def check_then_time(row: dict, fn: Callable, sets: Sequence, check: Callable, *,
     try:
         result = block(fn(sets[0]))
     except Exception as err:
-        text = str(err)
         # A naive baseline may not fit in memory (the indexer's `xla` at causal 64K):
         # reported as such, so that the run can tell it from a failure (bench/run.py).
-        oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-        kind = OUT_OF_MEMORY if oom else "error"
-        row["status"] = f"{kind}: {type(err).__name__}: {text.splitlines()[0][:80]}"
+        kind = OUT_OF_MEMORY if out_of_memory(err) else "error"
+        row["status"] = f"{kind}: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
         return None
     problems = check(result)
     if problems:

@@ -204,11 +204,13 @@ def test_an_unwritable_json_stops_the_run_before_any_work(where, tmp_path, monke
         ("base", "out of memory: XlaRuntimeError: RESOURCE_EXHAUSTED", 1),
         ("xla", "out of memory: XlaRuntimeError: RESOURCE_EXHAUSTED", 0),  # the naive baseline
         ("xla", "error: ValueError: no", 1),
+        ("base", "does not fit this device: XlaRuntimeError: RESOURCE_EXHAUSTED", 0),
     ],
 )
 def test_any_row_that_is_not_ok_fails_the_run(method, status, code, monkeypatch):
     """A row whose method raised ("error: ...") exited 0: only CHECK rows counted. Only
-    the naive baseline may run out of memory (the targets hold where it fits)."""
+    the naive baseline may run out of memory (the targets hold where it fits), and a
+    case too large to build on this device runs no method at all."""
     from bench import topk
     from bench.run import main
 
