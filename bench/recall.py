@@ -30,7 +30,7 @@ from jsparse._cli import check_writable, positive_int  # noqa: E402
 from jsparse._environment import environment  # noqa: E402
 from jsparse.calibration.stream import moments_from_captures, stack_moments  # noqa: E402
 from jsparse.eval import protocol  # noqa: E402
-from jsparse.eval.captures import read_layer, read_meta  # noqa: E402
+from jsparse.eval.captures import captured_layers, read_layer, read_meta  # noqa: E402
 
 
 def _layer(text: str) -> int:
@@ -208,12 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("give --calib and --eval capture directories (or --synthetic)")
 
     eval_meta = read_meta(args.eval)
-    # a layer past the captures' used to stop at its file, after the calibration
-    n_layers = min([eval_meta["n_layers"], *(read_meta(d)["n_layers"] for d in args.calib)])
-    missing = sorted({layer for layer in args.layers or [] if layer >= n_layers})
+    # A layer one of the captures lacks used to stop the run at its file, after the
+    # calibration; by default, every layer that all of them hold.
+    held = set(captured_layers(eval_meta))
+    for d in args.calib:
+        held &= set(captured_layers(read_meta(d)))
+    missing = sorted(set(args.layers or []) - held)
     if missing:
-        parser.error(f"--layers: {missing}; the captures have layers 0..{n_layers - 1}")
-    layers = args.layers or list(range(eval_meta["n_layers"]))
+        parser.error(f"--layers: {missing}; the captures all hold layers {sorted(held)}")
+    layers = args.layers or sorted(held)
+    if not layers:
+        parser.error("--calib, --eval: the captures hold no layer in common")
     head_dim = eval_meta["head_dim"]
     methods = protocol.default_methods(args.ranks, head_dim, args.families)
     t0 = time.perf_counter()

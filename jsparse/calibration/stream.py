@@ -14,7 +14,7 @@ import numpy as np
 
 from jsparse import _checks
 from jsparse.calibration.moments import Moments, finalize_moments, init_moments, update_moments
-from jsparse.eval.captures import read_layer, read_meta
+from jsparse.eval.captures import captured_layers, read_layer, read_meta
 
 __all__ = ["moments_from_captures", "stack_moments"]
 
@@ -60,6 +60,13 @@ def moments_from_captures(
                 f"unlike {dirs[0]}: { {k: first[k] for k in shape_keys} }"
             )
     layers = list(range(first["n_layers"])) if layers is None else list(layers)
+    for d, meta in zip(dirs, metas, strict=True):  # before any is read, not at its file
+        absent = sorted(set(layers) - set(captured_layers(meta)))
+        if absent:
+            raise ValueError(
+                f"layers: capture {d} does not hold layers {absent} (it has "
+                f"{captured_layers(meta)} of {meta['n_layers']})"
+            )
     states = {layer: init_moments(first["n_kv_heads"], first["head_dim"]) for layer in layers}
     used, remaining = [], max_tokens
     bar = tqdm(

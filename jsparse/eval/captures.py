@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["read_layer", "read_meta"]
+__all__ = ["captured_layers", "read_layer", "read_meta"]
 
 _META_KEYS = ("n_tokens", "n_layers", "n_heads", "n_kv_heads", "head_dim")
 
@@ -31,6 +31,12 @@ def read_meta(path: str | Path) -> dict:
     if missing:
         raise ValueError(f"{meta_file}: missing field(s) {missing}")
     return meta
+
+
+def captured_layers(meta: dict) -> list[int]:
+    """The layers a capture holds: meta's ``layers`` (a capture may stop after some, or
+    hold a chosen few), every one of ``n_layers`` for captures written without it."""
+    return sorted(int(i) for i in meta.get("layers", range(meta["n_layers"])))
 
 
 def read_layer(

@@ -288,7 +288,40 @@ def test_recall_flags_are_checked_before_the_run(capsys, monkeypatch):
     monkeypatch.setattr(recall, "moments_from_captures", no_work)
     with pytest.raises(SystemExit):
         recall.main(["--synthetic", "--layers", "0", "7", "--no-progress"])
-    assert "--layers: [7]; the captures have layers 0..1" in capsys.readouterr().err
+    assert "--layers: [7]; the captures all hold layers [0, 1]" in capsys.readouterr().err
+
+
+def test_recall_runs_the_layers_every_capture_holds(tmp_path, capsys, monkeypatch):
+    """The default was ``range(n_layers)`` of the evaluation capture, so a capture that
+    stopped after some layers (meta ``layers``) failed at the first missing file, after
+    the calibration. Now the default is the layers every capture holds."""
+    import json
+
+    import jax
+
+    from bench import recall
+    from jsparse.eval.synthetic import write_synthetic_capture
+
+    for name in ("calib", "eval"):
+        write_synthetic_capture(tmp_path / name, jax.random.PRNGKey(0), 64, n_layers=3)
+    meta_file = tmp_path / "eval" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "layers": [0, 2]}))  # layer 1 not captured
+    (tmp_path / "eval" / "layer_01.npz").unlink()
+    chosen = []
+
+    def stop(calib, *, layers, **kwargs):
+        chosen.append(layers)
+        raise KeyboardInterrupt  # past the argument checks: enough
+
+    monkeypatch.setattr(recall, "moments_from_captures", stop)
+    argv = ["--calib", str(tmp_path / "calib"), "--eval", str(tmp_path / "eval"), "--no-progress"]
+    with pytest.raises(KeyboardInterrupt):
+        recall.main(argv)
+    assert chosen == [[0, 2]]
+    with pytest.raises(SystemExit):
+        recall.main([*argv, "--layers", "1"])
+    assert "--layers: [1]; the captures all hold layers [0, 2]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -150,3 +150,25 @@ def test_counts_are_refused_by_name(call, message):
     """Each once raised TypeError or ZeroDivisionError from inside jax or Python."""
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_a_layer_a_capture_lacks_is_refused_before_reading(tmp_path, monkeypatch):
+    """A capture that stopped after some layers (meta ``layers``) failed at the first
+    missing layer file, after the earlier layers had been read; the error now names the
+    capture and its layers before any file is read."""
+    import json
+
+    from jsparse.calibration import stream
+    from jsparse.eval.synthetic import write_synthetic_capture
+
+    write_synthetic_capture(tmp_path / "a", jax.random.PRNGKey(0), 32, n_layers=3)
+    meta = json.loads((tmp_path / "a" / "meta.json").read_text())
+    (tmp_path / "a" / "meta.json").write_text(json.dumps({**meta, "layers": [0, 1]}))
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("read a layer before refusing")
+
+    monkeypatch.setattr(stream, "read_layer", no_read)
+    for layers in (None, [2]):
+        with pytest.raises(ValueError, match=r"not hold layers \[2\] \(it has \[0, 1\] of 3\)"):
+            moments_from_captures([tmp_path / "a"], layers=layers, progress=False)
