@@ -110,6 +110,12 @@ def group_mean_queries(q: Float[Array, "*N H D"], n_kv_heads: int) -> Float[Arra
 
 def normalize_trace(gram: Float[Array, "*L D D"]) -> Float[Array, "*L D D"]:
     """``G̃ = G / tr(G)`` (unit trace; a zero matrix stays zero)."""
+    # XLA divides by multiplying with the reciprocal, which flushes to 0 past a trace of
+    # ~8.5e37 (every entry came out 0), and a trace can overflow to inf: a Gram matrix
+    # with a diagonal entry past 2^90 is first scaled by 2^-64, exactly.
+    diagonal = jnp.diagonal(gram, axis1=-2, axis2=-1)[..., None]
+    shrink = jnp.where(jnp.max(diagonal, axis=-2, keepdims=True) > 2.0**90, 2.0**-64, 1.0)
+    gram = gram * shrink.astype(gram.dtype)
     tr = jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None]
     return jnp.where(tr > 0, gram / jnp.where(tr > 0, tr, 1.0), 0.0)
 

@@ -172,3 +172,16 @@ def test_a_layer_a_capture_lacks_is_refused_before_reading(tmp_path, monkeypatch
     for layers in (None, [2]):
         with pytest.raises(ValueError, match=r"not hold layers \[2\] \(it has \[0, 1\] of 3\)"):
             moments_from_captures([tmp_path / "a"], layers=layers, progress=False)
+
+
+@pytest.mark.parametrize("size", [1e30, 1e38, 3e38], ids=["1e30", "1e38", "3e38"])
+def test_unit_trace_holds_up_to_float32s_largest(size):
+    """Past a trace of ~8.5e37 every entry came out 0 (XLA divides by the reciprocal,
+    which flushes), and a trace past float32's largest overflowed."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 4, 4))
+    g64 = a @ np.swapaxes(a, -1, -2)
+    g64 *= size / np.max(np.diagonal(g64, axis1=-2, axis2=-1))
+    want = g64 / np.trace(g64, axis1=-2, axis2=-1)[:, None, None]
+    for fn in (normalize_trace, jax.jit(normalize_trace)):
+        np.testing.assert_allclose(fn(g64.astype(np.float32)), want, rtol=1e-5, atol=1e-7)
