@@ -28,16 +28,46 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike = "<gguf>"):
             raise ValueError(f"{path}: GGUF metadata has no {key!r} (no tokenizer inside?)")
         return f.contents()
 
+    def list_of(key, kind, value):
+        if not isinstance(value, list):
+            bad, where = [value], ""
+        else:
+            bad, where = [v for v in value if type(v) is not kind][:1], "an entry of "
+        if bad:
+            raise ValueError(
+                f"{path}: GGUF metadata {key!r}: {where}type {type(bad[0]).__name__}; "
+                f"expected a list of {kind.__name__}"
+            )
+        return value
+
     kind = field("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"{path}: tokenizer model {kind!r} unsupported; expected 'gpt2' (BPE)")
-    tokens = field("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
-    types = reader.fields.get("tokenizer.ggml.token_type")
-    types = types.contents() if types is not None else [1] * len(tokens)
+    tokens = list_of("tokenizer.ggml.tokens", str, field("tokenizer.ggml.tokens"))
+    if not tokens:
+        raise ValueError(f"{path}: GGUF metadata 'tokenizer.ggml.tokens' is empty")
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(f"{path}: the GGUF vocabulary has duplicate tokens")
+    # A malformed merge made `tokenizers` raise a TypeError or panic (a BaseException):
+    # each is "left right", both pieces and their concatenation in the vocabulary.
+    merges = []
+    listed = list_of("tokenizer.ggml.merges", str, field("tokenizer.ggml.merges"))
+    for i, merge in enumerate(listed):
+        pair = merge.split(" ")
+        if len(pair) != 2 or not all(pair) or any(t not in vocab for t in (*pair, "".join(pair))):
+            raise ValueError(
+                f"{path}: GGUF merge {i} is {merge!r}; expected 'left right', both pieces "
+                f"and their concatenation tokens of the vocabulary"
+            )
+        merges.append(tuple(pair))
+    types = reader.fields.get("tokenizer.ggml.token_type")
+    types = types.contents() if types is not None else [1] * len(tokens)
+    if len(list_of("tokenizer.ggml.token_type", int, types)) != len(tokens):
+        raise ValueError(
+            f"{path}: GGUF metadata 'tokenizer.ggml.token_type' has {len(types)} entries for "
+            f"{len(tokens)} tokens"
+        )
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(

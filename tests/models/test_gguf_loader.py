@@ -104,6 +104,47 @@ def test_tokenizer_from_gguf(gguf_path):
     assert tok.encode("<|im_start|>he").ids == [1, tokens.index("he")]
 
 
+def _tokenizer_reader(**changes):
+    """A stand-in for ``gguf.GGUFReader``'s tokenizer fields: three tokens, one merge."""
+    from types import SimpleNamespace
+
+    fields = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.token_type": [1, 1, 1],
+        **changes,
+    }
+    return SimpleNamespace(
+        fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in fields.items()}
+    )
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"tokenizer.ggml.merges": ["ab"]}, "merge 0 is 'ab'; expected 'left right'"),
+        ({"tokenizer.ggml.merges": ["a c"]}, "merge 0 is 'a c'"),
+        ({"tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.token_type": [1, 1]},
+         "merge 0 is 'a b'"),  # `tokenizers` panicked: 'ab' is no token
+        ({"tokenizer.ggml.merges": "a b"}, "merges': type str; expected a list of str"),
+        ({"tokenizer.ggml.tokens": ["a", 2, "ab"]}, "an entry of type int; expected a list of str"),
+        ({"tokenizer.ggml.tokens": []}, "'tokenizer.ggml.tokens' is empty"),
+        ({"tokenizer.ggml.token_type": [1]}, "has 1 entries for 3 tokens"),
+        ({"tokenizer.ggml.token_type": ["1", "1", "1"]}, "type str; expected a list of int"),
+    ],
+)  # fmt: skip
+def test_malformed_tokenizer_metadata_is_named(changes, message):
+    """Malformed merges made `tokenizers` raise a TypeError or panic (a BaseException
+    that ``except Exception`` does not catch); token types of another length raised
+    zip's error. Each is a ValueError naming the file and the field."""
+    from jsparse.models.tokenizer import tokenizer_from_gguf
+
+    assert tokenizer_from_gguf(_tokenizer_reader(), "t.gguf").encode("ab").ids == [2]
+    with pytest.raises(ValueError, match="^t.gguf: .*" + re.escape(message)):
+        tokenizer_from_gguf(_tokenizer_reader(**changes), "t.gguf")
+
+
 @pytest.mark.parametrize("keep", [0.004, 0.5, 0.99])
 def test_truncated_file_is_a_clear_error(gguf_path, tmp_path, keep):
     data = gguf_path.read_bytes()
