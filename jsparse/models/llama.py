@@ -35,6 +35,11 @@ with the rest of the cache.
 Prefill + decode: ``cache = model.init_cache(batch, max_len)``, then
 ``logits, cache = model(tokens, cache=cache)`` any number of times; each call appends
 its tokens at positions ``cache.length ...``. All sequences of a batch share positions.
+
+``max_seq_len`` is the trained context: it sizes the default cache, and perplexity
+refuses windows past it. A call without a cache runs positions past it (rotary
+embeddings extrapolate, as Hugging Face's Llama does): the model's quality there is
+the caller's to judge.
 """
 
 from __future__ import annotations
