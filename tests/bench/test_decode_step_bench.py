@@ -58,7 +58,8 @@ def test_a_case_too_large_for_the_device_is_reported_not_a_traceback(tmp_path, m
 
     monkeypatch.setattr(decode_step, "make_layer", make_layer)
     out = tmp_path / "rows.json"
-    argv = ["--op", "decode-step", "--quiet", "--budget", "0.02", "--json", str(out)]
+    argv = ["--op", "decode-step", "--preset", "smoke", "--quiet", "--budget", "0.02",
+            "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     unfit = [r for r in rows if r["status"].startswith("does not fit this device")]

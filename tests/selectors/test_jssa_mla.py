@@ -40,7 +40,9 @@ def test_map_is_latent_basis_then_identity_on_rope():
     np.testing.assert_array_equal(e[0, 6:, DC:], np.eye(DR))
     # the latent block is JSSA's basis of the latent moments
     want = jsparse.make_selector("jssa", rank=6).calibrate(q[..., :DC], k[..., :DC])["basis"]
-    np.testing.assert_allclose(e[:, :6, :DC], want, atol=1e-6)
+    # (on a GPU, the moments of the two widths come from differently shaped f32 dots:
+    # 3.5e-6 apart measured, H200; a wrong block is ~0.1 off)
+    np.testing.assert_allclose(e[:, :6, :DC], want, atol=2e-5)
     assert sel.bytes_per_token(D) == 6 + DR
 
 
