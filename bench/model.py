@@ -108,10 +108,11 @@ def _worst_nll_gap(got, want) -> int | None:
     return int(np.argmax(np.where(np.isfinite(gap), gap, np.inf)))
 
 
-def reference_problem(model: Llama, core, ids, logits) -> str | None:
+def reference_problem(model: Llama, core, ids, logits) -> tuple[str | None, float]:
     """The timed program's ``logits`` of row 0 against the same weights with
     :func:`reference_core`, token by token over the first :data:`CHECK_TOKENS` (a causal
-    model's prefix does not depend on what follows it); ``core`` is put back."""
+    model's prefix does not depend on what follows it); ``core`` is put back. Returns
+    (the problem or None, the largest NLL gap: what the check saw)."""
     n = min(CHECK_TOKENS, ids.shape[1])
     model.set_core(lambda i: reference_core)
     try:
@@ -120,12 +121,13 @@ def reference_problem(model: Llama, core, ids, logits) -> str | None:
         model.set_core(core)
     got_nll, want_nll = _token_nll(logits[0, :n], ids[0, :n]), _token_nll(want[0], ids[0, :n])
     worst = _worst_nll_gap(got_nll, want_nll)
+    gap = float(np.max(np.abs(got_nll - want_nll), initial=0.0))
     if worst is None:
-        return None
+        return None, gap
     return (
         f"token {worst + 1}: NLL {got_nll[worst]:.4f}, the reference core's "
         f"{want_nll[worst]:.4f} (tolerance {NLL_TOLERANCE})"
-    )
+    ), gap
 
 
 def dense_core(args):
@@ -157,7 +159,7 @@ def cmd_throughput(args) -> dict:
         first = time.perf_counter() - t0
         # Check before timing: the prefix against the reference core, a sane perplexity.
         nll = float(_mean_nll(logits, jnp.asarray(ids)))
-        problem = reference_problem(model, dense_core(args), ids, logits)
+        problem, gap = reference_problem(model, dense_core(args), ids, logits)
         if problem or not np.isfinite(nll) or (args.weights == "real" and not nll < 5.0):
             raise SystemExit(f"throughput: CHECK FAILED at T={t}: {problem or f'mean NLL {nll}'}")
         del logits
@@ -184,12 +186,14 @@ def cmd_throughput(args) -> dict:
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "approx_tflops": round(flops / median / 1e12, 3),
             "check_mean_nll": round(nll, 4),
+            "check_max_nll_gap": gap,
         }
         print(
             f"T={t:6d} batch={args.batch}: median {median:.3f} s "
             f"(min {min(times):.3f}, max {max(times):.3f}, n={len(times)}) -> "
             f"{row['tokens_per_s']:.1f} tok/s, ~{row['approx_tflops']:.3f} TFLOP/s; "
-            f"first call (compile) {first:.1f} s; mean NLL {nll:.3f}; process CPU s per run "
+            f"first call (compile) {first:.1f} s; mean NLL {nll:.3f} (prefix within {gap:.1e} "
+            f"nats of the reference core); process CPU s per run "
             f"{row['process_cpu_s']}; load average {row['load_average_after']}"
         )
         rows.append(row)
@@ -265,7 +269,7 @@ def cmd_perplexity(args) -> dict:
         # perplexity against Hugging Face's where the protocol is its (one window).
         prefix = np.asarray(ids[: min(n, CHECK_TOKENS)])[None]
         logits, _ = forward_fn(model)(jnp.asarray(prefix))
-        problem = reference_problem(model, dense_core(args), prefix, logits)
+        problem, gap = reference_problem(model, dense_core(args), prefix, logits)
         result = perplexity(model, ids, context_len=context, stride=args.stride)
         ref = REFERENCE_PPL.get((args.novel, args.offset, n)) if context >= n else None
         if problem is None and ref is not None and abs(result.perplexity - ref) > PPL_TOLERANCE:
@@ -286,6 +290,7 @@ def cmd_perplexity(args) -> dict:
                 "perplexity": round(result.perplexity, 4),
                 "mean_nll": round(result.mean_nll, 6),
                 "reference_hf": ref,
+                "check_max_nll_gap": gap,
                 "seconds": round(seconds, 2),
             }
         )

@@ -27,8 +27,9 @@ def test_reference_problem_tells_a_causal_model_from_a_leaky_one(core, passes):
     model = Llama(TINY, chosen, rngs=nnx.Rngs(0))
     ids = np.random.default_rng(0).integers(0, TINY.vocab_size, (1, 40)).astype(np.int32)
     logits, _ = forward_fn(model)(jnp.asarray(ids))
-    problem = bench_model.reference_problem(model, chosen, ids, logits)
+    problem, gap = bench_model.reference_problem(model, chosen, ids, logits)
     assert (problem is None) == passes, problem
+    assert (gap <= bench_model.NLL_TOLERANCE) == passes, gap
     assert isinstance(model.layers[0].attn.core, DenseCausalAttention) == (core == "dense")
 
 
