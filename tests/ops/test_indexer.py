@@ -598,7 +598,9 @@ def test_jit_compatible():
 def test_traced_ranges_outside_the_keys_are_clamped(impl, method, interpret):
     """Under jit the ranges cannot be checked: kv_start is clamped to [0, S] and kv_end
     to [kv_start, S], in every method (the Triton base returned ids -5..-2 for a
-    negative start, and xla ids past a range's end)."""
+    negative start, and xla ids past a range's end). Every method's answer is exact, so
+    each is held to the reference's on the clamped ranges (a second interpreted DoSA
+    call would double the test's ~20 s)."""
     inputs = make_inputs(CASES[0], jnp.bfloat16)  # S = 300, K = 17
     start = jnp.asarray([-5, 10, 299, 0, 40], jnp.int32)
     end = jnp.asarray([3, 400, 299, -7, 30], jnp.int32)
@@ -606,7 +608,7 @@ def test_traced_ranges_outside_the_keys_are_clamped(impl, method, interpret):
     clamped["kv_end"] = jnp.clip(end, clamped["kv_start"], 300)
     run = jax.jit(lambda a: jsparse.indexer_topk(**a, top_k=17, method=method, implementation=impl))
     got = run(dict(inputs, kv_start=start, kv_end=end))
-    want = jsparse.indexer_topk(**clamped, top_k=17, method=method, implementation=impl)
+    want = jsparse.indexer_topk(**clamped, top_k=17, method="base", implementation="reference")
     np.testing.assert_array_equal(got.indices, want.indices)
     np.testing.assert_array_equal(got.visible, want.visible)  # the report counts [start, end)
     assert np.all(np.asarray(got.indices)[0, 3:] == -1) and np.all(got.indices[2:] == -1)
