@@ -32,6 +32,9 @@ from jsparse.calibration.stream import moments_from_captures, stack_moments  # n
 from jsparse.eval import protocol  # noqa: E402
 from jsparse.eval.captures import captured_layers, read_layer, read_meta  # noqa: E402
 
+# What a calibration capture must share with the evaluation capture.
+SAME_SHAPES = ("n_heads", "n_kv_heads", "head_dim")
+
 
 def _layer(text: str) -> int:
     """A layer number; checked against the capture's layers once its meta is read."""
@@ -206,8 +209,29 @@ def main(argv: list[str] | None = None) -> int:
         args.budgets = [b for b in args.budgets if b <= 128] or [16, 64]
     if not args.calib or not args.eval:
         raise SystemExit("give --calib and --eval capture directories (or --synthetic)")
+    # A repeated value ran twice and weighed twice in the means over layers (or printed
+    # its rows twice).
+    for flag in ("calib", "contexts", "ranks", "budgets", "layers"):
+        values = getattr(args, flag) or []
+        repeated = sorted({str(v) for v in values if values.count(v) > 1})
+        if repeated:
+            parser.error(f"--{flag}: {', '.join(repeated)} given more than once")
 
     eval_meta = read_meta(args.eval)
+    # The evaluation scores with bases calibrated on the other captures: the same heads.
+    for d in args.calib:
+        meta = read_meta(d)
+        differ = [key for key in SAME_SHAPES if meta[key] != eval_meta[key]]
+        if differ:
+            parser.error(
+                f"--calib {d}: {', '.join(f'{key} {meta[key]}' for key in differ)}; the --eval "
+                f"capture has {', '.join(f'{key} {eval_meta[key]}' for key in differ)}"
+            )
+    if max(args.contexts) > eval_meta["n_tokens"]:
+        parser.error(
+            f"--contexts: {max(args.contexts)} is longer than the --eval capture's "
+            f"{eval_meta['n_tokens']} tokens"
+        )
     # A layer one of the captures lacks used to stop the run at its file, after the
     # calibration; by default, every layer that all of them hold.
     held = set(captured_layers(eval_meta))
@@ -307,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                 for (c, m, b), vals in summary.items()
             ],
         }
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1, allow_nan=False))
         print(f"wrote {args.json}")
     if args.plot:
         header = (

@@ -42,7 +42,9 @@ def captured_layers(meta: dict) -> list[int]:
 def read_layer(
     path: str | Path, layer: int, n_tokens: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(q, k, v)`` of one layer, optionally only the first ``n_tokens`` tokens."""
+    """``(q, k, v)`` of one layer, optionally only the first ``n_tokens`` tokens (the
+    file must hold that many). Every value must be finite: a NaN key ranks first in
+    every exact top-k and would be scored as a fine recall."""
     file = Path(path) / f"layer_{layer:02d}.npz"
     if not file.is_file():
         raise FileNotFoundError(f"capture layer file not found: {file}")
@@ -50,4 +52,14 @@ def read_layer(
         q, k, v = (np.asarray(data[name][:n_tokens], np.float32) for name in ("q", "k", "v"))
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0]:
         raise ValueError(f"{file}: bad shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    if n_tokens is not None and q.shape[0] < n_tokens:
+        raise ValueError(
+            f"{file}: holds {q.shape[0]} tokens, {n_tokens} asked for (meta.json's n_tokens?)"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        bad = np.flatnonzero(~np.isfinite(x).reshape(x.shape[0], -1).all(axis=1))
+        if bad.size:
+            raise ValueError(
+                f"{file}: {name} is not finite at token {int(bad[0])} ({bad.size} tokens)"
+            )
     return q, k, v

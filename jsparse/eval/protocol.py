@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse import _checks
 from jsparse.calibration.moments import Moments, normalize_trace
 from jsparse.calibration.stiefel import subspace_overlap
 from jsparse.eval.recall import RecallReference, select_causal
@@ -183,10 +184,13 @@ def evaluate_layer(
     Returns one record per (context, method, budget) with the metric means over
     (KV head, query) and the per-KV-head means.
     """
+    n_queries = _checks.check_int("n_queries", n_queries, 1)
+    query_chunk = _checks.check_int("query_chunk", query_chunk, 1)
+    budgets = [_checks.check_int("budgets", b, 1) for b in budgets]
+    contexts = [_checks.check_int("contexts", c, 1) for c in contexts]
+    _check_activations(q, k, v, max(contexts, default=0))
     records = []
     for context in contexts:
-        if context > q.shape[0]:
-            raise ValueError(f"context {context} exceeds the capture's {q.shape[0]} tokens")
         nq = min(n_queries, context)
         pos = np.arange(context - nq, context)
         lengths = jnp.asarray(pos + 1, jnp.int32)
@@ -221,6 +225,22 @@ def evaluate_layer(
                     rec[name + "_per_kv_head"] = [float(x) for x in per_head]
                 records.append(rec)
     return records
+
+
+def _check_activations(q, k, v, tokens: int) -> None:
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(
+            f"q, k, v: shapes {q.shape}, {k.shape}, {v.shape}; expected [T, H, D], "
+            f"[T, Hkv, D], [T, Hkv, Dv]"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.shape[0] < tokens:
+            raise ValueError(f"{name}: {x.shape[0]} tokens; the longest context is {tokens}")
+    if k.shape[2] != q.shape[2] or v.shape[1] != k.shape[1] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q {q.shape}, k {k.shape}, v {v.shape}: expected k's head_dim equal to q's, v's "
+            f"KV heads equal to k's, and query heads a multiple of KV heads"
+        )
 
 
 def summarize(records: Sequence[dict]) -> dict:

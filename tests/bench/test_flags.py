@@ -315,7 +315,8 @@ def test_recall_runs_the_layers_every_capture_holds(tmp_path, capsys, monkeypatc
         raise KeyboardInterrupt  # past the argument checks: enough
 
     monkeypatch.setattr(recall, "moments_from_captures", stop)
-    argv = ["--calib", str(tmp_path / "calib"), "--eval", str(tmp_path / "eval"), "--no-progress"]
+    argv = ["--calib", str(tmp_path / "calib"), "--eval", str(tmp_path / "eval"), "--no-progress",
+            "--contexts", "32"]  # fmt: skip
     with pytest.raises(KeyboardInterrupt):
         recall.main(argv)
     assert chosen == [[0, 2]]
