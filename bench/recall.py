@@ -36,6 +36,25 @@ from jsparse.eval.captures import captured_layers, read_layer, read_meta  # noqa
 SAME_SHAPES = ("n_heads", "n_kv_heads", "head_dim")
 
 
+def overlapping_text(sequences: list[dict], eval_meta: dict, tokens: int) -> list[str]:
+    """The calibration sequences (``novel``, ``offset``, ``n_tokens`` read) whose tokens
+    overlap the first ``tokens`` evaluated from ``eval_meta``'s offset, as
+    "novel [start, end)" of the shared tokens. The same novel elsewhere is held out."""
+    start = eval_meta.get("offset")
+    if start is None:  # a capture that does not say where its text began
+        return []
+    end = start + tokens
+    shared = []
+    for seq in sequences:
+        lo, n = seq.get("offset"), seq["n_tokens"]
+        if seq.get("novel") != eval_meta.get("novel") or lo is None:
+            continue
+        a, b = max(lo, start), min(lo + n, end)
+        if a < b:
+            shared.append(f"{seq['novel']} [{a}, {b})")
+    return shared
+
+
 def _layer(text: str) -> int:
     """A layer number; checked against the capture's layers once its meta is read."""
     value = int(text)
@@ -255,9 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     n_calib = calib_info["n_tokens"]
     print(f"calibration moments: {n_calib} tokens, {len(layers)} layers, {calib_s:.1f} s")
-    novels = {s.get("novel") for s in calib_info["sequences"]}
-    if eval_meta.get("novel") in novels and not args.synthetic:
-        print(f"WARNING: the held-out novel {eval_meta.get('novel')!r} is also a calibration novel")
+    overlap = overlapping_text(calib_info["sequences"], eval_meta, max(args.contexts))
+    if overlap and not args.synthetic:
+        print(f"WARNING: the evaluated text is also calibration text: {'; '.join(overlap)}")
+    elif eval_meta.get("novel") in {q.get("novel") for q in calib_info["sequences"]}:
+        print(f"note: the held-out novel {eval_meta.get('novel')!r} is calibrated on elsewhere")
 
     from tqdm.auto import tqdm
 
@@ -321,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 "methods": {m.label: m.selector.describe() for m in methods},
                 "bytes_per_token": {m.label: m.bytes_per_token(head_dim) for m in methods},
                 "synthetic": args.synthetic,
+                "calibration_overlap": overlap,
             },
             "calibration": calib_info,
             "timings": {"calibration_s": calib_s, "evaluation_s": eval_s},

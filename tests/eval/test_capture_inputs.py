@@ -106,3 +106,20 @@ def test_evaluate_layer_names_a_bad_argument(change, message):
     assert protocol.evaluate_layer(methods, {}, **args)  # the unchanged call runs
     with pytest.raises(ValueError, match=message):
         protocol.evaluate_layer(methods, {}, **{**args, **change})
+
+
+@pytest.mark.parametrize(
+    "calib, evaluated, want",
+    [
+        ((0, 600), 512, ["emma [0, 512)"]),  # the same tokens
+        ((500, 600), 512, ["emma [500, 512)"]),  # 12 tokens shared
+        ((512, 600), 512, []),  # adjacent: held out
+        ((0, 600), 0, []),
+    ],
+)
+def test_overlap_is_the_shared_tokens_not_the_novel(calib, evaluated, want):
+    """The guard warned whenever the held-out novel was also calibrated on, wherever,
+    and wrote nothing to the JSON; it now names the shared token range."""
+    sequences = [{"novel": "emma", "offset": calib[0], "n_tokens": calib[1]},
+                 {"novel": "persuasion", "offset": 0, "n_tokens": 10_000}]  # fmt: skip
+    assert recall.overlapping_text(sequences, {"novel": "emma", "offset": 0}, evaluated) == want
