@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                 "eval": args.eval,
                 "eval_meta": eval_meta,
                 "contexts": args.contexts,
-                "queries": args.queries,
+                "queries": args.queries,  # per window, at most its length:
+                "queries_per_context": {c: min(args.queries, c) for c in args.contexts},
                 "ranks": args.ranks,
                 "budgets": args.budgets,
                 "layers": layers,
