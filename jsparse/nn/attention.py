@@ -75,7 +75,8 @@ class CacheView(NamedTuple):
 
     def dense(self) -> Array:
         """[B, S, Hkv, D] (S = M·P when paged; a slot on a missing page reads the pool's
-        first row, which the positions must mark invisible)."""
+        first row, or zeros from a pool of no pages, which the positions must mark
+        invisible)."""
         x = self.values
         if self.page_table is not None:
             slots = jnp.arange(self.tokens, dtype=jnp.int32)
@@ -89,6 +90,8 @@ class CacheView(NamedTuple):
     def _at(self, slots: Int[Array, "B ..."]) -> Array:
         """The stored entries of tokens ``slots[b, ...]``: the decode kernels' reference
         lookup, dense or through the page table."""
+        if self.values.shape[0] == 0:  # a pool of no pages: every slot is missing
+            return jnp.zeros(slots.shape + self.values.shape[2:], self.values.dtype)
         _, i0, i1 = listed_locations(slots, self.values, self.page_table)
         return self.values[i0, i1]
 
@@ -100,9 +103,13 @@ def serving_view(name: str, cache, scale, page_table, k_positions, q_shape) -> C
     from jsparse.ops.attention.api import check_page_table
 
     b = q_shape[0]
+    paged = page_table is not None
+    _checks.check_rank(name, cache, 4, "[n_pages, P, Hkv, D]" if paged else "[B, S, Hkv, D]")
     s = cache.shape[1]
-    if page_table is not None:
+    if paged:
         s, _ = check_page_table(page_table, b, cache.shape[0], cache.shape[1], q_shape)
+    else:
+        _checks.check_dim(name, cache, 0, b, f"sequences B of q {tuple(q_shape)}")
     if scale is not None:
         _checks.check_rank(f"{name}_scale", scale, 2, "[B, Hkv]")
         _checks.check_dtype(f"{name}_scale", scale, (jnp.float32,))
@@ -114,8 +121,8 @@ def serving_view(name: str, cache, scale, page_table, k_positions, q_shape) -> C
             )
         _checks.check_positive_finite(f"{name}_scale", scale)
     _checks.check_rank("k_positions", k_positions, 2, "[B, S]")
-    paged = " (max_pages · P of the page table)" if page_table is not None else ""
-    _checks.check_dim("k_positions", k_positions, 1, s, f"the cache's S{paged}")
+    of_table = " (max_pages · P of the page table)" if paged else ""
+    _checks.check_dim("k_positions", k_positions, 1, s, f"the cache's S{of_table}")
     return CacheView(cache, page_table, scale)
 
 
@@ -204,6 +211,12 @@ class SparseAttention(nnx.Module):
         and/or paged cache (module docstring)."""
         params = self.params.get_value()
         keys = serving_view("k", k, k_scale, page_table, k_positions, q.shape)
+        _checks.check_rank("v", v, 4, "like k's, with its own Dv")
+        if v.shape[:3] != k.shape[:3]:
+            raise ValueError(
+                f"v: shape {tuple(v.shape)}; expected k's {tuple(k.shape[:3])} on its first "
+                f"three axes (the same rows and KV heads, any Dv)"
+            )
         if q.shape[1] != 1:
             values = serving_view("v", v, v_scale, page_table, k_positions, q.shape).dense()
             dense_keys = keys.dense()

@@ -220,6 +220,14 @@ class SelectedMLA(nnx.Module):
                 **kwargs,
             )[:, None]  # fmt: skip
         else:
+            # Checked here: gathered by owner, a table or scale of another batch would be
+            # clamped into a right-looking one (sequence 1 reading sequence 0's pages).
+            if page_table is not None:
+                _checks.check_rank("page_table", page_table, 2, "[B, M]")
+                _checks.check_dim("page_table", page_table, 0, b, "sequences B of q")
+            if cache_scale is not None:
+                _checks.check_rank("cache_scale", cache_scale, 1, "[B]")
+                _checks.check_dim("cache_scale", cache_scale, 0, b, "sequences B of q")
             owner = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)  # [B·T]
             out = indexed_mla_attention(
                 q.reshape(b * t, h, d), rows, indices.reshape(b * t, -1),

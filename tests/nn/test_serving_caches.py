@@ -138,3 +138,53 @@ def test_bad_serving_arguments_are_named():
     with pytest.raises(ValueError, match="cache_scale"):
         mla(_normal(rng, B, 1, H, 24), rows, q_positions=jnp.full((B, 1), S - 1, jnp.int32),
             k_positions=pos, scale=0.2, latent_dim=16, cache_scale=jnp.ones((B, 1)))  # fmt: skip
+
+
+def test_a_prefill_checks_v_and_the_batch_of_its_serving_arguments():
+    """A prefill (T > 1) never checked v (a rank-3 v failed in jnp.pad, another Hkv or B
+    in a reshape), and SparseMLA's prefill gathered a page table or scale of another
+    batch by owner, which clamps: sequence 1 read sequence 0's pages and scale."""
+    hkv, d = 2, 16
+    rng = np.random.default_rng(4)
+    k = _normal(rng, B, S, hkv, d)
+    q = _normal(rng, B, 2, H, d)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    q_pos = jnp.full((B, 2), S - 1, jnp.int32).at[:, 0].add(-1)
+    core = SparseAttention("oracle", {}, 8)
+    bad_v = [(k[..., 0], "v: expected rank 4"), (k[:, :, :1], r"v: shape \(2, 48, 1, 16\)"),
+             (k[:1], r"v: shape \(1, 48, 2, 16\)")]  # fmt: skip
+    for v, message in bad_v:
+        with pytest.raises(ValueError, match=message):
+            core(q, k, v, q_positions=q_pos, k_positions=pos)
+    with pytest.raises(ValueError, match=r"k: axis 0 of shape \(1, 48, 2, 16\) is 1; expected 2"):
+        core(q, k[:1], k[:1], q_positions=q_pos, k_positions=pos)
+
+    pool, table = _paged(_normal(rng, B, S, 24))
+    rows8, scale = _fp8(np.asarray(_normal(rng, B, S, 24)), per=(0,))
+    mla = SparseMLA("oracle", {}, 8)
+    run = lambda rows, **kw: mla(  # noqa: E731
+        _normal(rng, B, 2, H, 24), rows, q_positions=q_pos, k_positions=pos, scale=0.2,
+        latent_dim=16, **kw,
+    )  # fmt: skip
+    run(pool, page_table=table)  # the right batch runs
+    with pytest.raises(ValueError, match=r"page_table: axis 0 of shape \(1, 6\) is 1; expected 2"):
+        run(pool, page_table=table[:1])
+    with pytest.raises(ValueError, match=r"cache_scale: axis 0 of shape \(3,\) is 3; expected 2"):
+        run(rows8, cache_scale=jnp.concatenate([scale, scale[:1]]))
+
+
+def test_a_pool_of_no_pages_decodes_to_zeros(kernel_impl):
+    """S is M·P for a pool of no pages too (it was 0: the k_positions of M·P slots that
+    the docstrings ask for were refused, and an id on a missing page was reported as
+    outside [0, 0))."""
+    hkv, d, m = 2, 16, 3
+    pool = jnp.zeros((0, PAGE, hkv, d), jnp.float32)
+    table = jnp.full((B, m), -1, jnp.int32)
+    q = jnp.ones((B, 1, H, d), jnp.float32)
+    core = SparseAttention("oracle", {}, 4, implementation=kernel_impl)
+    out = core(q, pool, pool, q_positions=jnp.zeros((B, 1), jnp.int32),
+               k_positions=jnp.full((B, m * PAGE), -1, jnp.int32), page_table=table)  # fmt: skip
+    assert out.shape == (B, 1, H, d) and not np.asarray(out).any()
+    with pytest.raises(ValueError, match="lies on page 0 of sequence 0, which page_table leaves"):
+        jsparse.indexed_attention(q[:, 0], pool, pool, jnp.zeros((B, hkv, 2), jnp.int32),
+                                  page_table=table)  # fmt: skip

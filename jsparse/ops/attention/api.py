@@ -110,7 +110,7 @@ def indexed_attention(
         _checks.check_positive_finite(name, x)
     scale = _checks.check_logit_scale(1.0 / math.sqrt(d) if scale is None else scale)
     check_listed(indices, s, table, k.shape[1])
-    if 0 in (b, h, s, indices.shape[2]):  # nothing to attend: every query is empty
+    if 0 in (b, h, s, indices.shape[2], k.shape[0]):  # nothing to attend (no page or row)
         out = jnp.zeros((b, h, v.shape[3]), q.dtype)
         lse = jnp.full((b, h), -jnp.inf, jnp.float32)
     else:
@@ -150,9 +150,9 @@ def check_cache_dtype(name: str, cache, q) -> None:
 
 
 def check_page_table(page_table, batch: int, n_pages: int, page_size: int, q_shape):
-    """(virtual S = M·P, or 0 for a pool of no pages: none can be read; the table's
-    values when concrete) after checking a ``[B, M]`` int32 page table whose entries
-    are -1 or pages of the pool."""
+    """(virtual S = M·P, even for a pool of no pages, whose tables hold only -1; the
+    table's values when concrete) after checking a ``[B, M]`` int32 page table whose
+    entries are -1 or pages of the pool."""
     _checks.check_rank("page_table", page_table, 2, "[B, max_pages]")
     _checks.check_dtype("page_table", page_table, (jnp.int32,))
     _checks.check_dim("page_table", page_table, 0, batch, f"B of q {tuple(q_shape)}")
@@ -163,7 +163,7 @@ def check_page_table(page_table, batch: int, n_pages: int, page_size: int, q_sha
             f"page_table: page_table{list(at)} = {table[at]}; expected -1 or a page of "
             f"the pool [0, n_pages = {n_pages})"
         )
-    return (page_table.shape[1] * page_size if n_pages else 0), table
+    return page_table.shape[1] * page_size, table
 
 
 def check_listed(indices, s: int, table, page_size: int) -> None:

@@ -96,7 +96,7 @@ def indexed_mla_attention(
         _checks.check_positive_finite("cache_scale", cache_scale)
     scale = _checks.check_logit_scale(scale)
     check_listed(indices, s, table, cache.shape[1])
-    if 0 in (b, h, s, indices.shape[1]):  # nothing to attend: every query is empty
+    if 0 in (b, h, s, indices.shape[1], cache.shape[0]):  # nothing to attend (no page or row)
         out = jnp.zeros((b, h, int(latent_dim)), q.dtype)
         lse = jnp.full((b, h), -jnp.inf, jnp.float32)
     else:
