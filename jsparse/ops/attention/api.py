@@ -58,8 +58,9 @@ def indexed_attention(
       out [B, H, Dv] in ``q``'s dtype (zeros for a query whose list is empty), and with
       ``return_lse`` also lse [B, H] float32 (-inf for an empty list).
 
-    Index values are checked when they are concrete; under ``jit`` an entry outside
-    [0, S) is treated as empty (never read). Only listed rows are read, so a non-finite
+    Index and scale values are checked when they are concrete; under ``jit`` an entry
+    outside [0, S) is treated as empty (never read), and a scale that is not finite and
+    positive goes through as the arithmetic takes it. Only listed rows are read, so a non-finite
     row that no list names changes nothing. A NaN logit (a NaN in q or in a listed key)
     makes its head's output and lse NaN; an inf in a listed value row makes the output
     non-finite, as the arithmetic does.

@@ -63,8 +63,9 @@ def indexed_mla_attention(
       out [B, H, Dc] in ``q``'s dtype (zeros where the list is empty; ``W_UV`` is
       applied by the caller), and with ``return_lse`` also lse [B, H] float32.
 
-    Index values are checked when concrete; under ``jit`` an entry outside [0, S) is
-    treated as empty (never read). Only listed rows are read; a NaN logit (a NaN in q
+    Index and scale values are checked when concrete; under ``jit`` an entry outside
+    [0, S) is treated as empty (never read), and a scale that is not finite and positive
+    goes through as the arithmetic takes it. Only listed rows are read; a NaN logit (a NaN in q
     or in a listed row) makes its head's output and lse NaN.
     """
     _checks.check_rank("q", q, 3, "[B, H, D]")
