@@ -10,7 +10,10 @@ Every public op takes ``implementation=``:
   this way, only by name.
 * a name (``"reference"``, ``"triton"``, ``"mosaic"``): exactly that one; its
   errors propagate, nothing falls back silently.
-* a sequence of names: tried in order, falling back on ``NotImplementedError``.
+* a sequence of names: tried in order, falling back on ``NotImplementedError``; a
+  name the op does not implement (``"mosaic"`` where it has no Mosaic kernel) is
+  skipped, so one preference list serves every op. Alone, such a name raises
+  ``NotImplementedError``; a name outside :data:`IMPLEMENTATIONS` is a ``ValueError``.
 
 Derivatives. Every op is differentiable where its math is (``jsparse._autodiff``):
 
@@ -175,14 +178,30 @@ def resolve(
         return names, True
     if isinstance(implementation, str):
         names, may_fall_back = [implementation], False
-    else:
+    elif isinstance(implementation, Sequence) and all(isinstance(n, str) for n in implementation):
         names, may_fall_back = list(implementation), True
         if not names:
             raise ValueError("implementation: got an empty sequence; expected one or more names")
+    else:
+        raise ValueError(
+            f"implementation: got {implementation!r}; expected None, a name or a sequence of "
+            f"names of {list(IMPLEMENTATIONS)}"
+        )
     for name in names:
-        if name not in known:
-            raise ValueError(f"implementation: got {name!r}; this op knows {list(known)}")
-    return names, may_fall_back
+        if name not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation: got {name!r}; expected one of {list(IMPLEMENTATIONS)}"
+            )
+    # A name the library knows but this op does not implement is valid input it does not
+    # support: skipped in a sequence (one preference list can serve several ops), refused
+    # alone.
+    offered = [name for name in names if name in known]
+    if not offered:
+        raise NotImplementedError(
+            f"implementation: {implementation!r} is not implemented by this op; it has "
+            f"{list(known)}"
+        )
+    return offered, may_fall_back
 
 
 def dispatch(

@@ -2,7 +2,9 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+import jsparse
 from jsparse import backend
 from jsparse.selectors import base, make_selector
 
@@ -46,3 +48,37 @@ def test_select_outside_interpret_mode_then_inside_runs_the_kernels(monkeypatch)
         got = sel.select({}, q, k, lengths, 5)
     np.testing.assert_array_equal(got, want)
     assert kernels_seen == [backend.has_nvidia_gpu(), True]
+
+
+@pytest.mark.parametrize(
+    "implementation, error, message",
+    [
+        ("cuda", ValueError, r"implementation: got 'cuda'; expected one of"),
+        (["reference", "cuda"], ValueError, r"implementation: got 'cuda'"),
+        ([], ValueError, "empty sequence"),
+        (3, ValueError, r"implementation: got 3; expected None, a name or a sequence"),
+        ([3], ValueError, r"implementation: got \[3\]"),
+        ("mosaic", NotImplementedError, "'mosaic' is not implemented by this op; it has"),
+        (["mosaic"], NotImplementedError, r"\['mosaic'\] is not implemented by this op"),
+    ],
+)
+def test_implementation_names_are_checked(implementation, error, message):
+    """A name outside the library is a ValueError; a library name this op does not
+    implement is valid input it does not support (NotImplementedError alone, skipped in
+    a sequence: ``["mosaic", "triton", "reference"]`` raised a ValueError on every op
+    without a Mosaic kernel); ``implementation=3`` raised a TypeError."""
+    with pytest.raises(error, match=message):
+        backend.resolve(implementation, ("triton", "reference"))
+
+
+def test_a_sequence_skips_names_this_op_does_not_implement():
+    names, may_fall_back = backend.resolve(
+        ["mosaic", "triton", "reference"], ("triton", "reference")
+    )
+    assert names == ["triton", "reference"] and may_fall_back
+    q = jnp.ones((2, 4, 8), jnp.float32)
+    k = jnp.ones((2, 16, 2, 8), jnp.float32)
+    idx = jnp.zeros((2, 2, 3), jnp.int32)
+    want = jsparse.indexed_attention(q, k, k, idx, implementation="reference")
+    got = jsparse.indexed_attention(q, k, k, idx, implementation=["mosaic", "reference"])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

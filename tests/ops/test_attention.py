@@ -309,7 +309,10 @@ def test_a_numpy_scale_is_a_scale():
 
 def test_unknown_implementation():
     q, k, v, idx = make(1, 2, 1, 16, 16, 8, 4)
-    with pytest.raises(ValueError, match="implementation: got 'mosaic'"):
+    with pytest.raises(ValueError, match="implementation: got 'cuda'"):
+        jsparse.indexed_attention(q, k, v, idx, implementation="cuda")
+    # a name of the library that this op does not implement: valid, not supported
+    with pytest.raises(NotImplementedError, match="'mosaic' is not implemented by this op"):
         jsparse.indexed_attention(q, k, v, idx, implementation="mosaic")
 
 
