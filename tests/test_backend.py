@@ -1,5 +1,6 @@
 """Dispatch state and the jits above it."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,3 +83,38 @@ def test_a_sequence_skips_names_this_op_does_not_implement():
     want = jsparse.indexed_attention(q, k, k, idx, implementation="reference")
     got = jsparse.indexed_attention(q, k, k, idx, implementation=["mosaic", "reference"])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _mode_ops():
+    rng = np.random.default_rng(0)
+    scores = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
+    q, w = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32), jnp.ones((2, 4), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((2, 40, 16)), jnp.float32)
+    qa, ka = jnp.ones((2, 4, 8), jnp.float32), jnp.ones((2, 16, 2, 8), jnp.float32)
+    return {
+        "topk": lambda: jsparse.topk(scores, 4, implementation="triton"),
+        "indexer_topk": lambda: jsparse.indexer_topk(q, w, keys, 4, implementation="triton"),
+        "indexer_topk_batch": lambda: jsparse.indexer_topk_batch(
+            q, w, cache, 4, lengths=jnp.asarray([40, 7], jnp.int32), implementation="triton"
+        ),
+        "indexed_attention": lambda: jsparse.indexed_attention(
+            qa, ka, ka, jnp.zeros((2, 2, 3), jnp.int32), implementation="triton"
+        ),
+    }
+
+
+@pytest.mark.parametrize("op", sorted(_mode_ops()))
+def test_a_compiled_call_after_an_interpreted_one_compiles(op, monkeypatch):
+    """The ops' own jits kept one trace for both modes: on a GPU, a compiled call after
+    an interpreted one of the same shapes ran the interpreter (and an interpreted test
+    after a compiled call, the compiled kernels). Here the GPU is pretended: the second
+    call must try to compile, which a CPU refuses."""
+    if backend.has_nvidia_gpu():
+        pytest.skip("pretends a GPU on a CPU machine")
+    call = _mode_ops()[op]
+    monkeypatch.setattr(backend, "has_nvidia_gpu", lambda: True)
+    with backend.interpret_mode(True):
+        jax.block_until_ready(call())
+    with pytest.raises(Exception, match=r"[Ii]nterpret mode"):
+        jax.block_until_ready(call())

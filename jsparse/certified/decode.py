@@ -27,7 +27,6 @@ and out are positions within the sequence either way.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -221,7 +220,7 @@ def _carry_witnesses(top_ids, seed_ids, seed_codes, capacity, offset, s_max, bes
     return batch.relative_ids(chosen[:, :capacity], offset)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "capacity"))
+@backend.jit_per_mode(static_argnames=("top_k", "capacity"))
 def _decode_reference(
     q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity, page_table
 ):
@@ -262,7 +261,7 @@ def _decode_reference(
     return result.replace(indices=batch.relative_ids(result.indices, start)), new_witnesses
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "capacity", "witness_capacity"))
+@backend.jit_per_mode(static_argnames=("top_k", "capacity", "witness_capacity"))
 def _decode_triton_jit(
     q, weights, k_cache, top_k, k_scale, lengths, witnesses, page_table, *, capacity,
     witness_capacity,

@@ -451,8 +451,7 @@ def default_list_capacity(top_k: int, num_keys: int) -> int:
     return min(s_r, max(methods._round_up(4 * top_k, 256), methods._round_up(num_keys // 4, 256)))
 
 
-@functools.partial(
-    jax.jit,
+@backend.jit_per_mode(
     static_argnames=(
         "top_k", "method", "widths", "policy", "n_seeds", "list_capacity",
         "record_capacity", "cfg", "screen_cfg", "splits", "sort",

@@ -450,8 +450,8 @@ def _config(q, k, v, cfg: AttentionConfig | None) -> AttentionConfig:
     return cfg
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "cfg", "splits", "words", "pages_first", "merge_block")
+@backend.jit_per_mode(
+    static_argnames=("scale", "cfg", "splits", "words", "pages_first", "merge_block")
 )
 def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale, cfg, splits,
                        words, pages_first, merge_block):  # fmt: skip

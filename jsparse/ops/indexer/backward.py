@@ -241,7 +241,7 @@ def _compute_dtype(q_dtype, k_dtype):
     return jnp.dtype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@backend.jit_per_mode(static_argnames=("cfg",))
 def indexer_scores_vjp_triton(cotangent, q, weights, k, k_scale, start, end, *, cfg=None):
     """Cotangents (dq, dweights, dk, dk_scale), all f32, of ``indexer_scores`` at (q,
     weights, k, k_scale, start, end) for the scores' cotangent [T, S] (read where

@@ -20,7 +20,6 @@ tiles, so its answers equal ``base``'s id for id.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -268,7 +267,7 @@ def scores_of_ids(ids, q, weights, k_cache, k_scale, page_table, *_):
     return reference.score_keys_reference(q, weights, k_cache.reshape(n * p, d), rows, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "sort"))
+@backend.jit_per_mode(static_argnames=("top_k", "sort"))
 def _base_reference(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
     del sort  # the reference always sorts
     k_cache, k_scale, on_page = dense_view(k_cache, k_scale, page_table)
@@ -281,7 +280,7 @@ def _base_reference(q, weights, k_cache, top_k, k_scale, lengths, page_table, so
     return exhaustive_result(relative_ids(indices, start), values, lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "sort"))
+@backend.jit_per_mode(static_argnames=("top_k", "sort"))
 def _base_triton(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
     from jsparse.ops.indexer import methods
     from jsparse.ops.indexer import triton as scorer
@@ -300,7 +299,7 @@ def _base_triton(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=
     return methods.topk_from_scores(scores, zero, lengths, top_k, sort=sort, report=report)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "sort"))
+@backend.jit_per_mode(static_argnames=("top_k", "sort"))
 def _base_mosaic(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
     """``base`` with the Mosaic GPU scorer (opt-in): FP8 × FP8 on the FP8 tensor cores,
     so FP8 scores round differently from the Triton scorer's."""
@@ -323,7 +322,7 @@ _BASE_IMPLEMENTATIONS = {
 XLA_SEQUENCES_PER_STEP = 8
 
 
-@functools.partial(jax.jit, static_argnames=("top_k",))
+@backend.jit_per_mode(static_argnames=("top_k",))
 def _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table):
     """The naive XLA formulation per sequence: einsum → relu → einsum, ``lax.top_k``."""
     k_cache, k_scale, on_page = dense_view(k_cache, k_scale, page_table)

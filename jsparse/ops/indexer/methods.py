@@ -8,12 +8,12 @@ full:  scorer on seed keys → τ (K-th seed score) → scorer writes records �
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from jsparse import backend
 from jsparse.ops.indexer import triton as scorer
 from jsparse.ops.indexer.report import exhaustive_report
 from jsparse.ops.indexer.result import IndexerTopK
@@ -198,7 +198,7 @@ def select_listed(scores, lists, block_of, counts, top_k, sort):
 SCORER_WRITES_REPORT = True
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort"))
+@backend.jit_per_mode(static_argnames=("top_k", "cfg", "sort"))
 def topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg=None, sort=True):
     """Every visible score written, then exact selection."""
     scores, *report = scorer._launch(
@@ -215,7 +215,7 @@ def topk_from_scores(scores, start, end, top_k, *, sort=True, report=None):
     return IndexerTopK(indices, values, visible, candidates, survivors, threshold, fallback)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "n_seeds", "capacity", "cfg", "sort"))
+@backend.jit_per_mode(static_argnames=("top_k", "n_seeds", "capacity", "cfg", "sort"))
 def topk_full(
     q, weights, k, top_k, k_scale, start, end, seed_ids=None, *,
     n_seeds=None, capacity=None, cfg=None, sort=True,

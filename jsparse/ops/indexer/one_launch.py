@@ -394,7 +394,7 @@ def plan_for(q, k, top_k, k_scale, *, programs=None):
     ), cfg  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "programs"))
+@backend.jit_per_mode(static_argnames=("top_k", "programs"))
 def topk_one_launch(q, weights, k, top_k, k_scale, start, end, *, programs=None):
     """(ids [1, K], scores [1, K], count [1], path [1], sync words) of one query over keys
     [start, end) (see the module docstring)."""

@@ -782,7 +782,7 @@ def _launch(
     return outs
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@backend.jit_per_mode(static_argnames=("cfg",))
 def indexer_scores_triton(q, weights, k, k_scale, start, end, *, cfg=None):
     """Dense [T, S] scores with -inf where not visible (the public ``indexer_scores``)."""
     (scores,) = _launch(q, weights, k, k_scale, start, end, fill=True, cfg=cfg)

@@ -260,8 +260,7 @@ def _default_config(q, cache) -> MLAConfig:
     return default_config(q.shape[1])
 
 
-@functools.partial(
-    jax.jit,
+@backend.jit_per_mode(
     static_argnames=(
         "latent_dim", "scale", "cfg", "splits", "packed", "fp8_dot", "pages_first", "merge_block",
     ),

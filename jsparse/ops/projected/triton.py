@@ -70,7 +70,7 @@ def _kernel(q_ref, x_ref, out_ref, *, p: _Plan):
     plt.store(out_at, scores, mask=in_seq[:, None] & (heads[None, :] < p.kv_heads))
 
 
-@functools.partial(jax.jit, static_argnames=("block_s",))
+@backend.jit_per_mode(static_argnames=("block_s",))
 def projected_scores_triton(q_proj, values, *, block_s: int | None = None):
     """float32 [B, Hkv, S]; see :func:`jsparse.ops.projected.projected_scores`."""
     backend.check_triton_offsets("projected_scores", values=values)
@@ -169,7 +169,7 @@ def _step_kernel(q_ref, k_ref, a_ref, b_ref, scale_ref, slot_ref, _values_in, qp
     plt.store(at, acc_k.astype(values_ref.dtype), mask=jnp.broadcast_to(live, (p.rank,)))
 
 
-@jax.jit
+@backend.jit_per_mode
 def projected_step_triton(q, k_new, query_map, key_map, values, scale, slots):
     """(q_proj [B, Hkv, R] f32, values); see :func:`jsparse.ops.projected.projected_step`.
     ``values`` is updated in place when the caller donates it."""

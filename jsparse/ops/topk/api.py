@@ -125,7 +125,7 @@ def _implementations():
     from jsparse.ops.indexer import methods  # Pallas imports only when used
 
     return {
-        "triton": jax.jit(methods.select_dense, static_argnums=(3, 4)),
+        "triton": backend.jit_per_mode(methods.select_dense, static_argnums=(3, 4)),
         "reference": jax.jit(_reference, static_argnums=(3, 4)),
     }
 
