@@ -27,6 +27,7 @@ and out are positions within the sequence either way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -220,7 +221,7 @@ def _carry_witnesses(top_ids, seed_ids, seed_codes, capacity, offset, s_max, bes
     return batch.relative_ids(chosen[:, :capacity], offset)
 
 
-@backend.jit_per_mode(static_argnames=("top_k", "capacity"))
+@functools.partial(jax.jit, static_argnames=("top_k", "capacity"))
 def _decode_reference(
     q, weights, k_cache, top_k, k_scale, lengths, witnesses, capacity, page_table
 ):

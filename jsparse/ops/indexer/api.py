@@ -286,7 +286,7 @@ def _topk_xla(q, weights, k, k_scale, start, end, top_k):
     return exhaustive_result(*reference.lax_topk(scores, visible, top_k), visible)
 
 
-@backend.jit_per_mode(static_argnames=("top_k", "sort"))
+@functools.partial(jax.jit, static_argnames=("top_k", "sort"))
 def _topk_base_reference(q, weights, k, top_k, k_scale, start, end, seeds, sort=True):
     del seeds, sort  # the reference always sorts
     ids = reference.visible_key_ids(start, end, k.shape[0])
@@ -302,7 +302,7 @@ def _topk_full_reference(q, weights, k, top_k, k_scale, start, end, seeds, sort=
     return _topk_full_reference_jit(q, weights, k, top_k, k_scale, start, end, seeds)
 
 
-@backend.jit_per_mode(static_argnames=("top_k",))
+@functools.partial(jax.jit, static_argnames=("top_k",))
 def _topk_full_reference_jit(q, weights, k, top_k, k_scale, start, end, seed_ids):
     seed_ids = usable_seed_ids(seed_ids, start, end)
     seed_scores = reference.score_keys_reference(q, weights, k, seed_ids, k_scale)

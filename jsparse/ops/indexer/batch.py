@@ -20,6 +20,7 @@ tiles, so its answers equal ``base``'s id for id.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -267,7 +268,7 @@ def scores_of_ids(ids, q, weights, k_cache, k_scale, page_table, *_):
     return reference.score_keys_reference(q, weights, k_cache.reshape(n * p, d), rows, scale)
 
 
-@backend.jit_per_mode(static_argnames=("top_k", "sort"))
+@functools.partial(jax.jit, static_argnames=("top_k", "sort"))
 def _base_reference(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=True):
     del sort  # the reference always sorts
     k_cache, k_scale, on_page = dense_view(k_cache, k_scale, page_table)
@@ -322,7 +323,7 @@ _BASE_IMPLEMENTATIONS = {
 XLA_SEQUENCES_PER_STEP = 8
 
 
-@backend.jit_per_mode(static_argnames=("top_k",))
+@functools.partial(jax.jit, static_argnames=("top_k",))
 def _topk_xla(q, weights, k_cache, top_k, k_scale, lengths, page_table):
     """The naive XLA formulation per sequence: einsum → relu → einsum, ``lax.top_k``."""
     k_cache, k_scale, on_page = dense_view(k_cache, k_scale, page_table)
