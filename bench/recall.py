@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag}: {', '.join(repeated)} given more than once")
 
     eval_meta = read_meta(args.eval)
+    calib_metas = [read_meta(d) for d in args.calib]
     # The evaluation scores with bases calibrated on the other captures: the same heads.
-    for d in args.calib:
-        meta = read_meta(d)
+    for d, meta in zip(args.calib, calib_metas, strict=True):
         differ = [key for key in SAME_SHAPES if meta[key] != eval_meta[key]]
         if differ:
             parser.error(
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     # A layer one of the captures lacks used to stop the run at its file, after the
     # calibration; by default, every layer that all of them hold.
     held = set(captured_layers(eval_meta))
-    for d in args.calib:
-        held &= set(captured_layers(read_meta(d)))
+    for meta in calib_metas:
+        held &= set(captured_layers(meta))
     missing = sorted(set(args.layers or []) - held)
     if missing:
         parser.error(f"--layers: {missing}; the captures all hold layers {sorted(held)}")
@@ -275,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     n_calib = calib_info["n_tokens"]
     print(f"calibration moments: {n_calib} tokens, {len(layers)} layers, {calib_s:.1f} s")
     overlap = overlapping_text(calib_info["sequences"], eval_meta, max(args.contexts))
-    if overlap and not args.synthetic:
+    calibrated_novels = {q.get("novel") for q in calib_info["sequences"]}
+    if overlap and not args.synthetic:  # (synthetic captures all share one "novel")
         print(f"WARNING: the evaluated text is also calibration text: {'; '.join(overlap)}")
-    elif eval_meta.get("novel") in {q.get("novel") for q in calib_info["sequences"]}:
+    elif eval_meta.get("novel") in calibrated_novels and not args.synthetic:
         print(f"note: the held-out novel {eval_meta.get('novel')!r} is calibrated on elsewhere")
 
     from tqdm.auto import tqdm
