@@ -109,7 +109,9 @@ def indexer_topk_decode(
       witness_capacity: W of the returned buffer (default max(2·K, W of ``witnesses``)).
       page_table: optional [B, max_pages] int32: position i of sequence b is row i % P of
         page ``page_table[b, i // P]`` (-1: no page; every page below ``lengths[b]``
-        must be allocated). S_max = max_pages·P.
+        must be allocated, checked when concrete; under jit, as in
+        :func:`jsparse.indexer_topk_batch`, and such a sequence falls back and says so).
+        S_max = max_pages·P.
       implementation: see :mod:`jsparse.backend`.
 
     Returns:
@@ -230,19 +232,22 @@ def _decode_reference(
     k_cache, k_scale, on_page = batch.dense_view(k_cache, k_scale, page_table)
     k, scale, start, end, wit = _flat(k_cache, k_scale, lengths, witnesses, k_cache.shape[1])
     seeds = _seeds(wit, start, end, top_k, k.shape[0])
+    # A position on no page (a traced page table; refused when concrete) holds no key:
+    # the kernels never read it, so it is neither a seed nor a record.
+    listed = jnp.ones(k.shape[0], bool) if on_page is None else on_page.reshape(-1)
+    seeds = jnp.where(listed[jnp.maximum(seeds, 0)], seeds, -1)
     seed_scores = scorer.score_keys_reference(q, weights, k, seeds, scale)
-    if on_page is not None:  # a key on no page is never read: -inf, as in the kernels
-        seed_scores = jnp.where(on_page.reshape(-1)[jnp.maximum(seeds, 0)], seed_scores, -jnp.inf)
     tau = seed_threshold_code(seed_scores, seeds, top_k)
     # Only the sequence's own keys: ids relative to its block of the flat cache.
     s_max = k_cache.shape[1]
     rel = jnp.arange(s_max, dtype=jnp.int32)[None, :]
     ids = jnp.where(rel < lengths[:, None], rel + start[:, None], -1)
     scores = batch.off_page_unread(scorer.score_keys_reference(q, weights, k, ids, scale), on_page)
-    keep = (ids >= 0) & (score_code(scores) >= tau[:, None])
+    keep = (ids >= 0) & listed.reshape(ids.shape) & (score_code(scores) >= tau[:, None])
     candidates = jnp.sum(keep, axis=1).astype(jnp.int32)
     # Fewer candidates than min(K, visible): τ lies above the K-th score (seeds that
-    # were not distinct), so the sequence keeps every key, as the kernels' fallback does.
+    # were not distinct), or positions on no page; so the sequence keeps every position
+    # below its length, as the kernels' fallback (base's dense scores) does.
     short = candidates < jnp.minimum(top_k, lengths)
     keep = jnp.where(short[:, None], ids >= 0, keep)
     indices, values = select_topk_reference(scores, jnp.where(keep, ids, -1), top_k)
@@ -303,17 +308,22 @@ def _decode_triton_jit(
     )
 
     def recover(iv):
-        # Missed sequences only (the others get empty ranges): every visible score
-        # as a record (τ = EMPTY) in a buffer as long as the cache, then exact selection.
+        # Missed sequences only (the others get empty ranges): indexer_topk_batch's
+        # base, every visible score written in place by the same tiles, then exact
+        # selection. Not records: under jit a page table may leave a position below the
+        # length on no page (refused when concrete), and a record cannot list it where
+        # every other path does, at -inf after every real score (batch.off_page_unread).
         fb_end = jnp.where(missed, end, start)
-        full_cap = methods._round_up(s_max, 128)
-        c2, i2, n2, ordered2 = scorer_triton.score_records_triton(
-            q, weights, k, scale, start, fb_end, keep_all, full_cap, cfg=cfg, **key_layout
-        )
-        fb_idx, fb_val = methods.select_records(c2, i2, n2, top_k, id_ordered=ordered2)
+        scores = scorer_triton._launch(
+            q, weights, k, scale, start, fb_end, cfg=cfg, row_cols=s_max,
+            splits=scorer_triton.batch_splits(b, s_max, cfg, k.dtype == jnp.float8_e4m3fn),
+            **key_layout,
+        )[0]  # fmt: skip
+        fb = methods.topk_from_scores(scores, jnp.zeros_like(start), fb_end - start, top_k)
+        fb_idx = jnp.where(fb.indices >= 0, fb.indices + start[:, None], -1)
         return (
             jnp.where(missed[:, None], fb_idx, iv[0]),
-            jnp.where(missed[:, None], fb_val, iv[1]),
+            jnp.where(missed[:, None], fb.scores, iv[1]),
         )
 
     indices, values = jax.lax.cond(jnp.any(missed), recover, lambda iv: iv, (indices, values))

@@ -147,22 +147,39 @@ def _check_paged_equals_dense(impl):
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_traced_pages_outside_the_pool_are_never_read(impl, request):
     """Under jit: an entry outside [-1, n_pages) is no page; keys on no page are never
-    read, and the decode still equals ``base`` over the same table."""
+    read, and the decode still equals ``base`` over the same table, positions on no page
+    below the length included (listed at -inf after every real score)."""
     if impl == "triton":
         request.getfixturevalue("interpret")
+    _check_traced_pages(impl)
+
+
+@pytest.mark.gpu
+def test_gpu_traced_pages_outside_the_pool_are_never_read():
+    _check_traced_pages("triton")  # compiled: the decode's fallback to base's tiles
+
+
+def _check_traced_pages(impl):
     k_cache, scale, qs, ws, lengths0 = _sequence(steps=1)
     lengths = jnp.asarray(lengths0, jnp.int32)
     pool, pool_scale, table = shuffled_pages(k_cache, scale, lengths0, 16, spare_pages=2)
     bad = table.at[0, 1].set(pool.shape[0] + 3).at[2, 0].set(-6)
+    # Sequence 1 (37 keys) keeps 5 on pages: fewer than K, so 3 positions on no page fill
+    # its Top-K, and the records (which cannot hold them) fall back to base's dense scores.
+    bad = bad.at[1, 0].set(-1).at[1, 1].set(-1)
 
     @jax.jit
     def both(t):
         args = dict(k_scale=pool_scale, lengths=lengths, page_table=t, implementation=impl)
         res, _ = indexer_topk_decode(qs[0], ws[0], pool, K, **args)
-        return res.indices, jsparse.indexer_topk_batch(qs[0], ws[0], pool, K, **args).indices
+        return res, jsparse.indexer_topk_batch(qs[0], ws[0], pool, K, **args)
 
     got, want = both(bad)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+    np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores))
+    np.testing.assert_array_equal(np.asarray(got.indices[1, 5:]), [0, 1, 2])
+    assert np.isneginf(np.asarray(got.scores[1, 5:])).all()
+    np.testing.assert_array_equal(np.asarray(got.fallback), [False, True, False])
 
 
 def test_paged_decode_validates_the_page_table():

@@ -207,7 +207,9 @@ def indexer_topk_batch(
         concrete, clamped to that range when traced, so no sequence reads another's keys).
       k_scale: optional float32 > 0 per-key scales, shaped like ``k_cache`` without D.
       page_table: optional [B, max_pages] int32 (-1: no page; every page below a
-        sequence's length must be allocated). S_max = max_pages·P.
+        sequence's length must be allocated, checked when concrete; under jit a
+        position on no page below the length is listed at -inf after every real score,
+        on every path). S_max = max_pages·P.
       method: ``"xla"`` or ``"base"`` (module doc).
       sorted: as in :func:`jsparse.indexer_topk`.
       implementation: see :mod:`jsparse.backend`; ignored by ``xla``. ``"mosaic"``
