@@ -166,7 +166,8 @@ def resolve(
     implementations, fastest first; it also defines which names the op knows.
     """
     known = tuple(preferred)
-    if implementation is None:
+    names, may_fall_back = check_implementation(implementation)
+    if names is None:
         # Interpret mode counts as "kernels available": whoever switched it on wants them.
         names = [
             n
@@ -176,6 +177,27 @@ def resolve(
         if "reference" in known:
             names.append("reference")
         return names, True
+    # A name the library knows but this op does not implement is valid input it does not
+    # support: skipped in a sequence (one preference list can serve several ops), refused
+    # alone.
+    offered = [name for name in names if name in known]
+    if not offered:
+        raise NotImplementedError(
+            f"implementation: {implementation!r} is not implemented by this op; it has "
+            f"{list(known)}"
+        )
+    return offered, may_fall_back
+
+
+def check_implementation(
+    implementation: str | Sequence[str] | None,
+) -> tuple[list[str] | None, bool]:
+    """``(names, may_fall_back)`` of an ``implementation=`` argument, names None for
+    None; a ``ValueError`` for anything but None, a library name or a non-empty sequence
+    of them. Also for a method that ignores the argument (``"xla"``), so that a typo
+    never passes silently."""
+    if implementation is None:
+        return None, True
     if isinstance(implementation, str):
         names, may_fall_back = [implementation], False
     elif isinstance(implementation, Sequence) and all(isinstance(n, str) for n in implementation):
@@ -192,16 +214,7 @@ def resolve(
             raise ValueError(
                 f"implementation: got {name!r}; expected one of {list(IMPLEMENTATIONS)}"
             )
-    # A name the library knows but this op does not implement is valid input it does not
-    # support: skipped in a sequence (one preference list can serve several ops), refused
-    # alone.
-    offered = [name for name in names if name in known]
-    if not offered:
-        raise NotImplementedError(
-            f"implementation: {implementation!r} is not implemented by this op; it has "
-            f"{list(known)}"
-        )
-    return offered, may_fall_back
+    return names, may_fall_back
 
 
 def dispatch(

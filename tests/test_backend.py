@@ -1,5 +1,7 @@
 """Dispatch state and the jits above it."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,6 +72,24 @@ def test_implementation_names_are_checked(implementation, error, message):
     without a Mosaic kernel); ``implementation=3`` raised a TypeError."""
     with pytest.raises(error, match=message):
         backend.resolve(implementation, ("triton", "reference"))
+
+
+@pytest.mark.parametrize("op", ["indexer_topk", "indexer_topk_batch"])
+def test_xla_checks_the_implementation_it_ignores(op):
+    # method="xla" never dispatches, and let a misspelt name pass without a word.
+    q, w = jnp.ones((2, 4, 8), jnp.float32), jnp.ones((2, 4), jnp.float32)
+    if op == "indexer_topk":
+        k = jnp.ones((16, 8), jnp.float32)
+        call = functools.partial(jsparse.indexer_topk, q, w, k, 4, method="xla")
+    else:
+        k = jnp.ones((2, 16, 8), jnp.float32)
+        lengths = jnp.asarray([16, 3], jnp.int32)
+        call = functools.partial(
+            jsparse.indexer_topk_batch, q, w, k, 4, lengths=lengths, method="xla"
+        )
+    assert call(implementation="reference").indices.shape == (2, 4)
+    with pytest.raises(ValueError, match="implementation: got 'tritn'"):
+        call(implementation="tritn")
 
 
 def test_a_sequence_skips_names_this_op_does_not_implement():

@@ -167,7 +167,7 @@ def indexer_topk(
         chooses (the Triton kernels: ascending id when the key range was not split and
         the call has many queries; a few queries come out ordered anyway),
         which saves one sort of K entries per query.
-      implementation: see :mod:`jsparse.backend`; ignored by ``xla``.
+      implementation: see :mod:`jsparse.backend`; ignored by ``xla`` (but checked).
 
     Returns:
       :class:`IndexerTopK`.
@@ -177,6 +177,7 @@ def indexer_topk(
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
     _checks.check_bool("sorted", sorted)
+    backend.check_implementation(implementation)  # xla ignores it: a typo still raises
     seeds = None if method == "xla" else _check_seeds(seeds, q.shape[0], start, end)
 
     def select(q, weights, k, k_scale, start, end, seeds):

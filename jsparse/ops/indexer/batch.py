@@ -212,7 +212,7 @@ def indexer_topk_batch(
         on every path). S_max = max_pages·P.
       method: ``"xla"`` or ``"base"`` (module doc).
       sorted: as in :func:`jsparse.indexer_topk`.
-      implementation: see :mod:`jsparse.backend`; ignored by ``xla``. ``"mosaic"``
+      implementation: see :mod:`jsparse.backend`; ignored by ``xla`` (but checked). ``"mosaic"``
         (opt-in): the Mosaic GPU scorer, for dense caches whose S_max is a multiple of
         128 and page pools whose P is a multiple of 64, q and keys both bfloat16 or both
         float8_e4m3fn.
@@ -227,6 +227,7 @@ def indexer_topk_batch(
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; expected one of {METHODS}")
     _checks.check_bool("sorted", sorted)
+    backend.check_implementation(implementation)  # xla ignores it: a typo still raises
     if holds_no_keys(k_cache, page_table):
         return nothing_visible(q.shape[0], top_k)
 
