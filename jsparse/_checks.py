@@ -137,7 +137,7 @@ def clamp_ranges(start, end, s: int):
 
 
 def check_top_k(top_k) -> int:
-    if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer):
+    if not is_int(top_k):
         raise ValueError(f"top_k: expected a positive Python int, got {top_k!r}")
     if top_k <= 0:
         raise ValueError(f"top_k: expected top_k ≥ 1, got {top_k}")
@@ -146,9 +146,20 @@ def check_top_k(top_k) -> int:
     return int(top_k)
 
 
+def is_int(x) -> bool:
+    """A Python or numpy int; a bool is not one (True would count as 1)."""
+    return not isinstance(x, bool) and isinstance(x, int | np.integer)
+
+
+def is_positive_finite(x) -> bool:
+    """A Python or numpy real number (not a bool) that is finite and > 0."""
+    real = not isinstance(x, bool) and isinstance(x, int | float | np.integer | np.floating)
+    return real and math.isfinite(x) and x > 0
+
+
 def check_int(name: str, x, minimum: int) -> int:
     """A Python or numpy int ≥ ``minimum`` (not a bool), returned as an int."""
-    if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < minimum:
+    if not is_int(x) or x < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {x!r}")
     return int(x)
 

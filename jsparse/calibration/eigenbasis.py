@@ -12,9 +12,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
+from jsparse import _checks
 from jsparse.calibration.moments import Moments, normalize_trace
 
 __all__ = ["eigh_or_nan", "jssa_basis", "top_eigenvectors"]
@@ -50,7 +50,7 @@ def top_eigenvectors(
     d = sym.shape[-1]
     if sym.ndim < 2 or sym.shape[-2] != d:
         raise ValueError(f"top_eigenvectors: sym has shape {tuple(sym.shape)}; expected [*L, D, D]")
-    if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 1 <= rank <= d:
+    if not _checks.is_int(rank) or not 1 <= rank <= d:
         raise ValueError(f"top_eigenvectors: rank must be in [1, {d}], got {rank}")
     sym = sym.astype(jnp.float32)  # halves before the sum: near f32's largest, no overflow
     sym = 0.5 * sym + 0.5 * jnp.swapaxes(sym, -1, -2)

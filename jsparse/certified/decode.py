@@ -65,7 +65,7 @@ def _capacity(witness_capacity, top_k: int, n_witnesses: int) -> int:
     by default max(2·K, the W given)."""
     if witness_capacity is None:
         return max(2 * top_k, n_witnesses)
-    if isinstance(witness_capacity, bool) or not isinstance(witness_capacity, int | np.integer):
+    if not _checks.is_int(witness_capacity):
         raise ValueError(
             f"witness_capacity: expected a Python int or None, got {witness_capacity!r}"
         )

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from jsparse import _checks
 from jsparse.models.llama import AttentionCore, Llama, LlamaConfig
 
 __all__ = [
@@ -162,7 +163,7 @@ def _int_field(reader, key: str, path, default: Any = ...) -> int:
             f"{path}: metadata {key!r} is a per-layer array {value[:8]}; this loader needs "
             f"one integer for every layer"
         )
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not _checks.is_int(value) or value < 1:
         raise ValueError(f"{path}: metadata {key!r} is {value!r}; expected an integer >= 1")
     return int(value)
 
@@ -170,11 +171,7 @@ def _int_field(reader, key: str, path, default: Any = ...) -> int:
 def _float_field(reader, key: str, path, default: Any = ...) -> float:
     """A positive, finite float metadata value, as :func:`_f32` reads it."""
     value = _field(reader, key, path, default)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float, np.integer, np.floating))
-        or not (np.isfinite(value) and value > 0)
-    ):
+    if not _checks.is_positive_finite(value):
         raise ValueError(f"{path}: metadata {key!r} is {value!r}; expected a finite number > 0")
     return _f32(value)
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -57,7 +56,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jsparse import backend
-from jsparse._checks import check_cache_room, concrete
+from jsparse._checks import check_cache_room, concrete, is_int, is_positive_finite
 from jsparse.selectors.base import fp8_first_write
 
 __all__ = [
@@ -112,16 +111,12 @@ class LlamaConfig:
     def __post_init__(self):
         for field in _SIZE_FIELDS:
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"LlamaConfig.{field}: got {value!r}; expected an int >= 1")
         # A zero, negative or non-finite RoPE base or RMSNorm epsilon gives NaN logits.
         for field in ("rope_theta", "norm_eps"):
             value = getattr(self, field)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float, np.integer, np.floating))
-                or not (math.isfinite(value) and value > 0)
-            ):
+            if not is_positive_finite(value):
                 raise ValueError(
                     f"LlamaConfig.{field}: got {value!r}; expected a finite number > 0"
                 )

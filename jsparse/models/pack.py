@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jsparse import _checks
 from jsparse.assets import file_sha256
 from jsparse.models.llama import AttentionCore, Llama, LlamaConfig
 
@@ -50,7 +51,7 @@ def dequantize(
     the message), since a converted or reinterpreted array loads silently wrong."""
     if kind not in ("F32", "F16", *_BLOCK_BYTES):
         raise ValueError(f"{name}: tensor type {kind!r} unsupported; have F32, F16, Q8_0, Q4_1")
-    if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+    if not shape or any(not _checks.is_int(n) or n < 1 for n in shape):
         raise ValueError(f"{name}: shape {list(shape)}; expected positive ints")
     raw = np.asarray(raw)
     count = int(np.prod(shape))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jsparse import backend
+from jsparse import _checks, backend
 from jsparse.models.llama import Llama, check_id_range, integer_ids
 
 __all__ = ["PerplexityResult", "perplexity", "token_nll", "windows"]
@@ -113,7 +113,7 @@ def token_nll(
         )
     stride = context_len // 2 if stride is None else stride
     for name, value in (("context_len", context_len), ("stride", stride)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if not _checks.is_int(value):
             raise ValueError(f"{name}: got {value!r}; expected an int")
     plan = windows(len(ids), context_len, stride)
     graphdef, state = nnx.split(model)

@@ -276,7 +276,7 @@ def core_selector(selector, selector_options, budget, fp8_headroom, per: str) ->
         )
     if not isinstance(selector, Selector):
         raise ValueError(f"selector: got {type(selector).__name__}; expected a Selector or a name")
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
+    if not _checks.is_int(budget) or budget < 1:
         raise ValueError(f"budget: got {budget!r}; expected an int ≥ 1 (tokens per {per})")
     if not fp8_headroom >= 1.0:
         raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a number >= 1")

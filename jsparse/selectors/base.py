@@ -43,7 +43,6 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jsparse import _checks, backend
@@ -206,7 +205,7 @@ def check_select_inputs(q, k, lengths, budget, *, head_dim: int | None = None) -
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths: expected an integer dtype, got {lengths.dtype}")
     if (
-        isinstance(budget, bool) or not isinstance(budget, (int, np.integer))
+        not _checks.is_int(budget)
         or not 1 <= budget <= _checks.INT32_MAX
     ):  # fmt: skip
         raise ValueError(f"budget: expected a static int in [1, 2^31 - 1], got {budget!r}")

@@ -167,7 +167,7 @@ class JSSARDSelector(ProjectedSelector):
     def __post_init__(self):
         for field in ("fp8_dims", "int4_dims"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            if not _checks.is_int(value):
                 raise ValueError(f"jssa_rd: {field} must be an int, got {value!r}")
         check_rcond(self.rcond)
         if self.fp8_dims < 0 or self.int4_dims < 0 or self.fp8_dims + self.int4_dims < 1:
