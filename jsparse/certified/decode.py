@@ -11,8 +11,10 @@ Top-K plus the previous witnesses that score best under the current query. With 
 K witnesses τ would be the *smallest* current score among them, and one witness that
 dropped far is enough to make τ useless; with 2K of them τ is their K-th best, robust to
 half the set moving away (measured: about 5× fewer records at 32K keys on
-``deepseek_like``). Every witness is a key selected in some recent step, so this is
-MATH.md §1.10's "distinct keys selected in recent steps".
+``deepseek_like``). After a step that had witnesses, every witness is a key selected in
+some recent step (MATH.md §1.10's "distinct keys selected in recent steps"); after a
+first step the buffer also carries the best-scoring default seeds. Exactness needs only
+that they are distinct visible keys.
 
 Sequences with fewer than K valid witnesses (the first step) use the default seed set
 (recent keys plus a strided sample) instead. A record buffer overflow, or fewer

@@ -48,7 +48,8 @@ class KQSVDSelector(ProjectedSelector):
 
     ``AᵀB`` is the best rank-r approximation of the identity in the calibrated metric, i.e.
     the exact minimiser of ``E[(q̄ᵀ(I - AᵀB)k)²]`` over all rank-r bilinear scores (Eckart-
-    Young), the objective JSSA only bounds for a shared subspace. At full rank with
+    Young), the objective JSSA only bounds for a shared subspace; with ``rcond`` cutting
+    small eigenvalues of the moments, within the ranges it keeps. At full rank with
     invertible moments ``AᵀB = I`` and the scores are exact. Only ``B k`` is cached.
     Params: ``{"query_map": A [Hkv, R, D], "key_map": B [Hkv, R, D]}``.
     """

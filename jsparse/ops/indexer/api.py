@@ -23,7 +23,9 @@ take the tensor cores.
 Non-finite values: scores follow IEEE arithmetic with a NaN-propagating relu, and
 selection ranks NaN above +inf (and treats -0 as +0), so a NaN score is returned at the
 top of its row rather than silently dropped. ``full`` remains exact under that total
-order; the certified methods fall back to full scoring for such queries.
+order. The certified methods fall back to full scoring for a query whose q, weights,
+τ or guard is not finite; a key with a non-finite component (or an invalid scale) is
+never screened out, so its query stays exact without a fallback.
 """
 
 from __future__ import annotations
