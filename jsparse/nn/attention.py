@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jsparse import _checks
+from jsparse import _checks, backend
 from jsparse.ops.attention import indexed_attention
 from jsparse.ops.attention.reference import listed_locations
 from jsparse.selectors import ProjectedSelector, Selector, make_selector
@@ -105,6 +105,8 @@ def serving_view(name: str, cache, scale, page_table, k_positions, q_shape) -> C
     b = q_shape[0]
     paged = page_table is not None
     _checks.check_rank(name, cache, 4, "[n_pages, P, Hkv, D]" if paged else "[B, S, Hkv, D]")
+    if not jnp.issubdtype(cache.dtype, jnp.floating):
+        raise ValueError(f"{name}: dtype {cache.dtype}; expected a float dtype (f32, bf16, FP8)")
     s = cache.shape[1]
     if paged:
         s, _ = check_page_table(page_table, b, cache.shape[0], cache.shape[1], q_shape)
@@ -162,7 +164,10 @@ class SparseAttention(nnx.Module):
         fp8_headroom: float = 2.0,
         **selector_options,
     ):
-        selector = core_selector(selector, selector_options, budget, fp8_headroom, "KV head")
+        selector = core_selector(
+            selector, selector_options, budget, fp8_headroom, "KV head", params=params,
+            implementation=implementation,
+        )  # fmt: skip
         if dense is None:
             from jsparse.models.llama import DenseCausalAttention  # the model imports flax too
 
@@ -210,6 +215,7 @@ class SparseAttention(nnx.Module):
         state: ``(out, core_state)``. ``k_scale``, ``v_scale``, ``page_table``: an FP8
         and/or paged cache (module docstring)."""
         params = self.params.get_value()
+        check_query(q, q_positions, k_positions)
         keys = serving_view("k", k, k_scale, page_table, k_positions, q.shape)
         _checks.check_rank("v", v, 4, "like k's, with its own Dv")
         if v.shape[:3] != k.shape[:3]:
@@ -237,6 +243,21 @@ class SparseAttention(nnx.Module):
         return out if core_state is None else (out, core_state)
 
 
+def check_query(q, q_positions, k_positions):
+    """A core's ``q`` [B, T, ...] and integer positions: ``q_positions`` [B, T] (one per
+    query, never broadcast: a ragged batch's rows differ) and ``k_positions`` [B, S]."""
+    _checks.check_rank("q", q, 4, "[B, T, H, D]")
+    _checks.check_rank("q_positions", q_positions, 2, "[B, T]")
+    if q_positions.shape != q.shape[:2]:
+        raise ValueError(
+            f"q_positions: shape {tuple(q_positions.shape)}; expected [B, T] = "
+            f"{tuple(q.shape[:2])} of q {tuple(q.shape)}"
+        )
+    for name, x in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name}: dtype {x.dtype}; expected integer positions")
+
+
 def prefill_projection(selector, params, k, k_positions, headroom: float):
     """The projected cache of a prefill's keys ``[B, S, Hkv, D]``. Empty slots borrow
     slot 0's key: projected, they are real keys' values, so they leave the scales alone
@@ -252,8 +273,15 @@ def select_step(selector, params, q, keys: CacheView, q_positions, k_positions, 
     own key (the last visible slot) is appended first and selection scores the cache;
     without one, the selector projects the visible keys itself (reading them all)."""
     visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
-    check_prefix(visible)
+    check_prefix(visible, k_positions, q_positions, kept=core_state is not None)
     lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
+    cached = getattr(core_state, "values", None)  # a projected cache: one row per slot
+    if cached is not None and tuple(cached.shape[:2]) != (q.shape[0], keys.tokens):
+        raise ValueError(
+            f"core_state: a projected cache of {tuple(cached.shape[:2])} [B, S]; expected "
+            f"{(q.shape[0], keys.tokens)}, the K cache's (init_core_state with the cache's "
+            "max_len)"
+        )
     # Attention does not care about the lists' order: the selection skips its final sort.
     if core_state is None:
         return selector.select(params, q, keys.dense(), lengths, budget, ordered=False), None
@@ -264,9 +292,12 @@ def select_step(selector, params, q, keys: CacheView, q_positions, k_positions, 
     )  # fmt: skip
 
 
-def core_selector(selector, selector_options, budget, fp8_headroom, per: str) -> Selector:
+def core_selector(
+    selector, selector_options, budget, fp8_headroom, per: str, *, params=None,
+    implementation=None,
+) -> Selector:  # fmt: skip
     """A decode core's selector (built from a name and options, or given) after checking
-    the core's budget (rows per ``per``) and FP8 headroom."""
+    the core's budget (rows per ``per``), FP8 headroom, params and implementation."""
     if isinstance(selector, str):
         selector = make_selector(selector, **selector_options)
     elif selector_options:
@@ -278,12 +309,21 @@ def core_selector(selector, selector_options, budget, fp8_headroom, per: str) ->
         raise ValueError(f"selector: got {type(selector).__name__}; expected a Selector or a name")
     if not _checks.is_int(budget) or budget < 1:
         raise ValueError(f"budget: got {budget!r}; expected an int ≥ 1 (tokens per {per})")
-    if not fp8_headroom >= 1.0:
-        raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a number >= 1")
+    if not (_checks.is_positive_finite(fp8_headroom) and fp8_headroom >= 1.0):
+        raise ValueError(f"fp8_headroom: got {fp8_headroom!r}; expected a finite number >= 1")
+    if params is not None and not isinstance(params, Mapping):
+        raise ValueError(
+            f"params: got {type(params).__name__}; expected a mapping of arrays (the "
+            "selector's calibrate output or jsparse.load_bases), or None"
+        )
+    backend.check_implementation(implementation)  # used at the first decode step
     return selector
 
 
-def check_prefix(visible):
+def check_prefix(visible, k_positions, q_positions, *, kept: bool):
+    """When concrete: each sequence's visible slots are its first ones, in increasing
+    position order; with a kept projected cache (``kept``) the last of them holds the
+    step's own key (the slot its projection is appended at)."""
     seen = _checks.concrete(visible)
     if seen is None:
         return
@@ -296,3 +336,19 @@ def check_prefix(visible):
             f"{count[bad[0]]} slots; SparseAttention's selectors need the cache in "
             "position order (as KVCache writes it)"
         )
+    kp, qp = _checks.concrete(k_positions), _checks.concrete(q_positions)
+    if kp is None or qp is None:
+        return
+    for b, n in enumerate(count):
+        held = kp[b, :n]
+        if (np.diff(held) <= 0).any():  # a ring buffer after it wrapped, say
+            raise ValueError(
+                f"k_positions: sequence {b}'s visible slots hold positions out of order "
+                f"({held[:8].tolist()}...); the selectors need slot order = position order"
+            )
+        if kept and n and held[-1] != qp[b, 0]:
+            raise ValueError(
+                f"k_positions: sequence {b}'s last visible slot holds position {held[-1]}, "
+                f"not the step's {qp[b, 0]}: write the step's key before the core is "
+                "called, at the slot after the sequence's previous ones"
+            )

@@ -40,6 +40,7 @@ from jsparse import _checks
 from jsparse.models.llama import RMSNorm, apply_rope, rope_angles
 from jsparse.nn.attention import (
     SelectorParams,
+    check_query,
     core_selector,
     prefill_projection,
     select_step,
@@ -112,7 +113,10 @@ class SparseMLA(nnx.Module):
         fp8_headroom: float = 2.0,
         **selector_options,
     ):
-        selector = core_selector(selector, selector_options, budget, fp8_headroom, "sequence")
+        selector = core_selector(
+            selector, selector_options, budget, fp8_headroom, "sequence", params=params,
+            implementation=implementation,
+        )  # fmt: skip
         self.selector = selector
         self.params = SelectorParams(dict(params or {}))
         self.budget = int(budget)
@@ -147,6 +151,7 @@ class SparseMLA(nnx.Module):
         one (``rows`` then a pool [n_pages, P, D]), as
         :func:`jsparse.indexed_mla_attention` takes them; prefill sees them as dense f32."""
         params = self.params.get_value()
+        check_query(q, q_positions, k_positions)
         calibrated = getattr(self.selector, "latent_dim", latent_dim)
         if calibrated != latent_dim:  # its map treats a row's first latent_dim values as c
             raise ValueError(

@@ -132,6 +132,55 @@ def test_gpu_full_budget_decode_compiled(selector):
     np.testing.assert_allclose(_decode(model, TOKENS, steps=4), dense, rtol=2e-4, atol=2e-4)
 
 
+def test_misuse_of_a_core_is_named():
+    """Each of these gave a raw TypeError / IndexError / AttributeError, or a silently
+    wrong answer (a broadcast q_positions in a ragged batch; a projected cache of fewer
+    slots than the K cache under jit; a ring-buffer cache with a kept projection)."""
+    with pytest.raises(ValueError, match="implementation: got 'tritn'"):
+        jsparse.SparseAttention("oracle", {}, 4, implementation="tritn")
+    with pytest.raises(ValueError, match="fp8_headroom: got inf"):
+        jsparse.SparseAttention("oracle", {}, 4, fp8_headroom=float("inf"))
+    with pytest.raises(ValueError, match="params: got list"):
+        jsparse.SparseAttention("oracle", [("basis", jnp.ones(3))], 4)
+    core = jsparse.SparseAttention("oracle", {}, 4)
+    q, k = jnp.ones((2, 1, 2, 8)), jnp.ones((2, 6, 1, 8))
+    k_pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    q_pos = jnp.asarray([[5], [3]], jnp.int32)
+    calls = [
+        ("q: expected rank 4", dict(q=q[:, 0])),
+        ("q_positions: expected rank 2", dict(q_positions=q_pos[:, 0])),
+        (r"q_positions: shape \(1, 1\); expected \[B, T\] = \(2, 1\)", dict(q_positions=q_pos[:1])),
+        ("q_positions: dtype float32", dict(q_positions=q_pos.astype(jnp.float32))),
+        ("k_positions: dtype float32", dict(k_positions=k_pos.astype(jnp.float32))),
+        ("k: dtype int32; expected a float dtype", dict(k=k.astype(jnp.int32))),
+    ]
+    for message, change in calls:
+        args = dict(q=q, k=k, q_positions=q_pos, k_positions=k_pos) | change
+        with pytest.raises(ValueError, match=message):
+            core(args["q"], args["k"], k, q_positions=args["q_positions"],
+                 k_positions=args["k_positions"])  # fmt: skip
+
+    sel, params = _calibrated("jssa", rank=4)
+    kept = jsparse.SparseAttention(sel, params, 4)
+    q, k = jnp.ones((1, 1, TINY.n_heads, 8)), jnp.ones((1, 16, TINY.n_kv_heads, 8))
+    small = kept.init_core_state(1, 8, TINY.n_kv_heads, 8)
+    k_pos = jnp.arange(16, dtype=jnp.int32)[None]
+
+    @jax.jit
+    def step(state):
+        return kept(q, k, k, q_positions=jnp.asarray([[11]]), k_positions=k_pos, core_state=state)
+
+    with pytest.raises(ValueError, match=r"core_state: a projected cache of \(1, 8\) \[B, S\]"):
+        step(small)
+    state = kept.init_core_state(1, 16, TINY.n_kv_heads, 8)
+    ring = jnp.asarray([[16, 17, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]], jnp.int32)
+    with pytest.raises(ValueError, match="sequence 0's visible slots hold positions out of order"):
+        kept(q, k, k, q_positions=jnp.asarray([[17]]), k_positions=ring, core_state=state)
+    with pytest.raises(ValueError, match="last visible slot holds position 9, not the step's 12"):
+        kept(q, k, k, q_positions=jnp.asarray([[12]]),
+             k_positions=jnp.where(k_pos < 10, k_pos, -1), core_state=state)  # fmt: skip
+
+
 def _calibrated(name, **options):
     rng = np.random.default_rng(3)
     sel = jsparse.make_selector(name, **options)
