@@ -216,6 +216,7 @@ class SparseAttention(nnx.Module):
         and/or paged cache (module docstring)."""
         params = self.params.get_value()
         check_query(q, q_positions, k_positions)
+        check_core_state(self.selector, core_state)
         keys = serving_view("k", k, k_scale, page_table, k_positions, q.shape)
         _checks.check_rank("v", v, 4, "like k's, with its own Dv")
         if v.shape[:3] != k.shape[:3]:
@@ -241,6 +242,17 @@ class SparseAttention(nnx.Module):
             implementation=self.implementation,
         )[:, None]  # fmt: skip
         return out if core_state is None else (out, core_state)
+
+
+def check_core_state(selector, core_state):
+    """A core_state only for a selector that keeps a projected cache."""
+    if core_state is not None and not (
+        isinstance(selector, ProjectedSelector) and selector.keeps_projection
+    ):
+        raise ValueError(
+            f"core_state: the {selector.name!r} selector keeps no projected cache "
+            "(init_core_state gives None); pass core_state=None"
+        )
 
 
 def check_query(q, q_positions, k_positions):

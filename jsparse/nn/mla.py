@@ -40,6 +40,7 @@ from jsparse import _checks
 from jsparse.models.llama import RMSNorm, apply_rope, rope_angles
 from jsparse.nn.attention import (
     SelectorParams,
+    check_core_state,
     check_query,
     core_selector,
     prefill_projection,
@@ -152,6 +153,7 @@ class SparseMLA(nnx.Module):
         :func:`jsparse.indexed_mla_attention` takes them; prefill sees them as dense f32."""
         params = self.params.get_value()
         check_query(q, q_positions, k_positions)
+        check_core_state(self.selector, core_state)
         calibrated = getattr(self.selector, "latent_dim", latent_dim)
         if calibrated != latent_dim:  # its map treats a row's first latent_dim values as c
             raise ValueError(

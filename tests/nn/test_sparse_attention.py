@@ -162,6 +162,11 @@ def test_misuse_of_a_core_is_named():
 
     sel, params = _calibrated("jssa", rank=4)
     kept = jsparse.SparseAttention(sel, params, 4)
+    other = kept.init_core_state(2, 6, TINY.n_kv_heads, 8)
+    for t in (1, 3):  # decode and prefill: AttributeErrors of the oracle selector
+        with pytest.raises(ValueError, match="core_state: the 'oracle' selector keeps no"):
+            core(jnp.ones((2, t, 2, 8)), k, k, q_positions=jnp.full((2, t), 5, jnp.int32),
+                 k_positions=k_pos, core_state=other)  # fmt: skip
     q, k = jnp.ones((1, 1, TINY.n_heads, 8)), jnp.ones((1, 16, TINY.n_kv_heads, 8))
     small = kept.init_core_state(1, 8, TINY.n_kv_heads, 8)
     k_pos = jnp.arange(16, dtype=jnp.int32)[None]
