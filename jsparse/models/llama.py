@@ -401,6 +401,10 @@ class KVCache:
         cls, batch: int, max_len: int, n_kv_heads: int, head_dim: int, core_state: Any = None,
         dtype=jnp.float32,
     ) -> KVCache:  # fmt: skip
+        if not jnp.issubdtype(dtype, jnp.floating):  # an int8 cache truncated silently
+            raise ValueError(
+                f"dtype: {jnp.dtype(dtype)}; expected float32, a 16-bit float or {FP8}"
+            )
         fp8 = jnp.dtype(dtype) == FP8
 
         def scale():  # one buffer each: the cache is donated to jitted steps

@@ -390,6 +390,14 @@ class MLAAttention(nnx.Module):
         if self.indexer is not None:
             if index_cache is None:
                 raise ValueError("cache: has no indexer keys; make it with layer.init_cache")
+            # Rows and indexer keys must cover the same tokens (a rollback of one alone
+            # would select among the rows of rejected tokens): checked when concrete.
+            ours, its = _checks.concrete(cache.lengths), _checks.concrete(index_cache.lengths)
+            if ours is not None and its is not None and (ours != its).any():
+                raise ValueError(
+                    f"cache.indexer.lengths {its.tolist()} differ from cache.lengths "
+                    f"{ours.tolist()}; roll both back together (cache._replace both)"
+                )
             top, index_cache = self.indexer(x, index_cache)
             kwargs["indices"] = top.indices
         if cache.core_state is None:

@@ -409,3 +409,12 @@ def test_config_from_dict_is_exact():
         LlamaConfig.from_dict({**TINY.to_dict(), "extra": 1})
     with pytest.raises(ValueError, match="got a list; expected a dict"):
         LlamaConfig.from_dict([])
+
+
+def test_a_cache_of_integers_is_refused():
+    # init_cache(dtype=jnp.int8) truncated K and V silently (logits 0.11 off).
+    from jsparse.models.llama import KVCache
+
+    with pytest.raises(ValueError, match="dtype: int8; expected float32"):
+        KVCache.empty(1, 4, 1, 8, dtype=jnp.int8)
+    assert KVCache.empty(1, 4, 1, 8, dtype=jnp.bfloat16).k.dtype == jnp.bfloat16

@@ -379,6 +379,14 @@ def test_bad_calls_name_the_argument():
         layer(tokens(2, 3), layer.init_cache(3, 8))
     with pytest.raises(ValueError, match="core: got DenseMLA with an indexer"):
         mla(DenseMLA(), layer)
+    # A rollback of the rows alone (speculative decoding's rejected tokens) attended the
+    # rejected rows the indexer still listed.
+    dsa = mla(SelectedMLA(), layer)
+    _, filled = dsa(tokens(2, 5), dsa.init_cache(2, 8))
+    with pytest.raises(
+        ValueError, match=r"cache.indexer.lengths \[5, 5\] differ from cache.lengths \[3, 3\]"
+    ):
+        dsa(tokens(2, 1), filled._replace(lengths=filled.lengths - 2))
 
 
 @pytest.mark.parametrize("t", [1, 128])
