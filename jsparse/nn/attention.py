@@ -146,9 +146,10 @@ class SparseAttention(nnx.Module):
         beyond it (see :meth:`jsparse.selectors.ProjectedSelector.project_keys`).
 
     The cache must hold each sequence's visible tokens in its first slots (slot order =
-    position order, as :class:`jsparse.models.llama.KVCache` writes them): the
-    selectors see a prefix of ``lengths[b]`` tokens. This is checked when the positions
-    are concrete.
+    position order, as :class:`jsparse.models.llama.KVCache` writes them; with a kept
+    projected cache the step's own key is the last of them): the selectors see a prefix
+    of ``lengths[b]`` tokens. This is checked when the positions are concrete; under
+    ``jit`` a cache that breaks it (a hole, a wrapped ring buffer) decodes wrongly.
     """
 
     reads_fp8_caches = True  # a model passes an FP8 cache as stored, with its scales
