@@ -153,8 +153,8 @@ def is_int(x) -> bool:
 
 def is_positive_finite(x) -> bool:
     """A Python or numpy real number (not a bool) that is finite and > 0."""
-    real = not isinstance(x, bool) and isinstance(x, int | float | np.integer | np.floating)
-    return real and math.isfinite(x) and x > 0
+    value = finite_real(x)
+    return value is not None and value > 0
 
 
 def check_int(name: str, x, minimum: int) -> int:

@@ -105,8 +105,7 @@ def serving_view(name: str, cache, scale, page_table, k_positions, q_shape) -> C
     b = q_shape[0]
     paged = page_table is not None
     _checks.check_rank(name, cache, 4, "[n_pages, P, Hkv, D]" if paged else "[B, S, Hkv, D]")
-    if not jnp.issubdtype(cache.dtype, jnp.floating):
-        raise ValueError(f"{name}: dtype {cache.dtype}; expected a float dtype (f32, bf16, FP8)")
+    _checks.check_floating(name, cache)
     s = cache.shape[1]
     if paged:
         s, _ = check_page_table(page_table, b, cache.shape[0], cache.shape[1], q_shape)
@@ -183,8 +182,7 @@ class SparseAttention(nnx.Module):
     @property
     def keeps_projected_cache(self) -> bool:
         """Whether decoding scores from a projected-key cache kept in the core's state."""
-        sel = self.selector
-        return isinstance(sel, ProjectedSelector) and sel.keeps_projection
+        return keeps_projected_cache(self.selector)
 
     def init_core_state(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int):
         """The empty projected-key cache (None for selectors that keep none)."""
@@ -245,11 +243,14 @@ class SparseAttention(nnx.Module):
         return out if core_state is None else (out, core_state)
 
 
+def keeps_projected_cache(selector) -> bool:
+    """Whether a decode core with ``selector`` keeps a projected-key cache as its state."""
+    return isinstance(selector, ProjectedSelector) and selector.keeps_projection
+
+
 def check_core_state(selector, core_state):
     """A core_state only for a selector that keeps a projected cache."""
-    if core_state is not None and not (
-        isinstance(selector, ProjectedSelector) and selector.keeps_projection
-    ):
+    if core_state is not None and not keeps_projected_cache(selector):
         raise ValueError(
             f"core_state: the {selector.name!r} selector keeps no projected cache "
             "(init_core_state gives None); pass core_state=None"
@@ -352,16 +353,22 @@ def check_prefix(visible, k_positions, q_positions, *, kept: bool):
     kp, qp = _checks.concrete(k_positions), _checks.concrete(q_positions)
     if kp is None or qp is None:
         return
-    for b, n in enumerate(count):
-        held = kp[b, :n]
-        if (np.diff(held) <= 0).any():  # a ring buffer after it wrapped, say
+    # a ring buffer after it wrapped, say: positions fall somewhere along the prefix
+    unordered = ((np.diff(kp, axis=1) <= 0) & prefix[:, 1:]).any(axis=1)
+    if unordered.any():
+        b = np.flatnonzero(unordered)[0]
+        raise ValueError(
+            f"k_positions: sequence {b}'s visible slots hold positions out of order "
+            f"({kp[b, : min(count[b], 8)].tolist()}...); the selectors need slot order = "
+            "position order"
+        )
+    if kept and kp.shape[1]:  # (a cache of no slots has no last one)
+        last = kp[np.arange(kp.shape[0]), np.maximum(count - 1, 0)]
+        stale = np.flatnonzero((count > 0) & (last != qp[:, 0]))
+        if stale.size:
+            b = stale[0]
             raise ValueError(
-                f"k_positions: sequence {b}'s visible slots hold positions out of order "
-                f"({held[:8].tolist()}...); the selectors need slot order = position order"
-            )
-        if kept and n and held[-1] != qp[b, 0]:
-            raise ValueError(
-                f"k_positions: sequence {b}'s last visible slot holds position {held[-1]}, "
+                f"k_positions: sequence {b}'s last visible slot holds position {last[b]}, "
                 f"not the step's {qp[b, 0]}: write the step's key before the core is "
                 "called, at the slot after the sequence's previous ones"
             )

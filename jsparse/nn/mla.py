@@ -43,13 +43,14 @@ from jsparse.nn.attention import (
     check_core_state,
     check_query,
     core_selector,
+    keeps_projected_cache,
     prefill_projection,
     select_step,
     serving_view,
 )
 from jsparse.nn.indexer import Indexer, IndexerCache
 from jsparse.ops.mla import indexed_mla_attention
-from jsparse.selectors import ProjectedSelector, Selector
+from jsparse.selectors import Selector
 from jsparse.selectors.base import fp8_first_write
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -128,8 +129,7 @@ class SparseMLA(nnx.Module):
     @property
     def keeps_projected_cache(self) -> bool:
         """Whether decoding scores from a projected cache kept in the core's state."""
-        sel = self.selector
-        return isinstance(sel, ProjectedSelector) and sel.keeps_projection
+        return keeps_projected_cache(self.selector)
 
     def init_core_state(self, batch: int, max_len: int, width: int):
         """The empty projected cache of ``max_len`` rows (None for selectors without one)."""

@@ -152,7 +152,7 @@ def test_misuse_of_a_core_is_named():
         (r"q_positions: shape \(1, 1\); expected \[B, T\] = \(2, 1\)", dict(q_positions=q_pos[:1])),
         ("q_positions: dtype float32", dict(q_positions=q_pos.astype(jnp.float32))),
         ("k_positions: dtype float32", dict(k_positions=k_pos.astype(jnp.float32))),
-        ("k: dtype int32; expected a float dtype", dict(k=k.astype(jnp.int32))),
+        ("k: dtype int32; expected a floating-point array", dict(k=k.astype(jnp.int32))),
     ]
     for message, change in calls:
         args = dict(q=q, k=k, q_positions=q_pos, k_positions=k_pos) | change
