@@ -27,8 +27,8 @@ Derivatives. Every op is differentiable where its math is (``jsparse._autodiff``
   of their jnp reference, the same function, in forward and reverse mode (at the
   reference's memory cost);
 * the Top-K ops return ids, which need no derivative, and the ids' scores, whose
-  gradient is that of scoring exactly those ids again in jnp, for every method and
-  implementation (reverse mode);
+  derivative is that of scoring exactly those ids again in jnp, for every method and
+  implementation (forward and reverse mode);
 * a kernel dispatched without either raises ``NotImplementedError`` naming the op once
   a gradient reaches its outputs, never an error from inside Pallas.
 

@@ -3,8 +3,8 @@
 * Smooth ops (scores, attention, the projected step) differentiate like their jnp
   reference, forward and reverse mode, jitted and vmapped.
 * The Top-K ops' scores differentiate as the scores of exactly the returned ids,
-  checked against an einsum oracle at those ids, for every method and implementation;
-  a gradient through the ids alone works wherever the reference's does.
+  checked against an einsum oracle at those ids, for every method and implementation,
+  in reverse and forward mode; a gradient through the ids alone works wherever the reference's does.
 * A kernel dispatched with no derivative refuses by name.
 """
 
@@ -244,6 +244,38 @@ def test_dosa_topk_scores_differentiate_likewise():
     _assert_scores_differentiate_at_the_returned_ids(_dosa_topk, _shared_keys, "reference")
 
 
+FORWARD_MODE = ["indexer_topk[dosa]", "indexer_topk_batch/paged", "indexer_topk_decode"]
+
+
+@pytest.mark.parametrize("op", FORWARD_MODE)
+def test_topk_scores_have_a_forward_mode_derivative_too(op, kernel_impl):
+    """jax.jvp sees the same rule: the tangent of scoring the returned ids again."""
+    select, oracle = SELECTIONS[op]
+    keys = BATCH_KEYS if oracle is _batch_keys else KEYS
+    ids = select(Q, keys, kernel_impl).indices
+    tangents = _array(Q.shape), _array(keys.shape)
+    got = jax.jvp(lambda q, k: NOT_FINITE(select(q, k, kernel_impl).scores), (Q, keys), tangents)
+    want = jax.jvp(lambda q, k: oracle(ids, q, k), (Q, keys), tangents)
+    assert np.abs(np.asarray(want[1])).max() > 0
+    np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-5 * np.abs(want[1]).max())
+
+
+def test_reverse_mode_keeps_the_inputs_not_the_rows_of_every_selected_id():
+    """Between its passes a selection's gradient holds its inputs and [T, K] arrays (the
+    ids), never the [T, K, D] rows or [T, H, K] logits of its tangent: the rescoring
+    reference keeps none (a naive gather-and-einsum rescorer fails this)."""
+    t, h, d, s, k = 16, 8, 32, 512, 128
+    q, w, keys = _array((t, h, d)), _array((t, h)), _array((s, d))
+
+    def scores(q, w, keys):
+        return jsparse.indexer_topk(q, w, keys, k, implementation="reference").scores
+
+    _, pullback = jax.vjp(scores, q, w, keys)
+    held = [x.size for x in jax.tree.leaves(pullback)]
+    assert max(held) == s * d  # the keys themselves
+    assert sum(held) < q.size + w.size + keys.size + 4 * t * k
+
+
 @pytest.mark.parametrize("op", ["indexer_topk[dosa]", "indexer_topk_batch/paged"])
 def test_a_gradient_through_the_ids_alone(op, kernel_impl):
     """A sparse step's use: gather the selected keys, differentiate the rest."""
@@ -276,6 +308,10 @@ def test_topk_values_differentiate_as_the_selected_entries(implementation):
             for i in row[row >= 0]:
                 want[t, i] = np.cos(float(scores[t, i]))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        tangent = _array(scores.shape)
+        _, got = jax.jvp(lambda s, f=select: f(s)[1], (scores,), (tangent,))
+        want = np.where(ids >= 0, np.take_along_axis(tangent, np.maximum(ids, 0), 1), 0)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_kernel_without_a_derivative_refuses_by_name(interpret):

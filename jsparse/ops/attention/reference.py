@@ -95,6 +95,6 @@ def listed_locations(indices: Int[Array, "B ..."], cache, page_table=None):
     at = jnp.where(valid, indices, 0)
     if page_table is None:
         return valid, lead, at
-    page = page_table[lead, at // p]
+    page = jnp.asarray(page_table)[lead, at // p]  # (a numpy table indexed by traced ids)
     valid = valid & (page >= 0) & (page < cache.shape[0])
     return valid, jnp.where(valid, page, 0), at % p
