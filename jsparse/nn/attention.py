@@ -41,8 +41,20 @@ from jsparse.selectors import ProjectedSelector, Selector, make_selector
 
 
 class SelectorParams(nnx.Variable):
-    """A layer's calibrated selector parameters (bases, maps), as model state: they
-    travel with ``nnx.split`` / ``nnx.merge`` and into jitted calls as arguments."""
+    """One of a layer's calibrated selector parameters (a basis, a map), as model state:
+    they travel with ``nnx.split`` / ``nnx.merge`` and into jitted calls as arguments."""
+
+
+def params_state(params) -> nnx.Dict:
+    """A selector's params as layer state: one :class:`SelectorParams` per array, in an
+    ``nnx.Dict``, so that ``nnx.to_pure_dict`` / ``replace_by_pure_dict`` round-trip them
+    (a Variable holding a dict does not)."""
+    return nnx.Dict({name: SelectorParams(value) for name, value in dict(params or {}).items()})
+
+
+def params_values(state: nnx.Dict) -> dict:
+    """The arrays of :func:`params_state`, as the selector takes them."""
+    return {name: variable.get_value() for name, variable in state.items()}
 
 
 class CacheView(NamedTuple):
@@ -173,7 +185,7 @@ class SparseAttention(nnx.Module):
 
             dense = DenseCausalAttention()
         self.selector = selector
-        self.params = SelectorParams(dict(params or {}))
+        self.params = params_state(params)
         self.budget = int(budget)
         self.dense = dense
         self.implementation = implementation
@@ -188,7 +200,7 @@ class SparseAttention(nnx.Module):
         """The empty projected-key cache (None for selectors that keep none)."""
         if not self.keeps_projected_cache:
             return None
-        params = self.params.get_value()
+        params = params_values(self.params)
         key_map = self.selector.checked_maps(params)[1]
         if key_map.shape[0] != n_kv_heads or key_map.shape[-1] != head_dim:
             raise ValueError(
@@ -213,7 +225,7 @@ class SparseAttention(nnx.Module):
         """The attention output ``[B, T, H, Dv]``; with ``core_state``, also the updated
         state: ``(out, core_state)``. ``k_scale``, ``v_scale``, ``page_table``: an FP8
         and/or paged cache (module docstring)."""
-        params = self.params.get_value()
+        params = params_values(self.params)
         check_query(q, q_positions, k_positions)
         check_core_state(self.selector, core_state)
         keys = serving_view("k", k, k_scale, page_table, k_positions, q.shape)

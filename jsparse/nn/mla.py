@@ -39,11 +39,12 @@ from jaxtyping import Array, Float, Int
 from jsparse import _checks
 from jsparse.models.llama import RMSNorm, apply_rope, rope_angles
 from jsparse.nn.attention import (
-    SelectorParams,
     check_core_state,
     check_query,
     core_selector,
     keeps_projected_cache,
+    params_state,
+    params_values,
     prefill_projection,
     select_step,
     serving_view,
@@ -120,7 +121,7 @@ class SparseMLA(nnx.Module):
             implementation=implementation,
         )  # fmt: skip
         self.selector = selector
-        self.params = SelectorParams(dict(params or {}))
+        self.params = params_state(params)
         self.budget = int(budget)
         self.implementation = implementation
         self.fp8_headroom = float(fp8_headroom)
@@ -135,7 +136,7 @@ class SparseMLA(nnx.Module):
         """The empty projected cache of ``max_len`` rows (None for selectors without one)."""
         if not self.keeps_projected_cache:
             return None
-        params = self.params.get_value()
+        params = params_values(self.params)
         key_map = self.selector.checked_maps(params)[1]
         if key_map.shape[0] != 1 or key_map.shape[-1] != width:
             raise ValueError(
@@ -151,7 +152,7 @@ class SparseMLA(nnx.Module):
         """``cache_scale`` [B] marks an FP8 cache of rows, ``page_table`` [B, M] a paged
         one (``rows`` then a pool [n_pages, P, D]), as
         :func:`jsparse.indexed_mla_attention` takes them; prefill sees them as dense f32."""
-        params = self.params.get_value()
+        params = params_values(self.params)
         check_query(q, q_positions, k_positions)
         check_core_state(self.selector, core_state)
         calibrated = getattr(self.selector, "latent_dim", latent_dim)

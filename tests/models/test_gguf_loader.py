@@ -195,8 +195,8 @@ def test_load_model_with_a_calibrated_core_keeps_its_params(gguf_path):
     params = [sel.calibrate(q_cal * (i + 1), k_cal) for i in range(CFG.n_layers)]
     sparse = load_model(gguf_path, core=lambda i: jsparse.SparseAttention(sel, params[i], 64))
     for i, layer in enumerate(sparse.layers):
-        held = layer.attn.core.params.get_value()
-        np.testing.assert_array_equal(np.asarray(held["basis"]), np.asarray(params[i]["basis"]))
+        held = layer.attn.core.params["basis"].get_value()
+        np.testing.assert_array_equal(np.asarray(held), np.asarray(params[i]["basis"]))
     ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 17)
     dense_logits, _ = forward_fn(load_model(gguf_path))(ids[None])
     sparse_logits, _ = forward_fn(sparse)(ids[None])

@@ -72,27 +72,35 @@ def test_a_small_budget_attends_exactly_the_selected_tokens():
     assert not np.allclose(np.asarray(got), np.asarray(dense), atol=1e-3)  # 5 of 33 tokens
 
 
+def _calibration_samples(rng):
+    return (
+        jnp.asarray(rng.standard_normal((100, 6, 8)), jnp.float32),
+        jnp.asarray(rng.standard_normal((100, 2, 8)), jnp.float32),
+    )
+
+
 def test_calibrated_layers_travel_with_the_model_state():
     rng = np.random.default_rng(2)
     sel = jsparse.make_selector("jssa", rank=4)
-    params = [
-        sel.calibrate(
-            jnp.asarray(rng.standard_normal((100, 6, 8)), jnp.float32),
-            jnp.asarray(rng.standard_normal((100, 2, 8)), jnp.float32),
-        )
-        for _ in range(TINY.n_layers)
-    ]
+    params = [sel.calibrate(*_calibration_samples(rng)) for _ in range(TINY.n_layers)]
     model = _model(lambda i: jsparse.SparseAttention(sel, params[i], 8))
     state = nnx.state(model, jsparse.nn.SelectorParams)
     leaves = jax.tree.leaves(state)
     assert len(leaves) == TINY.n_layers * len(params[0])
     np.testing.assert_array_equal(
-        np.asarray(model.layers[1].attn.core.params.get_value()["basis"]),
+        np.asarray(model.layers[1].attn.core.params["basis"].get_value()),
         np.asarray(params[1]["basis"]),
     )
     out = _decode(model, TOKENS, steps=3)  # prefill dense, then three sparse steps
     assert np.all(np.isfinite(out))
     assert not np.allclose(out[:, 1:], _decode(_model(), TOKENS, steps=3)[:, 1:], atol=1e-3)
+    # a pure-dict round trip into a model built with other params decodes as this one
+    others = [sel.calibrate(*_calibration_samples(rng)) for _ in range(TINY.n_layers)]
+    fresh = _model(lambda i: jsparse.SparseAttention(sel, others[i], 8))
+    state = nnx.state(fresh)
+    nnx.replace_by_pure_dict(state, nnx.to_pure_dict(nnx.state(model)))
+    nnx.update(fresh, state)
+    np.testing.assert_array_equal(_decode(fresh, TOKENS, steps=3), out)
 
 
 def test_bad_arguments_are_named():
