@@ -1,6 +1,7 @@
-"""The decode cores over serving caches: an FP8 cache with its scales, a paged cache
-(a shuffled page pool and a page table), and both, decode like the dense f32 cache they
-hold, through prefill and several decode steps with the kept projected cache."""
+"""The decode cores over serving caches: an FP8 cache with its scales, a bf16 / f16 cache
+under f32 activations, a paged cache (a shuffled page pool and a page table), and FP8
+paged, decode like the dense f32 cache they hold, through prefill and several decode
+steps with the kept projected cache."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,7 @@ import jsparse
 from jsparse.nn import SparseAttention, SparseMLA
 
 F8 = jnp.float8_e4m3fn
+HALF = {"bf16": jnp.bfloat16, "f16": jnp.float16}  # caches narrower than the f32 activations
 B, S, H, PAGE = 2, 48, 6, 8
 PREFILL, STEPS = 20, 4  # tokens 24..47 are never visible: their pages stay unallocated
 
@@ -65,7 +67,7 @@ def _decode(core, q_all, caches, init_state, **extra):
     return np.concatenate(outs, axis=1)
 
 
-@pytest.mark.parametrize("cache", ["fp8", "paged", "paged-fp8"])
+@pytest.mark.parametrize("cache", ["fp8", "bf16", "f16", "paged", "paged-fp8"])
 def test_sparse_attention_over_a_serving_cache_decodes_like_the_dense_one(kernel_impl, cache):
     hkv, d = 2, 16
     rng = np.random.default_rng(1)
@@ -79,6 +81,9 @@ def test_sparse_attention_over_a_serving_cache_decodes_like_the_dense_one(kernel
         (k, extra["k_scale"]), (v, extra["v_scale"]) = _fp8(k, (0, 2)), _fp8(v, (0, 2))
         want_k = np.asarray(k, np.float32) * np.asarray(extra["k_scale"])[:, None, :, None]
         want_v = np.asarray(v, np.float32) * np.asarray(extra["v_scale"])[:, None, :, None]
+    elif cache in HALF:
+        k, v = jnp.asarray(k, HALF[cache]), jnp.asarray(v, HALF[cache])
+        want_k, want_v = np.asarray(k, np.float32), np.asarray(v, np.float32)
     else:
         k, v, want_k, want_v = jnp.asarray(k), jnp.asarray(v), k, v
     if "paged" in cache:
@@ -89,7 +94,7 @@ def test_sparse_attention_over_a_serving_cache_decodes_like_the_dense_one(kernel
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache", ["fp8", "paged", "paged-fp8"])
+@pytest.mark.parametrize("cache", ["fp8", "bf16", "paged", "paged-fp8"])
 def test_sparse_mla_over_a_serving_cache_decodes_like_the_dense_one(kernel_impl, cache):
     dc, dr = 24, 8
     rng = np.random.default_rng(2)
@@ -102,6 +107,9 @@ def test_sparse_mla_over_a_serving_cache_decodes_like_the_dense_one(kernel_impl,
     if "fp8" in cache:
         rows, extra["cache_scale"] = _fp8(rows, (0,))
         want = np.asarray(rows, np.float32) * np.asarray(extra["cache_scale"])[:, None, None]
+    elif cache in HALF:
+        rows = jnp.asarray(rows, HALF[cache])
+        want = np.asarray(rows, np.float32)
     else:
         rows, want = jnp.asarray(rows), rows
     if "paged" in cache:

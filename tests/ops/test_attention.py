@@ -80,16 +80,25 @@ def test_reference_matches_numpy_oracle(shape):
     assert np.all(np.asarray(out)[0, :g] == 0) and np.all(np.asarray(lse)[0, :g] == -np.inf)
 
 
-TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3, "float8": 3e-2}
+TOLERANCES = {
+    "float32": 2e-5,
+    "bfloat16": 3e-2,
+    "float16": 4e-3,
+    "float8": 3e-2,
+    "float32-over-bfloat16": 2e-5,
+}  # f32 dots: the cache widens exactly
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bfloat16", "float16", "float8", "float32-over-bfloat16"]
+)
 def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
     if fp8_reading == "words" and dtype != "float8":
         pytest.skip("only FP8 caches are read as words")
-    cache = F8 if dtype == "float8" else None
-    qdt = jnp.bfloat16 if dtype == "float8" else getattr(jnp, dtype)
+    cache = {"float8": F8, "float32-over-bfloat16": jnp.bfloat16}.get(dtype)
+    qdt = {"float8": jnp.bfloat16, "float32-over-bfloat16": jnp.float32}.get(dtype)
+    qdt = qdt or getattr(jnp, dtype)
     q, k, v, idx = make(*SHAPES[shape], dtype=qdt, cache_dtype=cache, seed=1)
     idx = idx.at[-1, 0].set(-1)  # one list empty: zeros and an lse of -inf
     b, hkv = idx.shape[:2]
@@ -265,8 +274,9 @@ def _bad_inputs():
         ("rank", dict(q=q[0]), r"q: expected rank 3"),
         ("cache rank", dict(k=k[0]), r"k: expected rank 4"),
         ("q dtype", dict(q=q.astype(jnp.int32)), r"q: dtype int32"),
-        ("mixed", dict(k=k.astype(jnp.bfloat16), v=v.astype(jnp.bfloat16)),
-         r"k: dtype bfloat16 with q float32"),
+        ("mixed", dict(q=q.astype(jnp.bfloat16), k=k.astype(jnp.float16), v=v.astype(jnp.float16)),
+         r"k: dtype float16 with q bfloat16; expected q's dtype, float8_e4m3fn, or bfloat16"),
+        ("wider", dict(q=q.astype(jnp.bfloat16)), r"k: dtype float32 with q bfloat16"),
         ("k and v", dict(v=v.astype(jnp.float16)), r"k, v: dtypes float32 and float16"),
         ("index dtype", dict(indices=idx.astype(jnp.int16)), r"indices: dtype int16"),
         ("batch", dict(k=k[:1], v=v[:1]), r"k: axis 0 of shape \(1, 30, 2, 16\) is 1; expected 2"),
@@ -317,12 +327,12 @@ def test_unknown_implementation():
 
 
 PAIRS = [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32), (jnp.float16, jnp.float16),
-         (jnp.bfloat16, F8), (jnp.bfloat16, F8)]  # fmt: skip
+         (jnp.bfloat16, F8), (jnp.bfloat16, F8), (jnp.float32, jnp.bfloat16)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "qdt, cdt, words", [(*pair, i == 4) for i, pair in enumerate(PAIRS)],
-    ids=["bf16", "f32", "f16", "fp8", "fp8-words"],
+    ids=["bf16", "f32", "f16", "fp8", "fp8-words", "f32-over-bf16"],
 )  # fmt: skip
 @pytest.mark.parametrize("shape", [(4, 32, 8, 128, 128, 4096, 2048), (2, 6, 2, 80, 48, 300, 100)])
 def test_lowers_to_cuda(qdt, cdt, words, shape, monkeypatch):

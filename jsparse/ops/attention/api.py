@@ -40,7 +40,8 @@ def indexed_attention(
     Args:
       q: [B, H, D] float32, bfloat16 or float16: one decode query per sequence.
       k, v: [B, S, Hkv, D] and [B, S, Hkv, Dv], the cache (the model's layout). The same
-        dtype as ``q``, or both float8_e4m3fn (widened to ``q``'s dtype on load).
+        dtype as ``q``, or both narrower, widened to ``q``'s dtype on load:
+        float8_e4m3fn, or bfloat16 / float16 under an f32 ``q``.
       indices: [B, Hkv, N] int32, entries in [0, S) or -1 (an empty slot), e.g. a
         selector's ``select`` output. An entry listed twice counts twice.
       scale: logit scale (default ``1/sqrt(D)``).
@@ -142,12 +143,25 @@ def _implementations():
 
 
 def check_cache_dtype(name: str, cache, q) -> None:
-    """A decode cache holds ``q``'s dtype, or FP8 (widened to it on load)."""
-    if jnp.dtype(cache.dtype) not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float8_e4m3fn)):
+    """A decode cache holds ``q``'s dtype or a narrower one that is widened to it on
+    load: FP8 under any q, bf16 or f16 under an f32 q."""
+    if not widens_to(cache.dtype, q.dtype):
         raise ValueError(
             f"{name}: dtype {_checks.dtype_name(cache.dtype)} with q "
-            f"{_checks.dtype_name(q.dtype)}; expected q's dtype, or float8_e4m3fn"
+            f"{_checks.dtype_name(q.dtype)}; expected q's dtype, float8_e4m3fn, or "
+            "bfloat16 / float16 under an f32 q"
         )
+
+
+def widens_to(cache_dtype, q_dtype) -> bool:
+    """Whether a cache of ``cache_dtype`` is read against a ``q_dtype`` query, widened
+    exactly (or is that dtype already)."""
+    cache_dtype, q_dtype = jnp.dtype(cache_dtype), jnp.dtype(q_dtype)
+    narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return (
+        cache_dtype in (q_dtype, jnp.dtype(jnp.float8_e4m3fn))
+        or (q_dtype == jnp.dtype(jnp.float32) and cache_dtype in narrow)
+    )
 
 
 def check_page_table(page_table, batch: int, n_pages: int, page_size: int, q_shape):

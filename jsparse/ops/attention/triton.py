@@ -172,12 +172,6 @@ def cache_geometry(cache, page_table):
     return slots, cache.shape[1], page_table.shape[1] * cache.shape[1]
 
 
-def widened_dtype(q, cache):
-    """The dots' operand dtype: the cache's, or q's where an FP8 cache is widened."""
-    fp8 = jnp.dtype(jnp.float8_e4m3fn)
-    return jnp.dtype(q.dtype) if jnp.dtype(cache.dtype) == fp8 else jnp.dtype(cache.dtype)
-
-
 def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
     """q is [B·Hkv, G, D] in its own order; a K/V row is plane_dim (plane_vdim) cache
     elements: values, or 16-bit words of two FP8 values (then q's even and odd dims are
@@ -440,7 +434,7 @@ def indexed_attention_triton(
 def _config(q, k, v, cfg: AttentionConfig | None) -> AttentionConfig:
     """``cfg``, or the default tiles; f32 tensor-core tiles must fit shared memory either
     way (a given one is refused by name rather than handed to the compiler)."""
-    if not f32_dots.tensor_cores(widened_dtype(q, k)):
+    if not f32_dots.tensor_cores(q.dtype):
         return cfg or AttentionConfig()
     dim, vdim, group = k.shape[-1], v.shape[-1], q.shape[1] // k.shape[2]
     if cfg is None:
@@ -464,7 +458,7 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
     n = indices.shape[2]
     pairs = b * hkv
     steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
-    compute = widened_dtype(q, k)
+    compute = jnp.dtype(q.dtype)  # a narrower cache (FP8, or 16-bit under f32) widens to it
     gp = next_pow2(g, MIN_GROUP_ROWS)
     planes = 2 if words else 1
     # FP8 words widen to f16 in one conversion, against q rescaled in the kernel; an f32

@@ -44,7 +44,8 @@ def indexed_mla_attention(
       q: [B, H, D] float32, bfloat16 or float16: the absorbed decode queries
         ``[W_UKᵀ q_nope ; q_rope]``, D = latent_dim + the RoPE dim.
       cache: [B, S, D], each token's latent ``c`` (first ``latent_dim`` values) and
-        RoPE key ``k_r``; ``q``'s dtype, or float8_e4m3fn (widened on load). With
+        RoPE key ``k_r``; ``q``'s dtype, or float8_e4m3fn, or bfloat16 / float16 under an
+        f32 ``q`` (widened on load). With
         ``page_table``, a page pool [n_pages, P, D].
       indices: [B, N] int32, entries in [0, S) or -1 (an empty slot), e.g. the
         ``[B, 1, budget]`` output of ``make_selector("jssa_mla").select`` reshaped.

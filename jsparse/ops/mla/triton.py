@@ -50,7 +50,6 @@ from jsparse.ops.attention.triton import (
     split_list,
     store_normalized,
     store_planes,
-    widened_dtype,
 )
 from jsparse.ops.indexer.triton import next_pow2
 
@@ -255,7 +254,7 @@ def indexed_mla_attention_triton(
 
 
 def _default_config(q, cache) -> MLAConfig:
-    if widened_dtype(q, cache) == jnp.float32:
+    if jnp.dtype(q.dtype) == jnp.float32:
         return f32_config(q.shape[1])
     return default_config(q.shape[1])
 
@@ -276,7 +275,7 @@ def _indexed_mla_attention(
     blocks = -(-h // cfg.block_h)
     pairs = b * blocks
     steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
-    compute = widened_dtype(q, cache)
+    compute = jnp.dtype(q.dtype)  # a narrower cache (FP8, or 16-bit under f32) widens to it
     out_dtype = q.dtype
     # A bf16 q over an FP8 cache: FP8 widens to f16 in one conversion, to bf16 in a
     # longer sequence (an f32 q keeps f32 dots).
