@@ -250,7 +250,8 @@ class DenseCausalAttention(nnx.Module):
     slot visible to the block's latest query. Scores in memory are
     [B, H, query_chunk, key_chunk]; in a causal forward the blocks above the diagonal
     are never computed, and a decode step reads only the filled part of its cache.
-    The result equals a plain softmax up to f32 summation order. Its derivative (grad or
+    The result, in q's dtype, equals a plain softmax up to f32 summation order (f32
+    accumulation whatever the inputs' dtype). Its derivative (grad or
     jvp) visits every key block, the unseen ones adding zeros: reverse mode cannot stop
     a loop at a traced count.
     """
@@ -352,7 +353,7 @@ def _blockwise_attention(q, k, v, q_positions, k_positions, query_chunk, key_chu
 
     out = jax.lax.map(query_block, (qb, qpos))  # [nq, B, Hkv, G*cq, Dv]
     out = out.reshape(nq, b, hkv, g, cq, dv).transpose(1, 0, 4, 2, 3, 5)
-    return out.reshape(b, nq * cq, h, dv)[:, :t]
+    return out.reshape(b, nq * cq, h, dv)[:, :t].astype(q.dtype)
 
 
 class FunctionCore(nnx.Module):

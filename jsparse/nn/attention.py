@@ -239,7 +239,7 @@ class SparseAttention(nnx.Module):
             values = serving_view("v", v, v_scale, page_table, k_positions, q.shape).dense()
             dense_keys = keys.dense()
             out = self.dense(q, dense_keys, values, q_positions=q_positions,
-                             k_positions=k_positions)  # fmt: skip
+                             k_positions=k_positions).astype(q.dtype)  # as a decode step's
             if core_state is None:
                 return out
             return out, prefill_projection(self.selector, params, dense_keys, k_positions,

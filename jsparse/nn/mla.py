@@ -71,7 +71,8 @@ class MLACache(NamedTuple):
 
 
 class DenseMLA(nnx.Module):
-    """Absorbed softmax attention over every visible row (f32; the reference core).
+    """Absorbed softmax attention over every visible row (in f32, the output in q's
+    dtype; the reference core).
     ``cache_scale`` [B]: FP8 rows, dequantised first."""
 
     def __call__(self, q, rows, *, q_positions, k_positions, scale, latent_dim, core_state=None,
@@ -87,7 +88,7 @@ class DenseMLA(nnx.Module):
         p = jax.nn.softmax(logits, axis=-1)
         p = jnp.where(visible[:, :, None, :], p, 0.0)  # a query with nothing visible: zeros
         out = jnp.einsum("bths,bsc->bthc", p, rows[..., :latent_dim].astype(jnp.float32),
-                         precision=HIGHEST)  # fmt: skip
+                         precision=HIGHEST).astype(q.dtype)  # fmt: skip
         return out if core_state is None else (out, core_state)
 
 

@@ -196,3 +196,25 @@ def test_a_pool_of_no_pages_decodes_to_zeros(kernel_impl):
     with pytest.raises(ValueError, match="lies on page 0 of sequence 0, which page_table leaves"):
         jsparse.indexed_attention(q[:, 0], pool, pool, jnp.zeros((B, hkv, 2), jnp.int32),
                                   page_table=table)  # fmt: skip
+
+
+def test_a_bf16_query_gets_bf16_answers_at_prefill_and_at_decode():
+    """Prefill (dense) and decode (the kernels) answer in q's dtype, as one layer should."""
+    hkv, d, dc = 2, 16, 24
+    rng = np.random.default_rng(4)
+    bf = jnp.bfloat16
+    q = _normal(rng, B, PREFILL + 1, H, d).astype(bf)
+    k, v = (_normal(rng, B, S, hkv, d).astype(bf) for _ in range(2))
+    rows, q_mla = _normal(rng, B, S, dc + 8).astype(bf), _normal(rng, B, PREFILL + 1, H, dc + 8)
+    slots = np.arange(S)
+    for t, n in ((PREFILL, PREFILL), (1, PREFILL + 1)):  # a prefill, then one decode step
+        k_pos = jnp.asarray(np.broadcast_to(np.where(slots < n, slots, -1), (B, S)), jnp.int32)
+        q_pos = jnp.asarray(np.broadcast_to(np.arange(n - t, n), (B, t)), jnp.int32)
+        at = slice(n - t, n)
+        out = SparseAttention("oracle", {}, 8)(q[:, at], k, v, q_positions=q_pos, k_positions=k_pos)
+        mla = SparseMLA("oracle", {}, 8)(
+            q_mla[:, at].astype(bf), rows, q_positions=q_pos, k_positions=k_pos, scale=0.2,
+            latent_dim=dc,
+        )  # fmt: skip
+        assert (out.dtype, out.shape) == (bf, (B, t, H, d))
+        assert (mla.dtype, mla.shape) == (bf, (B, t, H, dc))
