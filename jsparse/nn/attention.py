@@ -37,7 +37,7 @@ from jaxtyping import Array, Float, Int
 from jsparse import _checks, backend
 from jsparse.ops.attention import indexed_attention
 from jsparse.ops.attention.reference import listed_locations
-from jsparse.selectors import ProjectedSelector, Selector, make_selector
+from jsparse.selectors import SELECTORS, ProjectedSelector, Selector, make_selector
 
 
 class SelectorParams(nnx.Variable):
@@ -227,7 +227,7 @@ class SparseAttention(nnx.Module):
         and/or paged cache (module docstring)."""
         params = params_values(self.params)
         check_query(q, q_positions, k_positions)
-        check_core_state(self.selector, core_state)
+        check_core_state(self.selector, params, core_state)
         keys = serving_view("k", k, k_scale, page_table, k_positions, q.shape)
         _checks.check_rank("v", v, 4, "like k's, with its own Dv")
         if v.shape[:3] != k.shape[:3]:
@@ -238,8 +238,9 @@ class SparseAttention(nnx.Module):
         if q.shape[1] != 1:
             values = serving_view("v", v, v_scale, page_table, k_positions, q.shape).dense()
             dense_keys = keys.dense()
-            out = self.dense(q, dense_keys, values, q_positions=q_positions,
-                             k_positions=k_positions).astype(q.dtype)  # as a decode step's
+            out = self.dense(
+                q, dense_keys, values, q_positions=q_positions, k_positions=k_positions
+            ).astype(q.dtype)  # as a decode step's
             if core_state is None:
                 return out
             return out, prefill_projection(self.selector, params, dense_keys, k_positions,
@@ -260,13 +261,17 @@ def keeps_projected_cache(selector) -> bool:
     return isinstance(selector, ProjectedSelector) and selector.keeps_projection
 
 
-def check_core_state(selector, core_state):
-    """A core_state only for a selector that keeps a projected cache."""
-    if core_state is not None and not keeps_projected_cache(selector):
+def check_core_state(selector, params, core_state):
+    """A core_state only for a selector that keeps a projected cache, and then its cache
+    for ``params`` (init_core_state's or a previous step's)."""
+    if core_state is None:
+        return
+    if not keeps_projected_cache(selector):
         raise ValueError(
             f"core_state: the {selector.name!r} selector keeps no projected cache "
             "(init_core_state gives None); pass core_state=None"
         )
+    selector.check_cache(params, core_state, name="core_state")
 
 
 def check_query(q, q_positions, k_positions):
@@ -325,6 +330,8 @@ def core_selector(
     """A decode core's selector (built from a name and options, or given) after checking
     the core's budget (rows per ``per``), FP8 headroom, params and implementation."""
     if isinstance(selector, str):
+        if selector not in SELECTORS:
+            raise ValueError(f"selector: unknown name {selector!r}; known: {sorted(SELECTORS)}")
         selector = make_selector(selector, **selector_options)
     elif selector_options:
         raise ValueError(

@@ -155,7 +155,7 @@ class SparseMLA(nnx.Module):
         :func:`jsparse.indexed_mla_attention` takes them; prefill sees them as dense f32."""
         params = params_values(self.params)
         check_query(q, q_positions, k_positions)
-        check_core_state(self.selector, core_state)
+        check_core_state(self.selector, params, core_state)
         calibrated = getattr(self.selector, "latent_dim", latent_dim)
         if calibrated != latent_dim:  # its map treats a row's first latent_dim values as c
             raise ValueError(

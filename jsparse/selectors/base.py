@@ -124,7 +124,7 @@ def make_selector(name: str = DEFAULT_SELECTOR, **config: Any) -> Selector:
     try:
         cls = SELECTORS[name]
     except KeyError:
-        raise ValueError(f"unknown selector {name!r}; known: {sorted(SELECTORS)}") from None
+        raise ValueError(f"name: unknown selector {name!r}; known: {sorted(SELECTORS)}") from None
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - fields)
     if unknown:
@@ -196,7 +196,7 @@ def check_select_inputs(q, k, lengths, budget, *, head_dim: int | None = None) -
     _checks.check_dim("k", k, 3, q.shape[2], "head_dim D of q")
     _checks.check_dim("lengths", lengths, 0, q.shape[0], "batch B of q")
     if head_dim is not None:
-        _checks.check_dim("q", q, 2, head_dim, "head_dim the selector was calibrated for")
+        _checks.check_dim("q", q, 2, head_dim, "head_dim of the calibrated params")
     if q.shape[1] % k.shape[2]:
         raise ValueError(
             f"q has {q.shape[1]} query heads, not a multiple of the {k.shape[2]} KV heads of "
@@ -352,16 +352,20 @@ class ProjectedSelector(Selector):
     def bytes_per_token(self, head_dim: int) -> float:
         return float(self.projected_width(head_dim) * CACHE_DTYPES[self.cache_dtype][1])
 
-    def check_cache(self, params: Params, cache) -> tuple[int, int]:
+    def check_cache(self, params: Params, cache, name: str = "cache") -> tuple[int, int]:
         """(B, S) of ``cache`` when it is this selector's cache for ``params`` (what
         :meth:`empty_cache` or :meth:`project_keys` makes, leaf for leaf), else a
-        ValueError naming ``cache``: a decode step would otherwise write or read another
-        layout, or another sequence's rows."""
+        ValueError naming ``cache`` (as ``name``): a decode step would otherwise write or
+        read another layout, or another sequence's rows."""
         leaves = jax.tree.leaves(cache)
         if not isinstance(cache, tuple) or not leaves or leaves[0].ndim < 2:
+            got = (
+                f"an array {tuple(cache.shape)}"
+                if hasattr(cache, "shape")
+                else type(cache).__name__
+            )
             raise ValueError(
-                f"cache: got {type(cache).__name__}; expected this selector's cache "
-                "(empty_cache or project_keys)"
+                f"{name}: got {got}; expected this selector's cache (empty_cache or project_keys)"
             )
         b, s = leaves[0].shape[:2]
         want = jax.eval_shape(lambda: self.empty_cache(params, b, s))
@@ -369,7 +373,7 @@ class ProjectedSelector(Selector):
         want_leaves = [(tuple(x.shape), jnp.dtype(x.dtype).name) for x in jax.tree.leaves(want)]
         if jax.tree.structure(cache) != jax.tree.structure(want) or got_leaves != want_leaves:
             raise ValueError(
-                f"cache: {type(cache).__name__} {got_leaves}; expected {type(want).__name__} "
+                f"{name}: {type(cache).__name__} {got_leaves}; expected {type(want).__name__} "
                 f"{want_leaves} (this selector's cache for these params, B = {b}, S = {s})"
             )
         return b, s
@@ -381,7 +385,7 @@ class ProjectedSelector(Selector):
         b, s = self.check_cache(params, cache)
         _checks.check_rank("q", q, 3, "[B, H, D]")
         _checks.check_dim("q", q, 0, b, "sequences B of the cache")
-        _checks.check_dim("q", q, 2, d, "head_dim the selector was calibrated for")
+        _checks.check_dim("q", q, 2, d, "head_dim of the calibrated params")
         keys = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.float32)  # what the cache stands for
         check_select_inputs(q, keys, lengths, budget, head_dim=d)
         if k_new is not None:

@@ -108,6 +108,8 @@ def test_bad_arguments_are_named():
         jsparse.SparseAttention("oracle", {}, 0)
     with pytest.raises(ValueError, match="selector: got int"):
         jsparse.SparseAttention(3, {}, 8)
+    with pytest.raises(ValueError, match=r"selector: unknown name 'jsssa'; known: \['fasa'"):
+        jsparse.SparseAttention("jsssa", {}, 8)
     with pytest.raises(ValueError, match=r"selector_options \['rank'\]"):
         jsparse.SparseAttention(jsparse.make_selector("jssa"), {}, 8, rank=4)
     uncalibrated = jsparse.SparseAttention("jssa", {}, 8, rank=4)
@@ -185,6 +187,20 @@ def test_misuse_of_a_core_is_named():
 
     with pytest.raises(ValueError, match=r"core_state: a projected cache of \(1, 8\) \[B, S\]"):
         step(small)
+    # another layer's state (calibrated for one KV head), or not a state at all
+    rng = np.random.default_rng(5)
+    one_head = sel.calibrate(jnp.asarray(rng.standard_normal((50, TINY.n_heads, 8)), jnp.float32),
+                             jnp.asarray(rng.standard_normal((50, 1, 8)), jnp.float32))  # fmt: skip
+    for state, message in (
+        (sel.empty_cache(one_head, 1, 16), r"core_state: ProjectedKeys \[.*\]; expected"),
+        ((jnp.zeros((1, 16)),), r"core_state: tuple \[.*\]; expected ProjectedKeys"),
+        (
+            jnp.zeros((1, 16, 2, 4)),
+            r"core_state: got an array \(1, 16, 2, 4\); expected this selector's cache",
+        ),
+    ):
+        with pytest.raises(ValueError, match=message):
+            step(state)
     state = kept.init_core_state(1, 16, TINY.n_kv_heads, 8)
     ring = jnp.asarray([[16, 17, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]], jnp.int32)
     with pytest.raises(ValueError, match="sequence 0's visible slots hold positions out of order"):

@@ -158,9 +158,8 @@ def widens_to(cache_dtype, q_dtype) -> bool:
     exactly (or is that dtype already)."""
     cache_dtype, q_dtype = jnp.dtype(cache_dtype), jnp.dtype(q_dtype)
     narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return (
-        cache_dtype in (q_dtype, jnp.dtype(jnp.float8_e4m3fn))
-        or (q_dtype == jnp.dtype(jnp.float32) and cache_dtype in narrow)
+    return cache_dtype in (q_dtype, jnp.dtype(jnp.float8_e4m3fn)) or (
+        q_dtype == jnp.dtype(jnp.float32) and cache_dtype in narrow
     )
 
 
