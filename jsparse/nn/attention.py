@@ -159,8 +159,8 @@ class SparseAttention(nnx.Module):
     The cache must hold each sequence's visible tokens in its first slots (slot order =
     position order, as :class:`jsparse.models.llama.KVCache` writes them; with a kept
     projected cache the step's own key is the last of them): the selectors see a prefix
-    of ``lengths[b]`` tokens. This is checked when the positions are concrete; under
-    ``jit`` a cache that breaks it (a hole, a wrapped ring buffer) decodes wrongly.
+    of ``lengths[b]`` tokens. A call with concrete positions that breaks this (a hole,
+    a wrapped ring buffer) raises; under ``jit`` such a sequence's output is NaN.
     """
 
     reads_fp8_caches = True  # a model passes an FP8 cache as stored, with its scales
@@ -245,7 +245,7 @@ class SparseAttention(nnx.Module):
                 return out
             return out, prefill_projection(self.selector, params, dense_keys, k_positions,
                                            self.fp8_headroom)  # fmt: skip
-        idx, core_state = select_step(
+        idx, core_state, in_order = select_step(
             self.selector, params, q[:, 0], keys, q_positions, k_positions, self.budget,
             core_state,
         )  # fmt: skip
@@ -253,6 +253,7 @@ class SparseAttention(nnx.Module):
             q[:, 0], k, v, idx, k_scale=k_scale, v_scale=v_scale, page_table=page_table,
             implementation=self.implementation,
         )[:, None]  # fmt: skip
+        out = poisoned(out, in_order)
         return out if core_state is None else (out, core_state)
 
 
@@ -299,10 +300,13 @@ def prefill_projection(selector, params, k, k_positions, headroom: float):
 
 def select_step(selector, params, q, keys: CacheView, q_positions, k_positions, budget: int,
                 core_state):  # fmt: skip
-    """(lists ``[B, Hkv, budget]``, core_state) of one decode step: ``q`` [B, H, D] over
-    the visible prefix of the ``keys`` cache. With a kept projected cache, the step's
-    own key (the last visible slot) is appended first and selection scores the cache;
-    without one, the selector projects the visible keys itself (reading them all)."""
+    """(lists ``[B, Hkv, budget]``, core_state, in_order) of one decode step: ``q``
+    [B, H, D] over the visible prefix of the ``keys`` cache. With a kept projected cache,
+    the step's own key (the last visible slot) is appended first and selection scores
+    the cache; without one, the selector projects the visible keys itself (reading them
+    all). ``in_order``: None when the positions were concrete (and checked), else [B]
+    bool, False for a sequence whose cache breaks :func:`check_prefix`'s layout (the
+    caller poisons its output: :func:`poisoned`)."""
     visible = (k_positions >= 0) & (k_positions <= q_positions[:, :1])
     check_prefix(visible, k_positions, q_positions, kept=core_state is not None)
     lengths = jnp.sum(visible, axis=1, dtype=jnp.int32)
@@ -313,14 +317,40 @@ def select_step(selector, params, q, keys: CacheView, q_positions, k_positions, 
             f"{(q.shape[0], keys.tokens)}, the K cache's (init_core_state with the cache's "
             "max_len)"
         )
+    in_order = None
+    if _checks.concrete(visible) is None:  # (concrete positions were checked above)
+        in_order = laid_out_in_order(visible, k_positions, q_positions, kept=core_state is not None)
     # Attention does not care about the lists' order: the selection skips its final sort.
     if core_state is None:
-        return selector.select(params, q, keys.dense(), lengths, budget, ordered=False), None
+        idx = selector.select(params, q, keys.dense(), lengths, budget, ordered=False)
+        return idx, None, in_order
     slot = lengths - 1  # the cache is in position order
     k_new = keys.rows(jnp.maximum(slot, 0))  # [B, Hkv, D]
-    return selector.decode_step(
+    idx, core_state = selector.decode_step(
         params, q, core_state, k_new, slot, lengths, budget, ordered=False
     )  # fmt: skip
+    return idx, core_state, in_order
+
+
+def laid_out_in_order(visible, k_positions, q_positions, *, kept: bool):
+    """[B] bool: :func:`check_prefix`'s layout, as arrays (for traced positions)."""
+    count = jnp.sum(visible, axis=1)
+    prefix = jnp.arange(visible.shape[1])[None, :] < count[:, None]
+    ok = jnp.all(visible == prefix, axis=1)
+    ok &= ~jnp.any((jnp.diff(k_positions, axis=1) <= 0) & prefix[:, 1:], axis=1)
+    if kept and k_positions.shape[1]:
+        last = jnp.take_along_axis(k_positions, jnp.maximum(count - 1, 0)[:, None], axis=1)
+        ok &= (count == 0) | (last[:, 0] == q_positions[:, 0])
+    return ok
+
+
+def poisoned(out, in_order):
+    """``out`` [B, ...] with NaN for every sequence whose cache layout is out of order
+    (``in_order`` False): under ``jit`` a layout that a concrete call refuses gives a
+    loud answer, never a quietly wrong one."""
+    if in_order is None:
+        return out
+    return jnp.where(in_order.reshape(-1, *[1] * (out.ndim - 1)), out, jnp.nan).astype(out.dtype)
 
 
 def core_selector(

@@ -45,6 +45,7 @@ from jsparse.nn.attention import (
     keeps_projected_cache,
     params_state,
     params_values,
+    poisoned,
     prefill_projection,
     select_step,
     serving_view,
@@ -180,7 +181,7 @@ class SparseMLA(nnx.Module):
                 return out
             return out, prefill_projection(self.selector, params, dense_rows, k_positions,
                                            self.fp8_headroom)  # fmt: skip
-        idx, core_state = select_step(
+        idx, core_state, in_order = select_step(
             self.selector, params, q[:, 0], view, q_positions, k_positions, self.budget,
             core_state,
         )  # fmt: skip
@@ -188,6 +189,7 @@ class SparseMLA(nnx.Module):
             q[:, 0], rows, idx[:, 0], scale=scale, latent_dim=latent_dim,
             cache_scale=cache_scale, page_table=page_table, implementation=self.implementation,
         )[:, None]  # fmt: skip
+        out = poisoned(out, in_order)
         return out if core_state is None else (out, core_state)
 
 

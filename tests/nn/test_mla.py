@@ -238,3 +238,25 @@ def test_a_sparse_decode_step_differentiates_like_the_reference():
         return weight_gradient(mla, lambda m: m(x[:, 19:], cache)[0])
 
     assert_kernels_differentiate_like_the_reference(gradient)
+
+
+def test_under_jit_rows_out_of_position_order_answer_nan():
+    """As SparseAttention's: a hole in a sequence's rows raises when the positions are
+    concrete; under jit that sequence's output is NaN and the other's finite."""
+    core = SparseMLA("oracle", {}, budget=4)
+    rng = np.random.default_rng(8)
+    rows = jnp.asarray(rng.standard_normal((2, 12, 20)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 20)), jnp.float32)
+    slots = np.arange(12)
+    in_order, holed = np.where(slots < 9, slots, -1), np.where(slots != 3, slots, -1)
+    k_pos = jnp.asarray(np.stack([in_order, np.minimum(in_order, holed)]), jnp.int32)
+    q_pos = jnp.asarray([[8], [8]], jnp.int32)
+
+    def step(q, q_pos, k_pos):
+        return core(q, rows[: q.shape[0]], q_positions=q_pos, k_positions=k_pos, scale=0.2,
+                    latent_dim=16)  # fmt: skip
+
+    got = np.asarray(jax.jit(step)(q, q_pos, k_pos))
+    assert np.isfinite(got[0]).all() and np.isnan(got[1]).all()
+    with pytest.raises(ValueError, match="k_positions: sequence 1's visible slots are not"):
+        step(q, q_pos, k_pos)

@@ -9,6 +9,7 @@ from flax import nnx
 
 import jsparse
 from jsparse.models.llama import DenseCausalAttention, Llama, LlamaConfig, forward_fn
+from jsparse.nn.attention import prefill_projection
 from tests.gradients import assert_kernels_differentiate_like_the_reference, weight_gradient
 
 TINY = LlamaConfig(
@@ -356,3 +357,44 @@ def test_a_sparse_decode_step_differentiates_like_the_reference(selector):
         return weight_gradient(model, lambda m: m(TOKENS[:, -1:], cache)[0])
 
     assert_kernels_differentiate_like_the_reference(gradient)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_under_jit_a_cache_out_of_position_order_answers_nan(kept):
+    """A hole, a wrapped ring buffer or (with a kept cache) a step whose key is not the
+    last visible slot raise when the positions are concrete; under jit that sequence's
+    output is NaN, the others' what they are alone."""
+    sel, params = _calibrated("jssa", rank=4)
+    core = jsparse.SparseAttention(sel, params, 4)
+    rng = np.random.default_rng(6)
+    s, hkv, d = 16, TINY.n_kv_heads, 8
+    k = jnp.asarray(rng.standard_normal((4, s, hkv, d)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((4, 1, TINY.n_heads, d)), jnp.float32)
+    slots = np.arange(s)
+    k_pos = np.stack([
+        np.where(slots < 12, slots, -1),                      # in order
+        np.where((slots < 12) & (slots != 5), slots, -1),     # a hole at slot 5
+        np.where(slots < 2, slots + 16, slots),               # a ring buffer that wrapped
+        np.where(slots < 10, slots, -1),                      # the step's key not written
+    ]).astype(np.int32)  # fmt: skip
+    q_pos = np.array([[11], [11], [17], [12]], np.int32)
+
+    def step(q, k, q_pos, k_pos):
+        state = core.init_core_state(q.shape[0], s, hkv, d) if kept else None
+        if kept:  # the kept cache as a prefill of the sequence's keys left it
+            state = prefill_projection(sel, params, k, k_pos, 2.0)
+        out = core(q, k, k, q_positions=q_pos, k_positions=k_pos, core_state=state)
+        return out[0] if kept else out
+
+    got = np.asarray(jax.jit(step)(q, k, jnp.asarray(q_pos), jnp.asarray(k_pos)))
+    broken = [1, 2, 3] if kept else [1, 2]
+    for b in range(4):
+        if b in broken:
+            assert np.isnan(got[b]).all(), b
+            with pytest.raises(ValueError, match="k_positions: sequence 0's"):
+                step(q[b : b + 1], k[b : b + 1], jnp.asarray(q_pos[b : b + 1]),
+                     jnp.asarray(k_pos[b : b + 1]))  # fmt: skip
+        else:
+            alone = step(q[b : b + 1], k[b : b + 1], jnp.asarray(q_pos[b : b + 1]),
+                         jnp.asarray(k_pos[b : b + 1]))  # fmt: skip
+            np.testing.assert_allclose(got[b], np.asarray(alone)[0], rtol=1e-6, atol=1e-6)
