@@ -560,3 +560,17 @@ def test_gpu_paged_decode_shapes(page_lookup):
         np.asarray(run("triton"), np.float32), np.asarray(run("reference"), np.float32),
         rtol=3e-2, atol=3e-2,
     )  # fmt: skip
+
+
+def test_three_bf16_terms_carry_an_f32_value():
+    """An f32 q over a bf16 cache enters bf16 dots as three bf16 terms: their sum misses
+    the f32 value by at most 2^-24 of it, over f32's whole normal range."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(4096) * np.exp2(rng.integers(-100, 100, 4096))
+    x = jnp.asarray(x, jnp.float32)
+    terms = attention_triton.bf16_terms(x, 3)
+    assert all(t.dtype == jnp.bfloat16 for t in terms)
+    total = sum(np.asarray(t, np.float64) for t in terms)
+    assert np.all(np.abs(total - np.asarray(x, np.float64)) <= 2.0**-24 * np.abs(np.asarray(x)))
+    two = sum(np.asarray(t, np.float64) for t in terms[:2])  # two would not do
+    assert np.max(np.abs(two - np.asarray(x, np.float64)) / np.abs(np.asarray(x))) > 2.0**-20

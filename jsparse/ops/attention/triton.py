@@ -102,6 +102,7 @@ class _Plan:
     scale: float
     compute: np.dtype
     q_rescaled: bool  # the kernel rescales q per head for f16 dots (FP8 words, bf16 q)
+    terms: int  # 1, or 3: an f32 q (and the weights) as bf16 terms against a bf16 cache
     has_k_scale: bool
     has_v_scale: bool
     cfg: AttentionConfig
@@ -196,7 +197,7 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
     if p.q_rescaled:
         q, unshift = rescaled_f16(q)
         scale = scale * unshift[:, None]
-    q = [qi.astype(p.compute) for qi in q]
+    q = bf16_terms(q[0], p.terms) if p.terms > 1 else [qi.astype(p.compute) for qi in q]
     precision = f32_dots.precision(p.compute)
 
     def step(j, carry):
@@ -209,19 +210,22 @@ def _kernel(q_ref, ids_ref, k_ref, v_ref, *refs, p: _Plan):
         rows = slots * p.kv_heads + h
         k_mask = ok[:, None] & (dims[None, :] < p.plane_dim)
         kt = plt.load(k_ref.at[rows[:, None], dims[None, :]], mask=k_mask, other=k_zero)
+        k_planes = fp8_planes(kt, p.planes, p.compute)
+        if p.terms > 1:  # every term meets the one plane of the bf16 tile
+            k_planes = k_planes * p.terms
         logits = sum(
             jax.lax.dot_general(
                 qi, ki, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                 precision=precision,
             )
-            for qi, ki in zip(q, fp8_planes(kt, p.planes, p.compute), strict=True)
+            for qi, ki in zip(q, k_planes, strict=True)
         )  # fmt: skip
         logits = jnp.where(ok[None, :], logits * scale, -jnp.inf)  # [Gp, BN]
         m_new, weights, alpha = softmax_weights(m, logits)
         v_mask = ok[:, None] & (vdims[None, :] < p.plane_vdim)
         vt = plt.load(v_ref.at[rows[:, None], vdims[None, :]], mask=v_mask, other=v_zero)
         vt = fp8_planes(vt, p.planes, p.compute)
-        return m_new, *accumulated(l, accs, weights, alpha, vt, p.compute, precision)
+        return m_new, *accumulated(l, accs, weights, alpha, vt, p.compute, precision, p.terms)
 
     gp = p.group_rows
     init = (
@@ -253,18 +257,38 @@ def softmax_weights(m, logits):
     return m_new, jnp.exp(logits - base[:, None]), jnp.exp(m - base)
 
 
-def accumulated(l, accs, weights, alpha, value_planes, compute, precision):
+def accumulated(l, accs, weights, alpha, value_planes, compute, precision, terms: int = 1):
     """(l, accs) after a tile: the old sums rescaled by alpha plus the tile's weights
-    and weights · values, one accumulator a value plane."""
-    w = weights.astype(compute)
+    and weights · values, one accumulator a value plane (the weights as ``terms`` bf16
+    terms when there are more than one)."""
+    ws = bf16_terms(weights, terms) if terms > 1 else [weights.astype(compute)]
+
+    def weighted(v):
+        return sum(
+            jax.lax.dot_general(
+                w, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                precision=precision,
+            )
+            for w in ws
+        )  # fmt: skip
+
     accs = tuple(
-        acc * alpha[:, None] + jax.lax.dot_general(
-            w, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=precision,
-        )
-        for acc, v in zip(accs, value_planes, strict=True)
-    )  # fmt: skip
+        acc * alpha[:, None] + weighted(v) for acc, v in zip(accs, value_planes, strict=True)
+    )
     return l * alpha + jnp.sum(weights, axis=1), accs
+
+
+def bf16_terms(x, terms: int):
+    """``x`` (f32) as ``terms`` bf16 values, each the bf16 rounding of what the previous
+    ones left, so that the sum misses ``x`` by at most 2^-8n of it: three reach f32's
+    2^-24. Three bf16 dots against an exact bf16 operand thus give f32-level products,
+    at twice TF32's tensor-core rate and with the operand unsplit."""
+    out, rest = [], x
+    for _ in range(terms):
+        term = rest.astype(jnp.bfloat16)
+        out.append(term)
+        rest = rest - term.astype(jnp.float32)
+    return out
 
 
 def listed_slots(ids, b, table_ref, seq: int, page_size: int, n_pages: int):
@@ -431,10 +455,18 @@ def indexed_attention_triton(
     )  # fmt: skip
 
 
+def bf16_term_count(q, cache) -> int:
+    """3 where an f32 q meets a bf16 cache in ``"tf32x3"`` mode: q and the softmax weights
+    then enter bf16 dots as three bf16 terms each (:func:`bf16_terms`), which the exact
+    bf16 cache needs no split for; else 1 (the dots in q's dtype)."""
+    mixed = jnp.dtype(q.dtype) == jnp.float32 and jnp.dtype(cache.dtype) == jnp.bfloat16
+    return 3 if mixed and f32_dots.mode() == "tf32x3" else 1
+
+
 def _config(q, k, v, cfg: AttentionConfig | None) -> AttentionConfig:
     """``cfg``, or the default tiles; f32 tensor-core tiles must fit shared memory either
     way (a given one is refused by name rather than handed to the compiler)."""
-    if not f32_dots.tensor_cores(q.dtype):
+    if not f32_dots.tensor_cores(q.dtype) or bf16_term_count(q, k) > 1:
         return cfg or AttentionConfig()
     dim, vdim, group = k.shape[-1], v.shape[-1], q.shape[1] // k.shape[2]
     if cfg is None:
@@ -459,6 +491,8 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
     pairs = b * hkv
     steps, per_split, splits = split_list(pairs, n, cfg.block_n, splits)
     compute = jnp.dtype(q.dtype)  # a narrower cache (FP8, or 16-bit under f32) widens to it
+    terms = bf16_term_count(q, k)
+    compute = jnp.dtype(jnp.bfloat16) if terms > 1 else compute
     gp = next_pow2(g, MIN_GROUP_ROWS)
     planes = 2 if words else 1
     # FP8 words widen to f16 in one conversion, against q rescaled in the kernel; an f32
@@ -476,7 +510,7 @@ def _indexed_attention(q, k, v, indices, k_scale, v_scale, page_table, *, scale,
         vdim_pad=next_pow2(dv, 16), planes=planes, plane_dim=kw, plane_dim_pad=next_pow2(kw, 16),
         plane_vdim=vw, plane_vdim_pad=next_pow2(vw, 16), list_len=n, steps_per_split=per_split,
         steps=steps, splits=splits, scale=float(scale), compute=compute,
-        q_rescaled=q_rescaled, has_k_scale=k_scale is not None,
+        q_rescaled=q_rescaled, terms=terms, has_k_scale=k_scale is not None,
         has_v_scale=v_scale is not None, cfg=cfg, interpret=backend.is_interpret(),
     )  # fmt: skip
     # Reshapes only (free): the kernel masks the padded head rows, dims and list tail.
