@@ -1,8 +1,9 @@
 """How the Triton kernels multiply f32 operands (f32 inputs only; bf16 and FP8 inputs
 always take the tensor cores at their own precision): the indexer scorer and its
-backward, DoSA's screen and GQA attention. (MLA attention multiplies f32 caches as IEEE
-f32 in either mode: at its decode shapes that was 5× faster than tf32x3, run 251.) Two
-modes:
+backward, DoSA's screen and GQA attention (whose f32 q over a bf16 cache takes three
+bf16 terms instead in ``"tf32x3"`` mode: ``attention.triton.bf16_terms``). (MLA
+attention multiplies f32 q as IEEE f32 in either mode, over any cache: at its decode
+shapes that was 5× faster than tf32x3, run 251.) Two modes:
 
 * ``"tf32x3"`` (the default): three TF32 tensor-core products, a_hi·b_hi + a_hi·b_lo +
   a_lo·b_hi, where a_hi is a rounded to TF32 and a_lo the rest rounded to TF32. Each
