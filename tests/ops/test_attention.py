@@ -12,6 +12,7 @@ import pytest
 import jsparse
 from jsparse.ops.attention import triton as attention_triton
 from tests.lowering import lower_for_h200
+from tests.ops.decode_dtypes import DECODE_DTYPES
 from tests.paging import shuffled_pages
 
 F8 = jnp.float8_e4m3fn
@@ -80,26 +81,13 @@ def test_reference_matches_numpy_oracle(shape):
     assert np.all(np.asarray(out)[0, :g] == 0) and np.all(np.asarray(lse)[0, :g] == -np.inf)
 
 
-TOLERANCES = {
-    "float32": 2e-5,
-    "bfloat16": 3e-2,
-    "float16": 4e-3,
-    "float8": 3e-2,
-    "float32-over-bfloat16": 2e-5,
-}  # f32 dots: the cache widens exactly
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize(
-    "dtype", ["float32", "bfloat16", "float16", "float8", "float32-over-bfloat16"]
-)
-def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
+def test_kernel_matches_reference(kernel_impl, shape, decode_dtypes, fp8_reading):
+    dtype = decode_dtypes.name
     if fp8_reading == "words" and dtype != "float8":
         pytest.skip("only FP8 caches are read as words")
-    cache = {"float8": F8, "float32-over-bfloat16": jnp.bfloat16}.get(dtype)
-    qdt = {"float8": jnp.bfloat16, "float32-over-bfloat16": jnp.float32}.get(dtype)
-    qdt = qdt or getattr(jnp, dtype)
-    q, k, v, idx = make(*SHAPES[shape], dtype=qdt, cache_dtype=cache, seed=1)
+    q, k, v, idx = make(*SHAPES[shape], dtype=decode_dtypes.q, cache_dtype=decode_dtypes.cache,
+                        seed=1)  # fmt: skip
     idx = idx.at[-1, 0].set(-1)  # one list empty: zeros and an lse of -inf
     b, hkv = idx.shape[:2]
     scales = {}
@@ -114,7 +102,7 @@ def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
         q, k, v, idx, return_lse=True, implementation="reference", **scales
     )
     assert out.dtype == q.dtype and out.shape == ref.shape and lse.dtype == jnp.float32
-    tol = TOLERANCES[dtype]
+    tol = decode_dtypes.tol
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol
     )
@@ -134,7 +122,7 @@ def test_fp8_words_with_q_beyond_f16s_range(kernel_impl, magnitude, monkeypatch)
         q, k, v, idx, scale=0.3 / magnitude, return_lse=True, implementation=impl, **scales
     )
     (out, lse), (ref, ref_lse) = run(kernel_impl), run("reference")
-    tol = TOLERANCES["float8"]
+    tol = DECODE_DTYPES["float8"][2]
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                rtol=tol, atol=tol)  # fmt: skip
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)

@@ -13,6 +13,7 @@ import jsparse
 from jsparse.ops.attention import triton as attention_triton
 from jsparse.ops.mla import triton as mla_triton
 from tests.lowering import lower_for_h200
+from tests.ops.decode_dtypes import DECODE_DTYPES
 from tests.paging import shuffled_pages
 
 F8 = jnp.float8_e4m3fn
@@ -72,27 +73,14 @@ def test_reference_matches_numpy_oracle(shape):
     assert np.all(np.asarray(out)[0] == 0) and np.all(np.asarray(lse)[0] == -np.inf)
 
 
-TOLERANCES = {
-    "float32": 2e-5,
-    "bfloat16": 3e-2,
-    "float16": 4e-3,
-    "float8": 3e-2,
-    "float32-over-bfloat16": 2e-5,
-}  # f32 dots: the cache widens exactly
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize(
-    "dtype", ["float32", "bfloat16", "float16", "float8", "float32-over-bfloat16"]
-)
-def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
+def test_kernel_matches_reference(kernel_impl, shape, decode_dtypes, fp8_reading):
+    dtype = decode_dtypes.name
     if fp8_reading == "bytes" and dtype != "float8":
         pytest.skip("only FP8 caches are read as words or bytes")
     b, h, dc = SHAPES[shape][:3]
-    qdt = {"float8": jnp.bfloat16, "float32-over-bfloat16": jnp.float32}.get(dtype)
-    cache_dtype = {"float8": F8, "float32-over-bfloat16": jnp.bfloat16}.get(dtype)
-    q, cache, idx = make(*SHAPES[shape], dtype=qdt or getattr(jnp, dtype), seed=1,
-                         cache_dtype=cache_dtype)  # fmt: skip
+    q, cache, idx = make(*SHAPES[shape], dtype=decode_dtypes.q, seed=1,
+                         cache_dtype=decode_dtypes.cache)  # fmt: skip
     idx = idx.at[-1].set(-1)  # one list empty: zeros and an lse of -inf
     extra = {}
     if dtype == "float8":
@@ -102,7 +90,7 @@ def test_kernel_matches_reference(kernel_impl, shape, dtype, fp8_reading):
     )
     (out, lse), (ref, ref_lse) = run(kernel_impl), run("reference")
     assert out.dtype == q.dtype and out.shape == (b, h, dc) and lse.dtype == jnp.float32
-    tol = TOLERANCES[dtype]
+    tol = decode_dtypes.tol
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol
     )
@@ -124,7 +112,7 @@ def test_fp8_cache_with_q_beyond_f16s_range(kernel_impl, fp8_dot, magnitude, mon
         cache_scale=jnp.asarray([0.5, 2.0], jnp.float32), implementation=impl,
     )  # fmt: skip
     (out, lse), (ref, ref_lse) = run(kernel_impl), run("reference")
-    tol = TOLERANCES["float8"]
+    tol = DECODE_DTYPES["float8"][2]
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                rtol=tol, atol=tol)  # fmt: skip
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
