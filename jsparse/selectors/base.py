@@ -39,6 +39,7 @@ Contract of ``select``:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -368,7 +369,7 @@ class ProjectedSelector(Selector):
                 f"{name}: got {got}; expected this selector's cache (empty_cache or project_keys)"
             )
         b, s = leaves[0].shape[:2]
-        want = jax.eval_shape(lambda: self.empty_cache(params, b, s))
+        want = self._cache_layout(params, b, s)
         got_leaves = [(tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves]
         want_leaves = [(tuple(x.shape), jnp.dtype(x.dtype).name) for x in jax.tree.leaves(want)]
         if jax.tree.structure(cache) != jax.tree.structure(want) or got_leaves != want_leaves:
@@ -377,6 +378,18 @@ class ProjectedSelector(Selector):
                 f"{want_leaves} (this selector's cache for these params, B = {b}, S = {s})"
             )
         return b, s
+
+    def _cache_layout(self, params: Params, b: int, s: int):
+        """The shapes of ``empty_cache(params, b, s)``, kept per selector and params
+        shapes: a decode step checks its cache at every call (a layer's too), and the
+        ``eval_shape`` behind it costs ~1 ms of host time eagerly."""
+        try:
+            shapes = tuple(
+                sorted((k, tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in params.items())
+            )
+        except (AttributeError, TypeError):  # not a mapping of arrays: no key to keep it by
+            return jax.eval_shape(lambda: self.empty_cache(params, b, s))
+        return _empty_cache_layout(self, shapes, b, s)
 
     def check_step_inputs(self, params, q, cache, lengths, budget, k_new=None, slots=None):
         """The decode path's checks (``select``'s, against the cache): q, lengths and
@@ -594,3 +607,11 @@ def write_token_rows(values: Array, rows: Array, slots: Int[Array, " B"]) -> Arr
     [0, S) writes nothing (not numpy's wrap-around of a negative index)."""
     slots = jnp.where(slots < 0, values.shape[1], slots)
     return values.at[jnp.arange(values.shape[0]), slots].set(rows.astype(values.dtype), mode="drop")
+
+
+@functools.lru_cache(maxsize=256)
+def _empty_cache_layout(selector: ProjectedSelector, shapes: tuple, b: int, s: int):
+    """``selector.empty_cache``'s shapes for params of ``shapes`` ((name, shape, dtype)
+    each): it reads only the params' shapes, so abstract ones give the same answer."""
+    structs = {k: jax.ShapeDtypeStruct(shape, dtype) for k, shape, dtype in shapes}
+    return jax.eval_shape(lambda p: selector.empty_cache(p, b, s), structs)
