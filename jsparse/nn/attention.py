@@ -334,14 +334,10 @@ def select_step(selector, params, q, keys: CacheView, q_positions, k_positions, 
 
 def laid_out_in_order(visible, k_positions, q_positions, *, kept: bool):
     """[B] bool: :func:`check_prefix`'s layout, as arrays (for traced positions)."""
-    count = jnp.sum(visible, axis=1)
-    prefix = jnp.arange(visible.shape[1])[None, :] < count[:, None]
-    ok = jnp.all(visible == prefix, axis=1)
-    ok &= ~jnp.any((jnp.diff(k_positions, axis=1) <= 0) & prefix[:, 1:], axis=1)
-    if kept and k_positions.shape[1]:
-        last = jnp.take_along_axis(k_positions, jnp.maximum(count - 1, 0)[:, None], axis=1)
-        ok &= (count == 0) | (last[:, 0] == q_positions[:, 0])
-    return ok
+    _, not_prefix, unordered, stale, _ = layout_faults(
+        jnp, visible, k_positions, q_positions, kept=kept
+    )
+    return ~(not_prefix | unordered | stale)
 
 
 def poisoned(out, in_order):
@@ -390,34 +386,41 @@ def check_prefix(visible, k_positions, q_positions, *, kept: bool):
     seen = _checks.concrete(visible)
     if seen is None:
         return
-    count = seen.sum(axis=1)
-    prefix = np.arange(seen.shape[1])[None, :] < count[:, None]
-    bad = np.flatnonzero((seen != prefix).any(axis=1))
-    if bad.size:
+    kp, qp = np.asarray(k_positions), np.asarray(q_positions)  # concrete, as visible is
+    count, not_prefix, unordered, stale, last = layout_faults(np, seen, kp, qp, kept=kept)
+    if not_prefix.any():
+        b = np.flatnonzero(not_prefix)[0]
         raise ValueError(
-            f"k_positions: sequence {bad[0]}'s visible slots are not its first "
-            f"{count[bad[0]]} slots; SparseAttention's selectors need the cache in "
+            f"k_positions: sequence {b}'s visible slots are not its first "
+            f"{count[b]} slots; SparseAttention's selectors need the cache in "
             "position order (as KVCache writes it)"
         )
-    kp, qp = _checks.concrete(k_positions), _checks.concrete(q_positions)
-    if kp is None or qp is None:
-        return
-    # a ring buffer after it wrapped, say: positions fall somewhere along the prefix
-    unordered = ((np.diff(kp, axis=1) <= 0) & prefix[:, 1:]).any(axis=1)
-    if unordered.any():
+    if unordered.any():  # a ring buffer after it wrapped, say
         b = np.flatnonzero(unordered)[0]
         raise ValueError(
             f"k_positions: sequence {b}'s visible slots hold positions out of order "
             f"({kp[b, : min(count[b], 8)].tolist()}...); the selectors need slot order = "
             "position order"
         )
-    if kept and kp.shape[1]:  # (a cache of no slots has no last one)
-        last = kp[np.arange(kp.shape[0]), np.maximum(count - 1, 0)]
-        stale = np.flatnonzero((count > 0) & (last != qp[:, 0]))
-        if stale.size:
-            b = stale[0]
-            raise ValueError(
-                f"k_positions: sequence {b}'s last visible slot holds position {last[b]}, "
-                f"not the step's {qp[b, 0]}: write the step's key before the core is "
-                "called, at the slot after the sequence's previous ones"
-            )
+    if stale.any():
+        b = np.flatnonzero(stale)[0]
+        raise ValueError(
+            f"k_positions: sequence {b}'s last visible slot holds position {last[b]}, "
+            f"not the step's {qp[b, 0]}: write the step's key before the core is "
+            "called, at the slot after the sequence's previous ones"
+        )
+
+
+def layout_faults(xp, visible, k_positions, q_positions, *, kept: bool):
+    """Per sequence, in numpy or jnp (``xp``): (visible count, visible slots not a
+    prefix, visible positions out of order, with ``kept`` the last visible slot not the
+    step's position, that last position (None without ``kept``))."""
+    count = visible.sum(axis=1)
+    prefix = xp.arange(visible.shape[1])[None, :] < count[:, None]
+    not_prefix = (visible != prefix).any(axis=1)
+    unordered = ((xp.diff(k_positions, axis=1) <= 0) & prefix[:, 1:]).any(axis=1)
+    stale, last = xp.zeros_like(not_prefix), None
+    if kept and k_positions.shape[1]:  # (a cache of no slots has no last one)
+        last = xp.take_along_axis(k_positions, xp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+        stale = (count > 0) & (last != q_positions[:, 0])
+    return count, not_prefix, unordered, stale, last
