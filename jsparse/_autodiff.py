@@ -183,24 +183,19 @@ def selection(
         return run(*arrays)
     op = jax.custom_jvp(run)
 
-    def scores_tangent(ids, primals, float_tangents):
-        floats = [j for j, a in enumerate(primals) if jnp.issubdtype(a.dtype, jnp.inexact)]
-
-        def rescored(*xs):
-            filled = list(primals)
-            for j, x in zip(floats, xs, strict=True):
-                filled[j] = x
-            return bind(functools.partial(rescore, ids))(*filled)
-
-        _, tangent = jax.jvp(rescored, [primals[j] for j in floats], float_tangents)
-        return tangent
-
     @op.defjvp
     def _(primals, tangents):
         out = run(*primals)
         ids, scores = picked(out)
         floats = [j for j, a in enumerate(primals) if jnp.issubdtype(a.dtype, jnp.inexact)]
-        tangent = scores_tangent(ids, primals, [tangents[j] for j in floats])
+
+        def rescored(*xs):  # the float inputs in; the ids, and every other input, held
+            filled = list(primals)
+            for j, x in zip(floats, xs, strict=True):
+                filled[j] = x
+            return bind(functools.partial(rescore, ids))(*filled)
+
+        _, tangent = jax.jvp(rescored, [primals[j] for j in floats], [tangents[j] for j in floats])
         # an empty slot's score is -inf whatever the inputs: its tangent is zero
         tangent = jnp.where(ids >= 0, tangent.astype(scores.dtype), 0.0)
         leaves, tree = jax.tree.flatten(out)
