@@ -37,6 +37,8 @@ from jsparse import backend
 from jsparse.ops.attention.triton import (
     MIN_GROUP_ROWS,
     accumulated,
+    bf16_term_count,
+    bf16_terms,
     cache_geometry,
     fp8_planes,
     fp8_words,
@@ -137,6 +139,7 @@ class _Plan:
     scale: float
     compute: jnp.dtype
     q_rescaled: bool  # the kernel rescales q per head for f16 dots (FP8, bf16 q)
+    terms: int  # 1, or 3: an f32 q (and the weights) as bf16 terms against a bf16 cache
     has_scale: bool
     cfg: MLAConfig
     interpret: bool
@@ -177,8 +180,12 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
         q, unshift = rescaled_f16(q_c + q_r)
         q_c, q_r = q[: len(q_c)], q[len(q_c) :]
         scale = scale * unshift[:, None]
-    q_c, q_r = [x.astype(p.compute) for x in q_c], [x.astype(p.compute) for x in q_r]
-    # f32 caches: IEEE dots in either f32_dots mode (faster here than tf32x3, f32_config)
+    if p.terms > 1:  # an f32 q over a bf16 cache: bf16 terms against the exact rows
+        q_c, q_r = bf16_terms(q_c[0], p.terms), (bf16_terms(q_r[0], p.terms) if q_r else [])
+    else:
+        q_c, q_r = [x.astype(p.compute) for x in q_c], [x.astype(p.compute) for x in q_r]
+    # f32 caches: IEEE dots in either f32_dots mode (faster here than tf32x3, f32_config);
+    # a bf16 cache under an f32 q: bf16 dots of bf16 terms (attention's bf16_term_count)
     precision = jax.lax.Precision.HIGHEST if p.compute == jnp.float32 else None
 
     def step(j, carry):
@@ -194,13 +201,14 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
             return fp8_planes(tile, p.planes, p.compute)
 
         lat = load_rows(0, cdims, p.latent)
-        logits = sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_c, lat, strict=True))
+        met = p.terms if p.terms > 1 else 1  # every bf16 term meets the one bf16 tile
+        logits = sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_c, lat * met, strict=True))
         if p.rope:
             rope = load_rows(p.latent, rdims, p.rope)
-            logits += sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_r, rope, strict=True))
+            logits += sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_r, rope * met, strict=True))
         logits = jnp.where(ok[None, :], logits * scale, -jnp.inf)  # [BH, BN]
         m_new, weights, alpha = softmax_weights(m, logits)
-        return m_new, *accumulated(l, accs, weights, alpha, lat, p.compute, precision)
+        return m_new, *accumulated(l, accs, weights, alpha, lat, p.compute, precision, p.terms)
 
     init = (
         jnp.full((p.group,), -jnp.inf, jnp.float32),
@@ -254,7 +262,7 @@ def indexed_mla_attention_triton(
 
 
 def _default_config(q, cache) -> MLAConfig:
-    if jnp.dtype(q.dtype) == jnp.float32:
+    if jnp.dtype(q.dtype) == jnp.float32 and bf16_term_count(q, cache) == 1:
         return f32_config(q.shape[1])
     return default_config(q.shape[1])
 
@@ -285,6 +293,8 @@ def _indexed_mla_attention(
         and (jnp.dtype(cache.dtype) == jnp.dtype(jnp.float8_e4m3fn))
     )
     compute = jnp.dtype(jnp.float16) if q_rescaled else compute  # q rescaled in the kernel
+    terms = bf16_term_count(q, cache)
+    compute = jnp.dtype(jnp.bfloat16) if terms > 1 else compute
     dc, dr = latent_dim, d - latent_dim
     planes = 2 if packed else 1
     if packed:
@@ -301,7 +311,7 @@ def _indexed_mla_attention(
         planes=planes, latent=lat, latent_pad=next_pow2(lat, 16), rope=rope,
         rope_pad=next_pow2(max(rope, 1), 16), vdim=dc, vdim_pad=next_pow2(dc, 16),
         list_len=n, steps_per_split=per_split, steps=steps, splits=splits, scale=float(scale),
-        compute=compute, q_rescaled=q_rescaled, has_scale=has_scale, cfg=cfg,
+        compute=compute, q_rescaled=q_rescaled, terms=terms, has_scale=has_scale, cfg=cfg,
         interpret=backend.is_interpret(),
     )  # fmt: skip
     scales = [jnp.repeat(cache_scale.astype(jnp.float32), blocks)] if has_scale else []
