@@ -415,8 +415,8 @@ def layout_faults(xp, visible, k_positions, q_positions, *, kept: bool):
     """Per sequence, in numpy or jnp (``xp``): (visible count, visible slots not a
     prefix, visible positions out of order, with ``kept`` the last visible slot not the
     step's position, that last position (None without ``kept``)). Each fault reads a
-    slot and the next one only, so that under ``jit`` the faults and the count are one
-    fused pass over the positions (a pass is ~5 µs at 32 × 128K slots)."""
+    slot and the next one only, not the count, so that under ``jit`` XLA may fuse the
+    faults and the count into one pass over the positions (16 MiB at 32 × 128K)."""
     count = visible.sum(axis=1)
     next_visible = xp.concatenate([visible[:, 1:], xp.zeros_like(visible[:, :1])], axis=1)
     not_prefix = (next_visible & ~visible).any(axis=1)  # a visible slot after a hidden one
