@@ -6,10 +6,14 @@ mesh axes it varies over, and a Pallas call must declare that type for its outpu
 they vary over every axis that any input varies over: these wrappers declare exactly
 that, when the kernel is called, so one kernel built once serves any mesh. Elsewhere
 (outside ``shard_map``, or under ``check_vma=False``) JAX reads no such type.
+
+Interpreted (``interpret=True``), a call is compiled once per distinct kernel and called
+from the enclosing program (:func:`_outlined`; ``$JSPARSE_INLINE_INTERPRETED`` inlines).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -65,9 +69,51 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, **kwargs: Any) -
 
     def call(*args):
         shapes, args = _typed(out_shape, args)
-        return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*args)
+        fn = pl.pallas_call(kernel, out_shape=shapes, **kwargs)
+        if kwargs.get("interpret") and not varying_axes(args) and not os.environ.get(INLINE_ENV):
+            return _outlined(fn, shapes, args)
+        return fn(*args)
 
     return call
+
+
+# Interpreted kernels, compiled, by their jaxpr and constants (see _outlined).
+_OUTLINED: dict[str, Callable] = {}
+# Set (to anything but "") to inline interpreted kernels into their callers' programs as
+# plain Pallas does: for an A/B of the two, or to differentiate through a raw kernel.
+INLINE_ENV = "JSPARSE_INLINE_INTERPRETED"
+
+
+def _outlined(fn: Callable, shapes: Any, args: tuple) -> Any:
+    """An interpreted Pallas call compiled as a program of its own, once per distinct
+    kernel, and called from the enclosing program as a host callback.
+
+    Interpreted, a kernel is an XLA loop over its grid that XLA compiles on the CPU, and
+    inlined it is compiled again inside every program that calls it: the four `full`
+    pipelines of one test compiled their shared kernels four times (~8 s each). The
+    kernel's values are the same either way (the same jaxpr, compiled by the same XLA);
+    it is not differentiable through the callback, which no op needs (each defines its
+    own derivative). Under a checked ``shard_map`` (varying axes) the call stays inline."""
+    import hashlib
+
+    import jax.extend.core as jex
+
+    leaves, tree = jax.tree.flatten(args)
+    closed = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)))(*leaves)
+    key = hashlib.sha256(str(closed.jaxpr).encode())
+    for c in closed.consts:  # constants print as names only: their values are the key too
+        c = np.asarray(c)
+        key.update(f"{c.dtype}{c.shape}".encode() + c.tobytes())
+    compiled = _OUTLINED.get(key.hexdigest())
+    if compiled is None:
+        compiled = _OUTLINED[key.hexdigest()] = jax.jit(jex.jaxpr_as_fun(closed))
+    out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]
+
+    def host(*xs):
+        return [np.asarray(o) for o in compiled(*xs)]
+
+    outs = jax.pure_callback(host, out_types, *leaves, vmap_method="sequential")
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
 def mosaic_kernel(body: Callable[..., None], *, out_type: Any, **kwargs: Any) -> Callable:
