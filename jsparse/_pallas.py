@@ -13,6 +13,7 @@ from the enclosing program (:func:`_outlined`; ``$JSPARSE_INLINE_INTERPRETED`` i
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Callable
 from typing import Any
@@ -77,8 +78,11 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, **kwargs: Any) -
     return call
 
 
-# Interpreted kernels, compiled, by their jaxpr and constants (see _outlined).
-_OUTLINED: dict[str, Callable] = {}
+# Interpreted kernels, compiled, by their jaxpr and constants (see _outlined); the least
+# recently used go past OUTLINED_KEPT, so that a long process (a test suite) does not
+# hold every kernel it ever ran.
+_OUTLINED: collections.OrderedDict[str, Callable] = collections.OrderedDict()
+OUTLINED_KEPT = 256
 # Set (to anything but "") to inline interpreted kernels into their callers' programs as
 # plain Pallas does: for an A/B of the two, or to differentiate through a raw kernel.
 INLINE_ENV = "JSPARSE_INLINE_INTERPRETED"
@@ -104,9 +108,13 @@ def _outlined(fn: Callable, shapes: Any, args: tuple) -> Any:
     for c in closed.consts:  # constants print as names only: their values are the key too
         c = np.asarray(c)
         key.update(f"{c.dtype}{c.shape}".encode() + c.tobytes())
-    compiled = _OUTLINED.get(key.hexdigest())
+    digest = key.hexdigest()
+    compiled = _OUTLINED.get(digest)
     if compiled is None:
-        compiled = _OUTLINED[key.hexdigest()] = jax.jit(jex.jaxpr_as_fun(closed))
+        compiled = _OUTLINED[digest] = jax.jit(jex.jaxpr_as_fun(closed))
+        while len(_OUTLINED) > OUTLINED_KEPT:
+            _OUTLINED.popitem(last=False)
+    _OUTLINED.move_to_end(digest)
     out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]
 
     def host(*xs):

@@ -65,3 +65,17 @@ def test_the_switch_inlines_interpreted_calls(monkeypatch):
     assert "pallas_call" in text and "callback" not in text
     np.testing.assert_array_equal(_affine(x, 4.5), x * 4.5 + 1.0)
     assert len(_pallas._OUTLINED) == before
+
+
+def test_the_least_recently_used_kernels_go_past_the_bound(monkeypatch):
+    monkeypatch.setattr(_pallas, "OUTLINED_KEPT", 2)
+    monkeypatch.setattr(_pallas, "_OUTLINED", type(_pallas._OUTLINED)())
+    x = jnp.arange(8, dtype=jnp.float32)
+    for a in (5.5, 6.5, 5.5, 7.5):  # 5.5 used again before 7.5 comes: 6.5 goes
+        np.testing.assert_array_equal(_affine(x, a), x * a + 1.0)
+    kept = dict(_pallas._OUTLINED)
+    assert len(kept) == 2
+    np.testing.assert_array_equal(_affine(x, 5.5), x * 5.5 + 1.0)
+    assert dict(_pallas._OUTLINED) == kept  # 5.5 was kept: a hit, nothing evicted
+    np.testing.assert_array_equal(_affine(x, 6.5), x * 6.5 + 1.0)
+    assert dict(_pallas._OUTLINED) != kept  # 6.5 had gone: compiled again
