@@ -201,11 +201,11 @@ def _kernel(q_ref, ids_ref, cache_ref, *refs, p: _Plan):
             return fp8_planes(tile, p.planes, p.compute)
 
         lat = load_rows(0, cdims, p.latent)
-        met = p.terms if p.terms > 1 else 1  # every bf16 term meets the one bf16 tile
-        logits = sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_c, lat * met, strict=True))
+        # p.terms copies of the tile's planes: with bf16 terms each meets the one bf16 plane
+        logits = sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_c, lat * p.terms, strict=True))
         if p.rope:
-            rope = load_rows(p.latent, rdims, p.rope)
-            logits += sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_r, rope * met, strict=True))
+            rope = load_rows(p.latent, rdims, p.rope) * p.terms
+            logits += sum(_dot_t(qi, ki, precision) for qi, ki in zip(q_r, rope, strict=True))
         logits = jnp.where(ok[None, :], logits * scale, -jnp.inf)  # [BH, BN]
         m_new, weights, alpha = softmax_weights(m, logits)
         return m_new, *accumulated(l, accs, weights, alpha, lat, p.compute, precision, p.terms)
