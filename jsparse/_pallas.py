@@ -110,11 +110,12 @@ def _outlined(fn: Callable, shapes: Any, args: tuple) -> Any:
         key.update(f"{c.dtype}{c.shape}".encode() + c.tobytes())
     digest = key.hexdigest()
     compiled = _OUTLINED.get(digest)
-    if compiled is None:
+    if compiled is None:  # (a new entry goes in last, the most recently used)
         compiled = _OUTLINED[digest] = jax.jit(jex.jaxpr_as_fun(closed))
         while len(_OUTLINED) > OUTLINED_KEPT:
             _OUTLINED.popitem(last=False)
-    _OUTLINED.move_to_end(digest)
+    else:
+        _OUTLINED.move_to_end(digest)
     out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]
 
     def host(*xs):
