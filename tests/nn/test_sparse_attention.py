@@ -361,23 +361,24 @@ def test_a_sparse_decode_step_differentiates_like_the_reference(selector):
 
 @pytest.mark.parametrize("kept", [True, False])
 def test_under_jit_a_cache_out_of_position_order_answers_nan(kept):
-    """A hole, a wrapped ring buffer or (with a kept cache) a step whose key is not the
-    last visible slot raise when the positions are concrete; under jit that sequence's
-    output is NaN, the others' what they are alone."""
+    """A hole, a wrapped ring buffer, a position written twice or (with a kept cache) a
+    step whose key is not the last visible slot raise when the positions are concrete;
+    under jit that sequence's output is NaN, the others' what they are alone."""
     sel, params = _calibrated("jssa", rank=4)
     core = jsparse.SparseAttention(sel, params, 4)
     rng = np.random.default_rng(6)
     s, hkv, d = 16, TINY.n_kv_heads, 8
-    k = jnp.asarray(rng.standard_normal((4, s, hkv, d)), jnp.float32)
-    q = jnp.asarray(rng.standard_normal((4, 1, TINY.n_heads, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((5, s, hkv, d)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((5, 1, TINY.n_heads, d)), jnp.float32)
     slots = np.arange(s)
     k_pos = np.stack([
         np.where(slots < 12, slots, -1),                      # in order
         np.where((slots < 12) & (slots != 5), slots, -1),     # a hole at slot 5
         np.where(slots < 2, slots + 16, slots),               # a ring buffer that wrapped
         np.where(slots < 10, slots, -1),                      # the step's key not written
+        np.where(slots < 13, slots - (slots >= 3), -1),       # a position written twice
     ]).astype(np.int32)  # fmt: skip
-    q_pos = np.array([[11], [11], [17], [12]], np.int32)
+    q_pos = np.array([[11], [11], [17], [12], [11]], np.int32)
 
     def step(q, k, q_pos, k_pos):
         state = core.init_core_state(q.shape[0], s, hkv, d) if kept else None
@@ -387,8 +388,8 @@ def test_under_jit_a_cache_out_of_position_order_answers_nan(kept):
         return out[0] if kept else out
 
     got = np.asarray(jax.jit(step)(q, k, jnp.asarray(q_pos), jnp.asarray(k_pos)))
-    broken = [1, 2, 3] if kept else [1, 2]
-    for b in range(4):
+    broken = [1, 2, 3, 4] if kept else [1, 2, 4]
+    for b in range(5):
         if b in broken:
             assert np.isnan(got[b]).all(), b
             with pytest.raises(ValueError, match="k_positions: sequence 0's"):
