@@ -145,6 +145,27 @@ def test_malformed_tokenizer_metadata_is_named(changes, message):
         tokenizer_from_gguf(_tokenizer_reader(**changes), "t.gguf")
 
 
+def test_an_unchanged_file_is_parsed_once_and_a_rewritten_one_again(tmp_path, weights):
+    """The model and its tokenizer share one parse of a file; a file written again (new
+    size or time) is read anew, never answered from the old parse."""
+    import os
+
+    from jsparse.models.gguf_loader import open_gguf
+
+    path = tiny_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", CFG.to_dict(), weights)
+    first = open_gguf(path)
+    assert open_gguf(str(path)) is first
+    smaller = dict(CFG.to_dict(), n_layers=1)
+    tiny_gguf.write_tiny_gguf(path, smaller, weights, drop=tuple(
+        n for n in weights if n.startswith("blk.1.")
+    ))  # fmt: skip
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # a new time either way
+    again = open_gguf(path)
+    assert again is not first
+    assert load_model(path).config.n_layers == 1
+
+
 @pytest.mark.parametrize("keep", [0.004, 0.5, 0.99])
 def test_truncated_file_is_a_clear_error(gguf_path, tmp_path, keep):
     data = gguf_path.read_bytes()
