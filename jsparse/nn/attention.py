@@ -338,7 +338,7 @@ def laid_out_in_order(visible, k_positions, q_positions, *, kept: bool):
     """[B] bool: :func:`check_prefix`'s layout, as arrays (for traced positions): the
     fault planes OR'd and reduced once, a sibling of the count's reduction over the
     same positions (one pass where XLA fuses them; per-fault reductions took ~10 µs
-    more at 32 × 128K, run 284)."""
+    more at 32 × 128K, runs 284-285)."""
     planes = fault_planes(jnp, visible, k_positions, q_positions, kept=kept)
     return ~functools.reduce(operator.or_, planes).any(axis=1)
 
