@@ -390,7 +390,9 @@ def check_prefix(visible, k_positions, q_positions, *, kept: bool):
     if seen is None:
         return
     kp, qp = np.asarray(k_positions), np.asarray(q_positions)  # concrete, as visible is
-    count, not_prefix, unordered, stale, last = layout_faults(np, seen, kp, qp, kept=kept)
+    count = seen.sum(axis=1)
+    faults = fault_planes(np, seen, kp, qp, kept=kept)
+    not_prefix, unordered, stale = (p.any(axis=1) for p in faults)
     if not_prefix.any():
         b = np.flatnonzero(not_prefix)[0]
         raise ValueError(
@@ -405,31 +407,17 @@ def check_prefix(visible, k_positions, q_positions, *, kept: bool):
             f"({kp[b, : min(count[b], 8)].tolist()}...); the selectors need slot order = "
             "position order"
         )
-    if stale.any():
+    if stale.any():  # (the slots are a prefix here: its last is slot count - 1)
         b = np.flatnonzero(stale)[0]
         raise ValueError(
-            f"k_positions: sequence {b}'s last visible slot holds position {last[b]}, "
-            f"not the step's {qp[b, 0]}: write the step's key before the core is "
-            "called, at the slot after the sequence's previous ones"
+            f"k_positions: sequence {b}'s last visible slot holds position "
+            f"{kp[b, count[b] - 1]}, not the step's {qp[b, 0]}: write the step's key before "
+            "the core is called, at the slot after the sequence's previous ones"
         )
 
 
-def layout_faults(xp, visible, k_positions, q_positions, *, kept: bool):
-    """Per sequence, in numpy or jnp (``xp``): (visible count, visible slots not a
-    prefix, visible positions out of order, with ``kept`` the last visible slot not the
-    step's position, that last position (None without ``kept``))."""
-    count = visible.sum(axis=1)
-    not_prefix, unordered, stale = (
-        p.any(axis=1) for p in fault_planes(xp, visible, k_positions, q_positions, kept=kept)
-    )
-    last = None
-    if kept and k_positions.shape[1]:  # (a cache of no slots has no last one)
-        last = xp.take_along_axis(k_positions, xp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-    return count, not_prefix, unordered, stale, last
-
-
 def fault_planes(xp, visible, k_positions, q_positions, *, kept: bool):
-    """[B, S] bool planes of :func:`layout_faults`' three faults, each slot read with its
+    """[B, S] bool planes of :func:`check_prefix`'s three faults, each slot read with its
     successor only (not the count, so the faults need no pass of their own): a visible
     slot after a hidden one (in a prefix a visible slot's predecessor is visible too); a
     visible successor whose position is not above the slot's; with ``kept``, the last
