@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 
@@ -15,7 +16,7 @@ pytest.importorskip("tokenizers")
 from test_llama import random_hf_weights
 
 from jsparse.models.capture import capture_qkv
-from jsparse.models.gguf_loader import load_model, permute_qk, unpermute_qk
+from jsparse.models.gguf_loader import load_model, open_gguf, permute_qk, unpermute_qk
 from jsparse.models.llama import LlamaConfig, forward_fn
 from jsparse.models.tokenizer import load_tokenizer
 
@@ -148,10 +149,6 @@ def test_malformed_tokenizer_metadata_is_named(changes, message):
 def test_an_unchanged_file_is_parsed_once_and_a_rewritten_one_again(tmp_path, weights):
     """The model and its tokenizer share one parse of a file; a file written again (new
     size or time) is read anew, never answered from the old parse."""
-    import os
-
-    from jsparse.models.gguf_loader import open_gguf
-
     path = tiny_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", CFG.to_dict(), weights)
     first = open_gguf(path)
     assert open_gguf(str(path)) is first
