@@ -74,13 +74,6 @@ def normalized(weighted, m, denom):
     return out, lse
 
 
-def listed_rows(cache: Float[Array, "B S Hkv X"], at: Int[Array, "B Hkv N"]):
-    """[B, Hkv, N, X]: row ``at[b, h, j]`` of KV head h, gathered without copying the
-    cache into a per-head layout first."""
-    b, hkv = at.shape[:2]
-    return cache[jnp.arange(b)[:, None, None], at, jnp.arange(hkv)[None, :, None]]
-
-
 def listed_locations(indices: Int[Array, "B ..."], cache, page_table=None):
     """(valid, i0, i1): list entry ``indices[b, ...]`` is ``cache[i0, i1]``, the first
     two axes of a dense ``[B, S, ...]`` cache or of a ``[n_pages, P, ...]`` pool with

@@ -1311,11 +1311,10 @@ def _row_part(count_ref, cap, bi):
     return row, pl.program_id(1) * bi, jnp.minimum(plt.load(count_ref.at[row]), cap)
 
 
-def _slot_codes(codes_ref, row, cap, slots, n, lo=None):
-    """Codes at ``slots`` of a [T·cap] buffer row with ``n`` live entries (those from
-    ``lo`` on, if given); a dead slot loads EMPTY, ahead of nothing (live codes are
-    above)."""
-    live = slots < n if lo is None else (slots >= lo) & (slots < n)
+def _slot_codes(codes_ref, row, cap, slots, n):
+    """Codes at ``slots`` of a [T·cap] buffer row with ``n`` live entries; a dead slot
+    loads EMPTY, ahead of nothing (live codes are above)."""
+    live = slots < n
     return plt.load(
         codes_ref.at[row * cap + jnp.where(live, slots, 0)], mask=live, other=EMPTY_CODE
     )
@@ -1332,13 +1331,13 @@ def _ranked_slots(codes_ref, ids_ref, row, first, n, cap, bi):
     return slot_i, live_i, at_i, c_i, id_i
 
 
-def _own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj, lo=None):
+def _own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj):
     """[bi, bj]: whether each slot of the ranked slots' own block of ``bj`` is ahead of
     each ranked slot (slots ``first`` on; bi divides bj, so they share one block): a
     higher code, or an equal one in an earlier slot. The candidates are in id order, so
     that is the tie rule by id. c_i > EMPTY: the offset cannot wrap."""
     slot_j = first // bj * bj + jnp.arange(bj, dtype=jnp.int32)
-    c_j = _slot_codes(codes_ref, row, cap, slot_j, n, lo)
+    c_j = _slot_codes(codes_ref, row, cap, slot_j, n)
     earlier = (slot_j[None, :] < slot_i[:, None]).astype(jnp.int32)
     return (c_j[None, :] > c_i[:, None] - earlier).astype(jnp.int32)
 
@@ -1366,35 +1365,23 @@ def _rank_select_kernel(codes_ref, ids_ref, count_ref, out_ids_ref, out_scores_r
                rows=count_ref.shape[0])  # fmt: skip
 
 
-def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, rows,
-               per_lane=True, span=None):  # fmt: skip
+def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, rows):
     """Ranks candidate slots first .. first + bi - 1 of row ``row`` of a [rows·cap]
     buffer with ``n`` live entries against all of them; an entry whose rank is below K
     is written at its rank of the row's output (``outs``: ids, scores), so the row comes
     out selected and ordered at once. Slots between the live count and K are the padding
     (-1 / -inf). The candidates are in id order (slot order), so an entry ranks behind
-    an equal code exactly when that code sits in an earlier slot. ``bi`` divides ``bj``.
-
-    ``per_lane`` keeps the counts per (slot, lane) until the end (one cross-thread sum,
-    [bi, bj] registers); otherwise each block is summed as it is counted, so a block
-    can be larger than the registers (fewer dependent loads a program).
-
-    ``span``: (lo, hi), when the buffer is grouped by code: every entry before slot
-    ``lo`` is ahead of every ranked slot, none from ``hi`` on is, so the slots are
-    ranked against [lo, hi) alone and their ranks start at ``lo``."""
+    an equal code exactly when that code sits in an earlier slot. ``bi`` divides ``bj``."""
 
     @pl.when(first < jnp.maximum(n, top_k))  # parts past both write nothing
     def _():
         slot_i, live_i, _, c_i, id_i = _ranked_slots(codes_ref, ids_ref, row, first, n, cap, bi)
 
-        lo, hi = span if span is not None else (None, n)
-
         def count_above(bar):  # adds, per (i, lane), the block's c_j > bar_i
             def body(j, ahead):
                 slots = j * bj + jnp.arange(bj, dtype=jnp.int32)
-                c_j = _slot_codes(codes_ref, row, cap, slots, hi, lo)
-                above = (c_j[None, :] > bar[:, None]).astype(jnp.int32)
-                return ahead + (above if per_lane else jnp.sum(above, axis=1))
+                c_j = _slot_codes(codes_ref, row, cap, slots, n)
+                return ahead + (c_j[None, :] > bar[:, None]).astype(jnp.int32)
 
             return body
 
@@ -1402,15 +1389,12 @@ def rank_block(codes_ref, ids_ref, outs, row, first, n, *, top_k, cap, bi, bj, r
         # the blocks wholly before i's slots, c_j > c_i after them (one compare a pair;
         # c_i > EMPTY: no wrap), and both tests only in the block that holds them. The
         # counts stay per lane until the end: one cross-thread sum, not one a block.
-        n_blocks = (hi + bj - 1) // bj
+        n_blocks = (n + bj - 1) // bj
         own = first // bj  # bi divides bj: i's slots lie in one block
-        ahead = _own_block_ahead(codes_ref, row, cap, hi, first, slot_i, c_i, bj, lo)
-        ahead = ahead if per_lane else jnp.sum(ahead, axis=1)
-        ahead = jax.lax.fori_loop(0 if lo is None else lo // bj, own, count_above(c_i - 1), ahead)
+        ahead = _own_block_ahead(codes_ref, row, cap, n, first, slot_i, c_i, bj)
+        ahead = jax.lax.fori_loop(0, own, count_above(c_i - 1), ahead)
         ahead = jax.lax.fori_loop(own + 1, n_blocks, count_above(c_i), ahead)
-        rank = jnp.sum(ahead, axis=1) if per_lane else ahead
-        rank = rank if lo is None else rank + lo
-        _write_at_rank(outs, row, rank, slot_i, live_i, c_i, id_i, top_k, rows)
+        _write_at_rank(outs, row, jnp.sum(ahead, axis=1), slot_i, live_i, c_i, id_i, top_k, rows)
 
 
 def rank_select(codes, ids, counts, top_k, *, bi=None, bj=512, num_warps=4, num_stages=1):
