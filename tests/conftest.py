@@ -23,8 +23,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # GPU is: its tests time nothing, but XLA's own GPU code should be what users run. XLA
 # aborts on a flag it does not know, so the emitter flag is given only to the jaxlib
 # versions it was checked on. One LLVM module a program, not split for parallel codegen:
-# two workers already fill two cores, and the split's threads cost ~10% more CPU time
-# (type settings 47 → 39 s, compaction tests 48 → 43 s of user time).
+# two workers already fill two cores, and the split's threads only add CPU time (type
+# settings 47 → 39 s of user time; the whole suite at `-n 2` on two cores 747 → 562 s,
+# with the one-launch tests' ~46 s also gone).
 if not os.path.exists("/dev/nvidiactl"):
     _jaxlib = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
     _cpu_flags = {
