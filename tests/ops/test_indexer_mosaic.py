@@ -146,6 +146,69 @@ def test_topk_base_matches_reference_id_for_id(mosaic_interpret):
     np.testing.assert_array_equal(np.asarray(got.visible), np.asarray(want.visible))
 
 
+def block_table_oracle(start, end, s, bt, bs):
+    """Independent numpy construction of the prologue's meta rows and visible counts."""
+    t = len(start)
+    start = np.clip(start, 0, s)
+    end = np.clip(end, start, s)
+    n_blocks = -(-t // bt)
+    meta = np.zeros((n_blocks, 32), np.int64)
+    for b in range(n_blocks):
+        rows = range(b * bt, min(t, (b + 1) * bt))
+        seen = [r for r in rows if end[r] > start[r]]
+        if seen:
+            lo, hi = min(start[r] for r in seen), max(end[r] for r in seen)
+            meta[b, 0], meta[b, 1] = lo // bs, -(-hi // bs) - lo // bs
+        for j, r in enumerate(rows):
+            meta[b, 2 + j], meta[b, 2 + bt + j] = start[r], end[r]
+    return meta, end - start
+
+
+@pytest.mark.parametrize("bt", [1, 2, 3])
+def test_prologue_block_table_and_report(bt, mosaic_interpret):
+    """The one-launch prologue: each block's visible tiles and ranges (clamped as the
+    reference clamps traced ranges: negative starts, ends past S, ends before starts)
+    over several of its programs, and the ``base`` report of every query."""
+    rng = np.random.default_rng(bt)
+    t, s, bs = 301, 1000, 64  # 301 // bt blocks: more than one program's 128 at BT ≤ 2
+    start = rng.integers(-50, s + 50, t).astype(np.int32)
+    end = (start + rng.integers(-20, 400, t)).astype(np.int32)
+    start[:4], end[:4] = [0, -3, 990, 5], [0, 2000, 1000, 4]
+    cfg = mosaic.MosaicScorerConfig(block_t=bt, block_s=bs)
+    t_pad = -(-t // bt) * bt
+    meta, report = mosaic._prologue(
+        jnp.asarray(start), jnp.asarray(end), s, t_pad, cfg, backend.is_interpret()
+    )
+    want_meta, visible = block_table_oracle(start.astype(np.int64), end.astype(np.int64), s, bt, bs)
+    np.testing.assert_array_equal(np.asarray(meta), want_meta)
+    for field in report[:3]:
+        np.testing.assert_array_equal(np.asarray(field), visible)
+    assert np.all(np.isneginf(np.asarray(report[3]))) and not np.any(np.asarray(report[4]))
+
+
+def test_traced_ranges_outside_the_keys_are_clamped(mosaic_interpret):
+    """Under ``jit`` ranges are not checked: ``mosaic`` reads them clamped, as the
+    reference does, for the scores, the Top-K and its report."""
+    t, s, top_k = 4, 300, 20
+    x = make_inputs(t, 16, 64, s, jnp.bfloat16, ranges="all", scale=False, seed=8)
+    x["kv_start"] = jnp.asarray([-7, 250, 100, 0], jnp.int32)
+    x["kv_end"] = jnp.asarray([40, 900, 90, 300], jnp.int32)  # row 2 ends before it starts
+
+    def run(impl):
+        scores = jax.jit(functools.partial(jsparse.indexer_scores, implementation=impl))(**x)
+        topk = jax.jit(functools.partial(jsparse.indexer_topk, top_k=top_k, implementation=impl))(
+            **x
+        )
+        return scores, topk
+
+    (got_scores, got), (want_scores, want) = run("mosaic"), run("reference")
+    assert_scores_close(got_scores, want_scores, error_bound(x, F32_UNIT_ROUNDOFF))
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+    for field in ("visible", "candidates", "survivors", "fallback"):
+        got_field, want_field = getattr(got, field), getattr(want, field)
+        np.testing.assert_array_equal(np.asarray(got_field), np.asarray(want_field))
+
+
 def test_not_the_default():
     """``implementation=None`` never picks the unmeasured Mosaic kernel."""
     names, _ = backend.resolve(None, ("triton", "mosaic", "reference"))

@@ -309,9 +309,11 @@ def _base_mosaic(q, weights, k_cache, top_k, k_scale, lengths, page_table, sort=
     so FP8 scores round differently from the Triton scorer's."""
     from jsparse.ops.indexer import methods, mosaic
 
-    scores = mosaic.batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table)
+    scores, report = mosaic.batch_scores_mosaic(
+        q, weights, k_cache, k_scale, lengths, page_table, with_report=True
+    )
     zero = jnp.zeros_like(lengths)
-    return methods.topk_from_scores(scores, zero, lengths, top_k, sort=sort)
+    return methods.topk_from_scores(scores, zero, lengths, top_k, sort=sort, report=report)
 
 
 # Preferred order; "mosaic" is opt-in (jsparse.backend.OPT_IN_IMPLEMENTATIONS).

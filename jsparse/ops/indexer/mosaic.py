@@ -57,10 +57,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plt
 
 from jsparse import backend
-from jsparse._pallas import mosaic_kernel
+from jsparse._pallas import mosaic_kernel, pallas_call
 from jsparse.ops.indexer import methods
+from jsparse.ops.indexer.report import store_report
 
 _NEG_INF = float("-inf")
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -316,30 +318,75 @@ def padded_heads(heads: int, block_t: int) -> int:
     return h
 
 
-def _block_meta(start, end, t_pad, cfg):
-    """[T/BT, 32] int32: first visible tile, visible tile count, starts, ends per block."""
-    bt, bs = cfg.block_t, cfg.block_s
-    t = start.shape[0]
-    # Padded query rows see nothing: [0, 0).
-    start = jnp.pad(start, (0, t_pad - t)).reshape(-1, bt)
-    end = jnp.pad(end, (0, t_pad - t)).reshape(-1, bt)
+# Query blocks a program of the prologue covers: one program up to 128 blocks.
+_PROLOGUE_BLOCKS = 128
+
+
+def _prologue_kernel(start_ref, end_ref, meta_ref, *report_refs, t, num_keys, bt, bs):
+    """Program per ``_PROLOGUE_BLOCKS`` query blocks: their meta rows (first visible tile,
+    visible tile count, the BT starts, the BT ends; zero padding) and their queries'
+    report, from ranges clamped as :func:`jsparse._checks.clamp_ranges` clamps them."""
+    blocks = pl.program_id(0) * _PROLOGUE_BLOCKS + jnp.arange(_PROLOGUE_BLOCKS, dtype=jnp.int32)
+    col = jnp.arange(_META, dtype=jnp.int32)[None, :]
+    # Columns 2 .. 2 + BT hold the block's starts and the next BT its ends: each of those
+    # columns loads its query's whole range, so one [blocks, 32] tile serves all fields.
+    is_start, is_end = (col >= 2) & (col < 2 + bt), (col >= 2 + bt) & (col < 2 + 2 * bt)
+    query = blocks[:, None] * bt + jnp.where(is_end, col - 2 - bt, col - 2)
+    ok = (is_start | is_end) & (query < t)  # padded query rows see nothing: [0, 0)
+    at = jnp.where(ok, query, 0)
+    start = jnp.clip(plt.load(start_ref.at[at], mask=ok, other=0), 0, num_keys)
+    end = jnp.clip(plt.load(end_ref.at[at], mask=ok, other=0), start, num_keys)
+    start, end = jnp.where(ok, start, 0), jnp.where(ok, end, 0)
     seen = end > start
     lo = jnp.min(jnp.where(seen, start, jnp.iinfo(jnp.int32).max), axis=1)
     hi = jnp.max(jnp.where(seen, end, 0), axis=1)
-    first = jnp.where(hi > 0, lo // bs, 0)
-    last = jnp.where(hi > 0, (hi + bs - 1) // bs, 0)
-    cols = [first[:, None], (last - first)[:, None], start, end]
-    meta = jnp.concatenate(cols, axis=1).astype(jnp.int32)
-    return jnp.pad(meta, ((0, 0), (0, _META - meta.shape[1])))
+    first = jnp.where(hi > 0, lo // bs, 0)[:, None]
+    last = jnp.where(hi > 0, (hi + bs - 1) // bs, 0)[:, None]
+    meta = jnp.where(is_start, start, jnp.where(is_end, end, 0))
+    meta = jnp.where(col == 0, first, jnp.where(col == 1, last - first, meta))
+    n_blocks = meta_ref.shape[0]
+    in_launch = blocks[:, None] < n_blocks
+    # Masked lanes aim one row past the end: dropped when interpreted (where masked-off
+    # duplicates of a live row could land last), masked on the GPU.
+    row = jnp.where(in_launch, blocks[:, None], n_blocks)
+    plt.store(meta_ref.at[row, col], meta, mask=in_launch & (col >= 0))
+    store_report(report_refs, query, ok & is_start, end - start, t)
+
+
+def _prologue(start, end, num_keys, t_pad, cfg, interpret):
+    """(meta [T_pad / BT, 32] int32, the ``base`` report's five [T] rows), one launch.
+
+    The Mosaic kernel reads its block's ranges from one 128-byte meta row by TMA. Left to
+    XLA, clamping the ranges, building the rows and the report were three launches, 3.5
+    µs of a one-query step on an H100 (WORKSPACE.md, run 289)."""
+    t = start.shape[0]
+    n_blocks = t_pad // cfg.block_t
+    i32 = jax.ShapeDtypeStruct((t,), jnp.int32)
+    report = (i32, i32, i32, jax.ShapeDtypeStruct((t,), jnp.float32),
+              jax.ShapeDtypeStruct((t,), jnp.bool_))  # fmt: skip
+    kernel = functools.partial(
+        _prologue_kernel, t=t, num_keys=num_keys, bt=cfg.block_t, bs=cfg.block_s
+    )
+    meta, *report = pallas_call(
+        kernel,
+        grid=(pl.cdiv(n_blocks, _PROLOGUE_BLOCKS),),
+        out_shape=(jax.ShapeDtypeStruct((n_blocks, _META), jnp.int32), *report),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jsparse_indexer_mosaic_prologue",
+    )(start, end)
+    return meta, tuple(report)
 
 
 # Most elements a Mosaic GPU async copy moves along one dimension.
 _PAGE_ROW = 256
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "seq_len", "page_size"))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "interpret", "seq_len", "page_size", "with_report")
+)
 def _scores(q, weights, k, k_scale, start, end, pages=None, *, cfg, interpret, seq_len=0,
-            page_size=0):  # fmt: skip
+            page_size=0, with_report=False):  # fmt: skip
     """[T, S] scores; ``seq_len`` > 0: a batch, query t over keys [t·seq_len, (t + 1)·
     seq_len) of ``k`` (a multiple of block_s; block_t 1), ranges and the [T, seq_len]
     output in positions within that sequence. With ``pages`` [T, R, W] (query t's page
@@ -365,7 +412,7 @@ def _scores(q, weights, k, k_scale, start, end, pages=None, *, cfg, interpret, s
     scale = () if k_scale is None else (k_scale.astype(jnp.float32),)
     if scale and not seq_len:
         scale = (jnp.pad(scale[0], (0, s_pad - s), constant_values=1.0),)
-    meta = _block_meta(start, end, t_pad, cfg)
+    meta, report = _prologue(start, end, s, t_pad, cfg, interpret)
     q_smem = plgpu.SMEM((n, d), q.dtype, transforms=_transforms(q2))
     if interpret:
         # jax 0.10.2's interpreter cannot apply a transposed view to a wgmma operand, so
@@ -410,7 +457,7 @@ def _scores(q, weights, k, k_scale, start, end, pages=None, *, cfg, interpret, s
     out = kernel(q2, w2, k2, *scale, meta, *paged)
     if (t_pad, s_pad) != (t, s):
         out = out[:t, :s]
-    return out
+    return (out, report) if with_report else out
 
 
 def batch_config(heads: int) -> MosaicScorerConfig:
@@ -420,11 +467,13 @@ def batch_config(heads: int) -> MosaicScorerConfig:
     return MosaicScorerConfig(block_t=1)
 
 
-def batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table=None, *, cfg=None):
+def batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table=None, *, cfg=None,
+                        with_report=False):  # fmt: skip
     """[B, S_max] scores of a batch (query b over the first ``lengths[b]`` keys of its own
-    cache), -inf past each length. The cache is dense, [B, S_max, D], or with
-    ``page_table`` [B, M] a page pool [n_pages, P, D] (key i of sequence b at row i % P
-    of page page_table[b, i // P]; -1: no page, its keys -inf; S_max = M·P).
+    cache), -inf past each length; ``with_report``: (scores, ``base``'s report). The
+    cache is dense, [B, S_max, D], or with ``page_table`` [B, M] a page pool [n_pages,
+    P, D] (key i of sequence b at row i % P of page page_table[b, i // P]; -1: no page,
+    its keys -inf; S_max = M·P).
 
     Raises ``NotImplementedError`` where tiles would cross a sequence or a page: S_max
     (dense) or P (paged) must be a multiple of block_s (paged: block_s is lowered to P
@@ -467,7 +516,7 @@ def batch_scores_mosaic(q, weights, k_cache, k_scale, lengths, page_table=None, 
         q, weights, k_cache.reshape(n_rows * p, d),
         None if k_scale is None else k_scale.reshape(n_rows * p),
         jnp.zeros_like(lengths), lengths, pages, cfg=cfg, interpret=backend.is_interpret(),
-        seq_len=seq_len, page_size=page_size,
+        seq_len=seq_len, page_size=page_size, with_report=with_report,
     )  # fmt: skip
 
 
@@ -480,9 +529,12 @@ def indexer_scores_mosaic(q, weights, k, k_scale, start, end, *, cfg=None):
 
 @functools.partial(jax.jit, static_argnames=("top_k", "cfg", "sort", "interpret"))
 def _topk_base(q, weights, k, top_k, k_scale, start, end, *, cfg, sort, interpret):
-    scores = _scores(q, weights, k, k_scale, start, end, cfg=cfg, interpret=interpret)
-    # Selection is the exact Triton selection of the ``base`` method, unchanged.
-    return methods.topk_from_scores(scores, start, end, top_k, sort=sort)
+    scores, report = _scores(
+        q, weights, k, k_scale, start, end, cfg=cfg, interpret=interpret, with_report=True
+    )
+    # Selection is the exact Triton selection of the ``base`` method, unchanged (it
+    # clamps the ranges where it reads them, as the prologue did for the report).
+    return methods.topk_from_scores(scores, start, end, top_k, sort=sort, report=report)
 
 
 def topk_base_mosaic(q, weights, k, top_k, k_scale, start, end, seeds, sort=True, *, cfg=None):
