@@ -36,6 +36,12 @@ F32_UNIT_ROUNDOFF = 2.0**-24
 GPU_UNIT_ROUNDOFF = {"bf16": 2.0**-22, "fp8": 2.0**-13}
 
 
+def unit_roundoff(dtype: str) -> float:
+    """The bound's unit for this run: the tensor cores' when compiled on a GPU (the
+    ``mosaic_interpret`` fixture), f32's when interpreted."""
+    return GPU_UNIT_ROUNDOFF[dtype] if backend.has_nvidia_gpu() else F32_UNIT_ROUNDOFF
+
+
 @pytest.fixture
 def mosaic_interpret():
     """Compiled on a GPU, interpreted (Mosaic GPU and Triton interpreters) elsewhere."""
@@ -109,8 +115,7 @@ def test_scores_match_reference(case, dtype, mosaic_interpret):
     x = make_inputs(t, h, d, s, DTYPES[dtype], ranges=ranges, scale=scale)
     got = jsparse.indexer_scores(**x, implementation="mosaic")
     want = jsparse.indexer_scores(**x, implementation="reference")
-    unit = GPU_UNIT_ROUNDOFF[dtype] if backend.has_nvidia_gpu() else F32_UNIT_ROUNDOFF
-    assert_scores_close(got, want, error_bound(x, unit))
+    assert_scores_close(got, want, error_bound(x, unit_roundoff(dtype)))
 
 
 def test_block_sizes_and_pipeline_depth(mosaic_interpret):
@@ -118,7 +123,7 @@ def test_block_sizes_and_pipeline_depth(mosaic_interpret):
     key tiles split over several CTAs."""
     x = make_inputs(7, 16, 64, 200, FP8, ranges="odd", scale=True, seed=4)
     want = jsparse.indexer_scores(**x, implementation="reference")
-    bound = error_bound(x, F32_UNIT_ROUNDOFF)
+    bound = error_bound(x, unit_roundoff("fp8"))
     args = (x["q"], x["weights"], x["k"], x["k_scale"], x["kv_start"], x["kv_end"])
     for cfg in (
         mosaic.MosaicScorerConfig(block_t=1, block_s=64, max_concurrent_steps=1),
@@ -138,7 +143,7 @@ def test_topk_base_matches_reference_id_for_id(mosaic_interpret):
     # Scores agree to within the bound, so the ids may differ only where two scores are
     # closer than it: compare tie-robustly against the reference scores.
     oracle = np.asarray(jsparse.indexer_scores(**x, implementation="reference"), np.float64)
-    atol = float(np.max(error_bound(x, F32_UNIT_ROUNDOFF)))
+    atol = float(np.max(error_bound(x, unit_roundoff("fp8"))))
     problems = topk_mismatches(got.indices, got.scores, oracle, top_k, atol)
     assert not problems, "\n".join(problems[:10])
     # Gaussian data has no near-ties at this size: the answer is the reference's, id for id.
@@ -170,7 +175,7 @@ def test_prologue_block_table_and_report(bt, mosaic_interpret):
     reference clamps traced ranges: negative starts, ends past S, ends before starts)
     over several of its programs, and the ``base`` report of every query."""
     rng = np.random.default_rng(bt)
-    t, s, bs = 301, 1000, 64  # 301 // bt blocks: more than one program's 128 at BT ≤ 2
+    t, s, bs = 301, 1000, 64  # 301 / BT blocks: many programs, the last one part-filled
     start = rng.integers(-50, s + 50, t).astype(np.int32)
     end = (start + rng.integers(-20, 400, t)).astype(np.int32)
     start[:4], end[:4] = [0, -3, 990, 5], [0, 2000, 1000, 4]
@@ -202,7 +207,7 @@ def test_traced_ranges_outside_the_keys_are_clamped(mosaic_interpret):
         return scores, topk
 
     (got_scores, got), (want_scores, want) = run("mosaic"), run("reference")
-    assert_scores_close(got_scores, want_scores, error_bound(x, F32_UNIT_ROUNDOFF))
+    assert_scores_close(got_scores, want_scores, error_bound(x, unit_roundoff("bf16")))
     np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
     for field in ("visible", "candidates", "survivors", "fallback"):
         got_field, want_field = getattr(got, field), getattr(want, field)
@@ -274,7 +279,7 @@ def test_batch_base_matches_reference(dtype, scale, mosaic_interpret):
     s_max = x["k_cache"].shape[1]
     visible = np.arange(s_max)[None, :] < np.asarray(x["lengths"])[:, None]
     oracle = np.where(visible, np.asarray(scores_of_batch(x)), -np.inf)
-    atol = float(np.max(batch_error_bound(x, F32_UNIT_ROUNDOFF)))
+    atol = float(np.max(batch_error_bound(x, unit_roundoff(dtype))))
     problems = topk_mismatches(got.indices, got.scores, oracle, top_k, atol)
     assert not problems, "\n".join(problems[:10])
     np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
@@ -298,7 +303,7 @@ def test_batch_scores_split_over_ctas(mosaic_interpret):
     got = np.asarray(mosaic.batch_scores_mosaic(*args, cfg=cfg), np.float64)
     visible = np.arange(320)[None, :] < np.asarray(x["lengths"])[:, None]
     want = np.where(visible, scores_of_batch(x), -np.inf)
-    assert_scores_close(got, want, batch_error_bound(x, F32_UNIT_ROUNDOFF))
+    assert_scores_close(got, want, batch_error_bound(x, unit_roundoff("fp8")))
 
 
 def test_batch_declines_what_it_cannot_read():

@@ -318,8 +318,9 @@ def padded_heads(heads: int, block_t: int) -> int:
     return h
 
 
-# Query blocks a program of the prologue covers: one program up to 128 blocks.
-_PROLOGUE_BLOCKS = 128
+# Query blocks a program of the prologue covers, in one warp: [16, 32] tiles took 2.5 µs
+# at 64 blocks as one program of 128 × 32 (H200, WORKSPACE.md run 290).
+_PROLOGUE_BLOCKS = 16
 
 
 def _prologue_kernel(start_ref, end_ref, meta_ref, *report_refs, t, num_keys, bt, bs):
@@ -371,7 +372,7 @@ def _prologue(start, end, num_keys, t_pad, cfg, interpret):
         kernel,
         grid=(pl.cdiv(n_blocks, _PROLOGUE_BLOCKS),),
         out_shape=(jax.ShapeDtypeStruct((n_blocks, _META), jnp.int32), *report),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jsparse_indexer_mosaic_prologue",
     )(start, end)
