@@ -318,8 +318,9 @@ def padded_heads(heads: int, block_t: int) -> int:
     return h
 
 
-# Query blocks a program of the prologue covers, in one warp: [16, 32] tiles took 2.5 µs
-# at 64 blocks as one program of 128 × 32 (H200, WORKSPACE.md run 290).
+# Query blocks a program of the prologue covers, in one warp. One program of 128 blocks
+# at 4 warps took 2.5 µs for 64 sequences (H200, WORKSPACE.md run 290); 16 blocks keep a
+# program's tile at [16, 32]. One query: 1.5 µs either way (runs 290-291).
 _PROLOGUE_BLOCKS = 16
 
 
@@ -350,7 +351,7 @@ def _prologue_kernel(start_ref, end_ref, meta_ref, *report_refs, t, num_keys, bt
     # Masked lanes aim one row past the end: dropped when interpreted (where masked-off
     # duplicates of a live row could land last), masked on the GPU.
     row = jnp.where(in_launch, blocks[:, None], n_blocks)
-    plt.store(meta_ref.at[row, col], meta, mask=in_launch & (col >= 0))
+    plt.store(meta_ref.at[row, col], meta, mask=in_launch & (col >= 0))  # mask: [blocks, 32]
     store_report(report_refs, query, ok & is_start, end - start, t)
 
 
@@ -359,7 +360,7 @@ def _prologue(start, end, num_keys, t_pad, cfg, interpret):
 
     The Mosaic kernel reads its block's ranges from one 128-byte meta row by TMA. Left to
     XLA, clamping the ranges, building the rows and the report were three launches, 3.5
-    µs of a one-query step on an H100 (WORKSPACE.md, run 289)."""
+    µs of a one-query step on an H100; this one takes 1.5 (WORKSPACE.md, runs 289, 291)."""
     t = start.shape[0]
     n_blocks = t_pad // cfg.block_t
     i32 = jax.ShapeDtypeStruct((t,), jnp.int32)
