@@ -36,8 +36,9 @@ block's tiles are split over several CTAs when there are few blocks, as in decod
 * The head reduction slices the accumulator at multiples of H columns, so H is padded
   (zero queries, zero weights) to a multiple of 8, the wgmma register tile width, and
   BT·H to a multiple of 32 (one block's weights must be a whole 128-byte copy).
-* Causal tile skipping: the wrapper computes, per query block, the key tiles some query
-  of the block can see, ``[first, last)``; the pipeline's grid is that many steps
+* Causal tile skipping: a small Triton launch before the kernel (``_prologue``)
+  computes, per query block, the key tiles some query of the block can see,
+  ``[first, last)``, from the clamped ranges; the pipeline's grid is that many steps
   (a dynamic grid) and the other tiles of the block's rows are written -inf from one
   shared-memory tile of -inf, by TMA, without touching keys.
 * Shapes are padded on the host to whole tiles (T to BT, S to BS) so that every TMA box
