@@ -9,7 +9,6 @@ import pytest
 import jsparse
 from jsparse.ops.indexer import backward, methods
 from jsparse.ops.indexer import triton as indexer_triton
-from jsparse.ops.topk import binned
 from jsparse.ops.topk import triton as select
 from tests.lowering import lower_for_h200
 
@@ -130,15 +129,6 @@ def test_selection_kernels_lower_to_cuda(monkeypatch):
     few, few_counts = jax.ShapeDtypeStruct((8, cap), i32), jax.ShapeDtypeStruct((8,), i32)
     lower_for_h200(lambda c, i, m: select.rank_select(c, i, m, K), few, few, few_counts)
     lower_for_h200(lambda c, i, m: select.block_rank_select(c, i, m, K), few, few, few_counts)
-    # the bins' launch after the chunk compaction (one row: 64 chunks; 8 rows: 16 each)
-    for rows in (1, 8):
-        dense, ranges = (
-            jax.ShapeDtypeStruct((rows, s), jnp.float32),
-            jax.ShapeDtypeStruct((rows,), i32),
-        )
-        lower_for_h200(
-            lambda x, a, b: binned.bin_rank_select(x, a, b, K, cap), dense, ranges, ranges
-        )
 
 
 def _num_warps(lowered):

@@ -526,37 +526,6 @@ def test_rank_select_on_tied_records_of_every_count(cap, rank_select, kernel_imp
     _assert_top_k_of_live(got, codes, ids, counts, top_k)
 
 
-@pytest.mark.parametrize("bins", [1, 4, 32])
-@pytest.mark.parametrize("kind", ["gauss", "all-equal", "few-values", "specials"])
-def test_bin_rank_select_equals_the_reference(kind, bins, kernel_impl, monkeypatch):
-    """One launch after the chunk compaction: each program ranks the candidates of one
-    bin of codes. Ties, -0 / NaN / ±inf, a row with fewer visible keys than K, an empty
-    row, all-equal rows (the slow path inside the launch), one bin (all pairs) and more
-    bins than distinct codes (empty bins); small rank and pair blocks make every loop
-    take several steps, and small segment columns several column blocks."""
-    from jsparse.ops.topk import binned
-
-    monkeypatch.setattr(binned, "RANK_BLOCK", 16)
-    monkeypatch.setattr(binned, "PAIR_BLOCK", 8)
-    monkeypatch.setattr(binned, "SEGMENT_COLS", 32)
-    rng = np.random.default_rng(5)
-    s, top_k, cap = 9000, 40, 512
-    start_end = [(0, s), (100, 7000), (s - 10, s), (500, 500)]
-    scores = jnp.asarray(_adversarial_rows(kind, len(start_end), s, start_end, rng))
-    start, end = (jnp.asarray(np.array(x, np.int32)) for x in zip(*start_end, strict=True))
-    ids, got_scores, slow = binned.bin_rank_select(
-        scores, start, end, top_k, cap, chunks=3, bins=bins
-    )
-    want = select_topk_reference(scores, visible_key_ids(start, end, s), top_k)
-    np.testing.assert_array_equal(ids, want[0])
-    np.testing.assert_array_equal(got_scores, want[1])
-    slow = np.asarray(slow)
-    if kind == "gauss":
-        assert (slow == select.FAST).all(), slow
-    elif kind == "all-equal":  # the two long rows search; 10 and 0 visible keys fit
-        np.testing.assert_array_equal(slow, [select.SEARCHED] * 2 + [select.FAST] * 2)
-
-
 def test_select_by_rank_takes_the_block_form_from_its_row_count(monkeypatch):
     # one row: one launch of pairs (lower latency); from BLOCK_RANK_MIN_ROWS: the blocks
     taken = []
@@ -568,17 +537,13 @@ def test_select_by_rank_takes_the_block_form_from_its_row_count(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("by", ["pairs", "blocks", "bins"])
+@pytest.mark.parametrize("by_blocks", [False, True], ids=["pairs", "blocks"])
 @pytest.mark.parametrize("t, s", [(1, 65536), (8, 131072)])
-def test_gpu_decode_rows_select_by_rank(t, s, by, monkeypatch):
-    # decode-sized rows take rank_select (or its block form, or the bins) when
-    # compiled; rounded scores tie at the boundary, one row sees fewer keys than K.
-    # (The module constants are read at trace time; the monkeypatch fixture clears
-    # traces around the test.)
-    from jsparse.ops.topk import binned
-
-    monkeypatch.setattr(select, "BLOCK_RANK_MIN_ROWS", 1 if by == "blocks" else None)
-    monkeypatch.setattr(binned, "MAX_ROWS", t if by == "bins" else None)
+def test_gpu_decode_rows_select_by_rank(t, s, by_blocks, monkeypatch):
+    # decode-sized rows take rank_select (or its block form) when compiled; rounded
+    # scores tie at the boundary, one row sees fewer keys than K. (The module constant
+    # is read at trace time; the monkeypatch fixture clears traces around the test.)
+    monkeypatch.setattr(select, "BLOCK_RANK_MIN_ROWS", 1 if by_blocks else None)
     rng = np.random.default_rng(t)
     cap = candidate_capacity(2048, s)
     assert select.rank_selects(t, cap)

@@ -17,7 +17,6 @@ from jsparse import backend
 from jsparse.ops.indexer import triton as scorer
 from jsparse.ops.indexer.report import exhaustive_report
 from jsparse.ops.indexer.result import IndexerTopK
-from jsparse.ops.topk import binned
 from jsparse.ops.topk import triton as select
 from jsparse.ops.topk.codes import EMPTY_CODE, code_to_score
 
@@ -143,9 +142,6 @@ def select_dense(scores, start, end, top_k, sort):
     and :func:`jsparse.topk`'s Triton implementation."""
     cap = candidate_capacity(top_k, scores.shape[1])
     if select.rank_selects(scores.shape[0], cap):  # decode: selected and ordered at once
-        if binned.takes(scores.shape[0]):
-            ids, values, _ = binned.bin_rank_select(scores, start, end, top_k, cap)
-            return ids, values
         codes, ids, count, _ = select.compact_rows(scores, start, end, top_k, cap, with_codes=True)
         return select.select_by_rank(codes, ids, count, top_k)
     ids, count, _ = select.compact_rows(scores, start, end, top_k, cap)

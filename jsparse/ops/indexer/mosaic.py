@@ -319,9 +319,10 @@ def padded_heads(heads: int, block_t: int) -> int:
     return h
 
 
-# Query blocks a program of the prologue covers, in one warp. One program of 128 blocks
-# at 4 warps took 2.5 µs for 64 sequences (H200, WORKSPACE.md run 290); 16 blocks keep a
-# program's tile at [16, 32]. One query: 1.5 µs either way (runs 290-291).
+# Query blocks a program of the prologue covers, in one warp: a program's tile is [16,
+# 32]. The launch takes 1.5 µs at one query (runs 290-291), 1.9 at 8 sequences and 2.4-2.5
+# at 64 (H100, run 292), as one program of 128 blocks at 4 warps did (2.5 at 64, H200,
+# run 290): the tile's size is not what the 64-sequence launch pays for.
 _PROLOGUE_BLOCKS = 16
 
 

@@ -909,18 +909,6 @@ def default_chunks(rows: int, length: int) -> int:
     return int(max(1, min(fill, length // entries, MAX_CHUNKS)))
 
 
-def _theta_call(inputs, t, top_k, cap, dense, cfg, num_warps):
-    """Each row's sampled θ [T], one program a row."""
-    return pallas_call(
-        functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
-        grid=(t,),
-        out_shape=jax.ShapeDtypeStruct((t,), jnp.int32),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
-        interpret=backend.is_interpret(),
-        name="jsparse_topk_theta",
-    )(*inputs)
-
-
 def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
     compiler = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     interpret = backend.is_interpret()
@@ -933,6 +921,16 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
 
     statics = dict(dense=dense, codes=codes, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
     flag = jax.ShapeDtypeStruct((t,), i32)
+
+    def theta_call(num_warps):  # each row's sampled θ, one program a row
+        return pallas_call(
+            functools.partial(_theta_kernel, dense=dense, top_k=top_k, cap=cap, cfg=cfg),
+            grid=(t,),
+            out_shape=flag,
+            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
+            interpret=interpret,
+            name="jsparse_topk_theta",
+        )(*inputs)
 
     split_bits = (
         dense and KEEP_BITS and chunks > 1
@@ -947,8 +945,7 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
         # 8192 × 64K, run 40). Rows split over chunks (decode) sample in each chunk
         # program below SHARED_THETA_MIN_ROWS rows (run 61: the θ kernel saved nothing
         # at 1 and 8 rows).
-        num_warps = cfg.split_num_warps if split_bits else cfg.num_warps
-        theta = _theta_call(inputs, t, top_k, cap, dense, cfg, num_warps)
+        theta = theta_call(cfg.split_num_warps if split_bits else cfg.num_warps)
         if dense and KEEP_BITS:
             bufs, slow = _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes, chunks)
         else:
@@ -973,8 +970,22 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
             name="jsparse_topk_exact",
         )(*inputs, *bufs, slow)
     else:  # the merge kernel takes flagged rows' slow path itself
+        n_seg = t * chunks
         seg_codes = codes and not (dense and MERGE_WRITES_CODES)
-        segments = chunk_segments(inputs, t, top_k, cap, dense, cfg, chunks, seg_codes)
+        shared_theta = SHARED_THETA_MIN_ROWS is not None and t >= SHARED_THETA_MIN_ROWS
+        theta = (theta_call(cfg.split_num_warps),) if shared_theta else ()
+        segments = pallas_call(
+            functools.partial(
+                _chunk_kernel, **statics | dict(codes=seg_codes), theta_given=shared_theta
+            ),
+            grid=(t, chunks),
+            out_shape=buffers(n_seg, seg_codes),
+            compiler_params=plt.CompilerParams(
+                num_warps=cfg.split_num_warps, num_stages=cfg.num_stages
+            ),
+            interpret=interpret,
+            name="jsparse_topk_compact_chunks",
+        )(*inputs, *theta)
         *bufs, slow = pallas_call(
             functools.partial(_merge_kernel, **statics, seg_codes=seg_codes),
             grid=(t, chunks),
@@ -985,31 +996,6 @@ def _compact_call(inputs, t, top_k, cap, dense, cfg, chunks, codes):
         )(*inputs, *segments)
     *slots, count = bufs
     return (*(x.reshape(t, cap) for x in slots), count, slow)
-
-
-def chunk_segments(inputs, t, top_k, cap, dense, cfg, chunks, seg_codes):
-    """Each row's candidates ≥ θ as ``chunks`` segments, one a program: ((codes,) ids
-    [T·chunks·cap], counts [T·chunks]); segment (row, c) holds chunk c's entries in id
-    order from slot (row·chunks + c)·cap, its count beside it (not clipped). θ is the
-    row's sample threshold, found by each chunk program (or once a row from
-    SHARED_THETA_MIN_ROWS rows)."""
-    i32 = jnp.int32
-    slots = jax.ShapeDtypeStruct((t * chunks * cap,), i32)  # no init: read up to counts
-    shared_theta = SHARED_THETA_MIN_ROWS is not None and t >= SHARED_THETA_MIN_ROWS
-    theta = ()
-    if shared_theta:
-        theta = (_theta_call(inputs, t, top_k, cap, dense, cfg, cfg.split_num_warps),)
-    statics = dict(dense=dense, codes=seg_codes, top_k=top_k, cap=cap, chunks=chunks, cfg=cfg)
-    return pallas_call(
-        functools.partial(_chunk_kernel, **statics, theta_given=shared_theta),
-        grid=(t, chunks),
-        out_shape=(slots,) * (2 if seg_codes else 1) + (jax.ShapeDtypeStruct((t * chunks,), i32),),
-        compiler_params=plt.CompilerParams(
-            num_warps=cfg.split_num_warps, num_stages=cfg.num_stages
-        ),
-        interpret=backend.is_interpret(),
-        name="jsparse_topk_compact_chunks",
-    )(*inputs, *theta)
 
 
 def _keep_bits_compaction(inputs, theta, t, top_k, cap, cfg, codes, chunks=1):
