@@ -63,7 +63,7 @@ from jax.experimental.pallas import triton as plt
 from jsparse import backend
 from jsparse._pallas import mosaic_kernel, pallas_call
 from jsparse.ops.indexer import methods
-from jsparse.ops.indexer.report import store_report
+from jsparse.ops.indexer.report import report_shapes, store_report
 
 _NEG_INF = float("-inf")
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -365,16 +365,13 @@ def _prologue(start, end, num_keys, t_pad, cfg, interpret):
     µs of a one-query step on an H100; this one takes 1.5 (WORKSPACE.md, runs 289, 291)."""
     t = start.shape[0]
     n_blocks = t_pad // cfg.block_t
-    i32 = jax.ShapeDtypeStruct((t,), jnp.int32)
-    report = (i32, i32, i32, jax.ShapeDtypeStruct((t,), jnp.float32),
-              jax.ShapeDtypeStruct((t,), jnp.bool_))  # fmt: skip
     kernel = functools.partial(
         _prologue_kernel, t=t, num_keys=num_keys, bt=cfg.block_t, bs=cfg.block_s
     )
     meta, *report = pallas_call(
         kernel,
         grid=(pl.cdiv(n_blocks, _PROLOGUE_BLOCKS),),
-        out_shape=(jax.ShapeDtypeStruct((n_blocks, _META), jnp.int32), *report),
+        out_shape=(jax.ShapeDtypeStruct((n_blocks, _META), jnp.int32), *report_shapes(t)),
         compiler_params=plt.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jsparse_indexer_mosaic_prologue",

@@ -32,6 +32,13 @@ def store_report(refs, rows, ok, visible, t):
     plt.store(refs[4].at[dst], jnp.zeros(rows.shape, jnp.bool_), mask=ok)
 
 
+def report_shapes(t):
+    """The five [T] outputs :func:`store_report` writes, as a launch's out_shape."""
+    i32 = jax.ShapeDtypeStruct((t,), jnp.int32)
+    return (i32, i32, i32, jax.ShapeDtypeStruct((t,), jnp.float32),
+            jax.ShapeDtypeStruct((t,), jnp.bool_))  # fmt: skip
+
+
 def _report_kernel(start_ref, end_ref, *report_refs, t):
     rows = pl.program_id(0) * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)
     ok = rows < t
@@ -44,12 +51,10 @@ def exhaustive_report(start, end):
     """(visible, candidates, survivors, threshold, fallback) [T] of a method that scored
     every visible key of ``[start, end)``: end - start three times, -inf, False."""
     t = start.shape[0]
-    i32 = jax.ShapeDtypeStruct((t,), jnp.int32)
-    rest = (jax.ShapeDtypeStruct((t,), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.bool_))
     return pallas_call(
         functools.partial(_report_kernel, t=t),
         grid=(pl.cdiv(t, _BLOCK),),
-        out_shape=(i32, i32, i32, *rest),
+        out_shape=report_shapes(t),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=backend.is_interpret(),
         name="jsparse_indexer_report",

@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plt
 from jsparse import backend
 from jsparse._pallas import pallas_call
 from jsparse.ops import f32_dots
-from jsparse.ops.indexer.report import store_report
+from jsparse.ops.indexer.report import report_shapes, store_report
 from jsparse.ops.topk import codes as codes_lib
 
 _NEG_INF = float("-inf")
@@ -756,9 +756,7 @@ def _launch(
         out_shape = (jax.ShapeDtypeStruct((t, row_cols or s), jnp.float32),)
         initial = ()
         if report:
-            rows = jax.ShapeDtypeStruct((t,), jnp.int32)
-            flags = (jax.ShapeDtypeStruct((t,), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.bool_))
-            out_shape += (rows, rows, rows, *flags)
+            out_shape += report_shapes(t)
     inputs = (q, weights, k, start, end, *(given[n] for n in _optional_inputs(p)))
 
     def call(plan, initial, name):
