@@ -42,11 +42,16 @@ def make_batch(dtype, seed=0):
     )
 
 
-def paged(batch, seed=0):
-    """The same keys in a shuffled page pool with spare pages of noise; pages past each
-    sequence's length unallocated (-1)."""
+# Page sizes of the paged tests: pages smaller than the decode tile (64 keys: one
+# page-table entry a key) and pages of two whole tiles (one entry a tile).
+PAGE_SIZES = [P, 128]
+
+
+def paged(batch, seed=0, page=P):
+    """The same keys in a shuffled page pool of ``page`` keys a page, with spare pages of
+    noise; pages past each sequence's length unallocated (-1)."""
     pool, pool_scale, table = shuffled_pages(
-        batch["k_cache"], batch["k_scale"], LENGTHS, P, spare_pages=3, seed=seed
+        batch["k_cache"], batch["k_scale"], LENGTHS, page, spare_pages=3, seed=seed
     )
     return dict(batch, k_cache=pool, k_scale=pool_scale, page_table=table)
 
@@ -107,26 +112,31 @@ def test_base_kernels_match_the_oracle(dtype, kernel_impl):
         )
 
 
-def test_paged_base_equals_dense_base(kernel_impl):
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_paged_base_equals_dense_base(page, kernel_impl):
     # The scorer reads each key in its page: every id and score equals the dense cache's.
     batch = make_batch(jnp.bfloat16, seed=2)
+    pages = paged(batch, page=page)
     dense = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
-    from_pages = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **paged(batch))
+    from_pages = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **pages)
     np.testing.assert_array_equal(np.asarray(from_pages.indices), np.asarray(dense.indices))
     np.testing.assert_array_equal(np.asarray(from_pages.scores), np.asarray(dense.scores))
     assert_matches_oracle(dense, batch)
-    ref = jsparse.indexer_topk_batch(top_k=K, implementation="reference", **paged(batch))
+    ref = jsparse.indexer_topk_batch(top_k=K, implementation="reference", **pages)
     assert_matches_oracle(ref, batch)
 
 
+@pytest.mark.parametrize("page", PAGE_SIZES)
 @pytest.mark.parametrize("splits", [1, 2])
-def test_paged_base_walks_several_tiles_a_program(splits, kernel_impl, monkeypatch):
+def test_paged_base_walks_several_tiles_a_program(splits, page, kernel_impl, monkeypatch):
     # A program reads each tile's pages one tile ahead: with every sequence's 5 tiles in
     # one or two programs, a wrong prefetch would read another tile's keys.
     monkeypatch.setattr(scorer, "batch_splits", lambda *args: splits)
     batch = make_batch(jnp.bfloat16, seed=5)
     dense = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
-    from_pages = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **paged(batch))
+    from_pages = jsparse.indexer_topk_batch(
+        top_k=K, implementation=kernel_impl, **paged(batch, page=page)
+    )
     np.testing.assert_array_equal(np.asarray(from_pages.indices), np.asarray(dense.indices))
     np.testing.assert_array_equal(np.asarray(from_pages.scores), np.asarray(dense.scores))
     assert_matches_oracle(dense, batch)
@@ -235,14 +245,14 @@ def test_bad_input_raises_value_errors():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("paged_cache", [False, True], ids=["dense", "paged"])
-def test_batch_base_lowers_to_cuda(dtype, paged_cache):
+@pytest.mark.parametrize("p", [0, 32, 128], ids=["dense", "paged32", "paged128"])
+def test_batch_base_lowers_to_cuda(dtype, p):
     from jsparse.ops.indexer import batch as batch_lib
 
-    b, s_max, h, d, p = 8, 8192, 64, 128, 64
+    b, s_max, h, d = 8, 8192, 64, 128
+    paged_cache = p > 0
     f32, i32 = jnp.float32, jnp.int32
-    pages = b * s_max // p
-    shape = (pages, p, d) if paged_cache else (b, s_max, d)
+    shape = (b * s_max // p, p, d) if paged_cache else (b, s_max, d)
     args = [
         jax.ShapeDtypeStruct((b, h, d), dtype),
         jax.ShapeDtypeStruct((b, h), f32),
@@ -312,11 +322,12 @@ def test_traced_lengths_past_s_max_are_clamped(kernel_impl):
     assert int(run(over).visible[0]) == S_MAX
 
 
-def test_traced_pages_outside_the_pool_or_missing_are_never_read(kernel_impl):
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_traced_pages_outside_the_pool_or_missing_are_never_read(page, kernel_impl):
     """Under jit a page table cannot be checked: an entry outside [-1, n_pages) is no
     page, and a key on no page (even below its sequence's length) is never read: it
     scores -inf, in the kernels and the references alike."""
-    batch = paged(make_batch(jnp.bfloat16, seed=3))
+    batch = paged(make_batch(jnp.bfloat16, seed=3), page=page)
     table, n_pages = batch["page_table"], batch["k_cache"].shape[0]
     bad = table.at[0, 2].set(n_pages + 7).at[3, 0].set(-4).at[2, 0].set(-1)
     run = {
@@ -330,8 +341,8 @@ def test_traced_pages_outside_the_pool_or_missing_are_never_read(kernel_impl):
         np.testing.assert_array_equal(np.asarray(r.indices), np.asarray(first.indices), str(key))
     ids, scores = np.asarray(first.indices), np.asarray(first.scores)
     on_no_page = np.zeros(ids.shape, bool)
-    on_no_page[0] = (ids[0] >= 2 * P) & (ids[0] < 3 * P)
-    on_no_page[2:] = (ids[2:] >= 0) & (ids[2:] < P)
+    on_no_page[0] = (ids[0] >= 2 * page) & (ids[0] < 3 * page)
+    on_no_page[2:] = (ids[2:] >= 0) & (ids[2:] < page)
     assert np.all(scores[on_no_page] == -np.inf) and on_no_page[2, :5].all()  # length 5
     assert np.isfinite(scores[0]).all()  # sequence 0 has K keys on its other pages
 

@@ -303,6 +303,9 @@ class _Plan:
 # Dense launches over a paged cache load each tile's page-table entries one tile ahead,
 # so the key loads do not wait on them (see WORKSPACE.md, run 120).
 PREFETCH_PAGES = True
+# Pages holding whole key tiles (P a multiple of block_s): each tile reads one page-table
+# entry, a scalar, instead of one a key.
+WHOLE_TILE_PAGES = True
 
 
 # Records of launches whose splits share a query. False: every tile reserves room in
@@ -353,19 +356,36 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
     slice_dims = [jnp.arange(c, c + width, dtype=jnp.int32) for c, width in slices]
 
-    def tile_pages(ids, ok):
-        # Paged cache: the page table maps the id's page to a physical page (-1: none).
+    # A key range's tiles over a cache of pages that hold whole tiles: one page-table
+    # entry a tile (a scalar), and rows the compiler can see are contiguous.
+    whole_tile_pages = (
+        bool(p.page_size) and not p.key_list and p.page_size % bs == 0 and WHOLE_TILE_PAGES
+    )
+
+    def tile_pages(j):
+        """Key tile j's physical pages (-1: none): [BS], or one scalar for the tile when
+        pages hold whole tiles. Tiles past the last read the last entry (never used)."""
+        if whole_tile_pages:
+            last = p.s // p.page_size - 1
+            return plt.load(pages_ref.at[jnp.minimum(j * bs // p.page_size, last)])
+        ids = tile_ids(j)
+        ok = (ids >= 0) & (ids < p.s)
         return plt.load(pages_ref.at[jnp.where(ok, ids, 0) // p.page_size], mask=ok, other=-1)
 
-    def tile_scores(ids, page=None):
-        """ids [BS] (-1 or ≥ S: no key) -> (scores [BT, BS], visible [BT, BS]). ``page``:
-        the ids' pages when already loaded (paged caches)."""
+    def tile_scores(j, page=None):
+        """Key tile j -> (ids [BS] (-1 or ≥ S: no key), scores [BT, BS], visible
+        [BT, BS]). ``page``: the tile's pages when already loaded (paged caches)."""
+        ids = tile_ids(j)
         ok = (ids >= 0) & (ids < p.s)
         safe = jnp.where(ok, ids, 0)
         if p.page_size:
-            page = tile_pages(ids, ok) if page is None else page
+            page = tile_pages(j) if page is None else page
             ok = ok & (page >= 0)
-            row = jnp.where(ok, page * p.page_size + safe % p.page_size, 0)
+            if whole_tile_pages:  # the tile's first row, then consecutive rows
+                first_row = jnp.where(page >= 0, page * p.page_size + j * bs % p.page_size, 0)
+                row = first_row + jnp.arange(bs, dtype=jnp.int32)
+            else:
+                row = jnp.where(ok, page * p.page_size + safe % p.page_size, 0)
         else:
             row = safe
         k_parts = [
@@ -380,7 +400,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         k_parts = [part.astype(p.compute) for part in k_parts]
         scores = _score_tile(q_parts, w, k_parts, scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
-        return scores, visible
+        return ids, scores, visible
 
     if p.key_list:
         # Only the tiles holding the block's listed ids (lists are filled from the front).
@@ -406,8 +426,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         out_ref, count_ref = refs
 
         def list_body(j, kept):
-            ids = tile_ids(j)
-            scores, visible = tile_scores(ids)
+            _, scores, visible = tile_scores(j)
             _, keep = _at_least(scores, visible, tau)
             pos = j * bs + jnp.arange(bs, dtype=jnp.int32)
             plt.store(
@@ -424,13 +443,13 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
 
     if p.records:
         if p.stage:
-            _staged_records(tile_ids, tile_scores, refs[-5:], tau, begin, stop, p)
+            _staged_records(tile_scores, refs[-5:], tau, begin, stop, p)
             return
         codes_ref, rec_ids_ref, count_ref = refs[-3:]  # (aliased initial values come first)
         row_iota = jnp.arange(bt, dtype=jnp.int32)[:, None]
 
         def body(j, written):
-            ids, code, keep = _tile_records(tile_ids, tile_scores, tau, j)
+            ids, code, keep = _tile_records(tile_scores, tau, j)
             keep_i = keep.astype(jnp.int32)
             counts = jnp.sum(keep_i, axis=1)  # [BT]
             if p.splits == 1:
@@ -468,20 +487,15 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     else:
         out_ref = refs[-1]  # (the fill launch also sees the aliased scores before it)
 
-    def next_pages(j):  # tile j's pages, none past the split's last tile
-        ids = tile_ids(j)
-        return tile_pages(ids, (ids >= 0) & (ids < p.s) & (j < stop))
-
     # (Key ranges only: a list's tile past its last would be read out of bounds.)
     prefetch = bool(p.page_size) and not p.key_list and PREFETCH_PAGES
 
     def dense_body(j, pages):
-        ids = tile_ids(j)
         if prefetch:  # the next tile's pages, loaded while this tile's keys are
-            pages, ahead = next_pages(j + 1), pages
-            scores, visible = tile_scores(ids, ahead)
+            pages, ahead = tile_pages(j + 1), pages
+            ids, scores, visible = tile_scores(j, ahead)
         else:
-            scores, visible = tile_scores(ids)
+            ids, scores, visible = tile_scores(j)
         scores = jnp.where(visible, scores, _NEG_INF)
         if p.row_cols:
             col = ids[None, :] - start[:, None]
@@ -494,7 +508,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         return pages
 
     if not p.fill_only:
-        jax.lax.fori_loop(begin, stop, dense_body, next_pages(begin) if prefetch else 0)
+        jax.lax.fori_loop(begin, stop, dense_body, tile_pages(begin) if prefetch else 0)
     else:
         # Tiles outside [first, last) are invisible to every query of the block.
         n_all = (p.s + bs - 1) // bs
@@ -533,14 +547,14 @@ def _at_least(scores, visible, tau):
     return code, visible & (code >= tau[:, None])
 
 
-def _tile_records(tile_ids, tile_scores, tau, j):
+def _tile_records(tile_scores, tau, j):
     """Key tile j's ids, score codes and which of them are records (≥ τ, visible)."""
-    ids = tile_ids(j)
-    code, keep = _at_least(*tile_scores(ids), tau)
+    ids, scores, visible = tile_scores(j)
+    code, keep = _at_least(scores, visible, tau)
     return ids, code, keep
 
 
-def _staged_records(tile_ids, tile_scores, out_refs, tau, begin, stop, p):
+def _staged_records(tile_scores, out_refs, tau, begin, stop, p):
     """The records of a split program's tiles [begin, stop), staged (``p.stage`` slots a
     query, running offsets), then reserved in each query's buffer with one fetch-and-add
     and copied there: when a tile would overfill the stage, and at the end. The stage's
@@ -584,7 +598,7 @@ def _staged_records(tile_ids, tile_scores, out_refs, tau, begin, stop, p):
         return staged * 0
 
     def body(j, staged):
-        ids, code, keep = _tile_records(tile_ids, tile_scores, tau, j)
+        ids, code, keep = _tile_records(tile_scores, tau, j)
         keep_i = keep.astype(jnp.int32)
         counts = jnp.sum(keep_i, axis=1)
         staged = jax.lax.cond(jnp.max(staged + counts) > p.stage, flush, lambda s: s, staged)
