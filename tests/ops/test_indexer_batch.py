@@ -126,12 +126,14 @@ def test_paged_base_equals_dense_base(page, kernel_impl):
     assert_matches_oracle(ref, batch)
 
 
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("page", PAGE_SIZES)
 @pytest.mark.parametrize("splits", [1, 2])
-def test_paged_base_walks_several_tiles_a_program(splits, page, kernel_impl, monkeypatch):
-    # A program reads each tile's pages one tile ahead: with every sequence's 5 tiles in
-    # one or two programs, a wrong prefetch would read another tile's keys.
+def test_paged_base_walks_several_tiles_a_program(splits, page, ahead, kernel_impl, monkeypatch):
+    # A program reads each tile's pages one or two tiles ahead: with every sequence's 5
+    # tiles in one or two programs, a wrong prefetch would read another tile's keys.
     monkeypatch.setattr(scorer, "batch_splits", lambda *args: splits)
+    monkeypatch.setattr(scorer, "PAGE_PREFETCH_TILES", ahead)
     batch = make_batch(jnp.bfloat16, seed=5)
     dense = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
     from_pages = jsparse.indexer_topk_batch(

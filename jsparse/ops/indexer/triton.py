@@ -303,6 +303,8 @@ class _Plan:
 # Dense launches over a paged cache load each tile's page-table entries one tile ahead,
 # so the key loads do not wait on them (see WORKSPACE.md, run 120).
 PREFETCH_PAGES = True
+# How many tiles ahead the prefetch loads pages.
+PAGE_PREFETCH_TILES = 1
 # Pages holding whole key tiles (P a multiple of block_s): each tile reads one page-table
 # entry, a scalar, instead of one a key.
 WHOLE_TILE_PAGES = True
@@ -490,10 +492,12 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     # (Key ranges only: a list's tile past its last would be read out of bounds.)
     prefetch = bool(p.page_size) and not p.key_list and PREFETCH_PAGES
 
+    ahead = PAGE_PREFETCH_TILES
+
     def dense_body(j, pages):
-        if prefetch:  # the next tile's pages, loaded while this tile's keys are
-            pages, ahead = tile_pages(j + 1), pages
-            ids, scores, visible = tile_scores(j, ahead)
+        if prefetch:  # pages of tile j + ahead, loaded while this tile's keys are
+            ids, scores, visible = tile_scores(j, pages[0])
+            pages = (*pages[1:], tile_pages(j + ahead))
         else:
             ids, scores, visible = tile_scores(j)
         scores = jnp.where(visible, scores, _NEG_INF)
@@ -508,7 +512,8 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         return pages
 
     if not p.fill_only:
-        jax.lax.fori_loop(begin, stop, dense_body, tile_pages(begin) if prefetch else 0)
+        pages = tuple(tile_pages(begin + a) for a in range(ahead)) if prefetch else 0
+        jax.lax.fori_loop(begin, stop, dense_body, pages)
     else:
         # Tiles outside [first, last) are invisible to every query of the block.
         n_all = (p.s + bs - 1) // bs
