@@ -94,30 +94,35 @@ def test_decode_validates_inputs():
 
 
 P = 16  # page size of the paged tests (S_MAX = 10 pages)
+# Pages smaller than the decode tile (an entry a key) and pages of whole 64-key tiles
+# (an entry a tile, the scorer's other way of reading pages).
+PAGE_SIZES = [P, 64]
 
 
-def _paged(k_cache, scale, lengths, seed=0):
-    return shuffled_pages(k_cache, scale, lengths, P, spare_pages=5, seed=seed)
+def _paged(k_cache, scale, lengths, seed=0, page=P):
+    return shuffled_pages(k_cache, scale, lengths, page, spare_pages=5, seed=seed)
 
 
+@pytest.mark.parametrize("page", PAGE_SIZES)
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_paged_decode_equals_dense_decode(impl, request):
+def test_paged_decode_equals_dense_decode(impl, page, request):
     # The same keys in a shuffled page pool: every step's ids, scores, records and
     # witnesses equal the dense cache's (the scorer reads each key in its page).
     if impl == "triton":
         request.getfixturevalue("interpret")
-    _check_paged_equals_dense(impl)
+    _check_paged_equals_dense(impl, page)
 
 
 @pytest.mark.gpu
-def test_gpu_paged_decode_equals_dense_decode():
-    _check_paged_equals_dense("triton")  # compiled
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_gpu_paged_decode_equals_dense_decode(page):
+    _check_paged_equals_dense("triton", page)  # compiled
 
 
-def _check_paged_equals_dense(impl):
+def _check_paged_equals_dense(impl, page):
     k_cache, scale, qs, ws, lengths0 = _sequence(seed=1)
     steps_lengths = [lengths0 + n for n in range(len(qs))]
-    pool, pool_scale, table = _paged(k_cache, scale, steps_lengths[-1])
+    pool, pool_scale, table = _paged(k_cache, scale, steps_lengths[-1], page=page)
     dense_wit = paged_wit = jnp.full((B, 2 * K), -1, jnp.int32)
     for q, w, lengths in zip(qs, ws, steps_lengths, strict=True):
         lengths = jnp.asarray(lengths, jnp.int32)
