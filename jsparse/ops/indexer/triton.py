@@ -303,7 +303,8 @@ class _Plan:
 # Dense launches over a paged cache load each tile's page-table entries one tile ahead,
 # so the key loads do not wait on them (see WORKSPACE.md, run 120).
 PREFETCH_PAGES = True
-# How many tiles ahead the prefetch loads pages.
+# How many tiles ahead the prefetch loads pages (1 measured; 2 is the open question of
+# P = block_s, WORKSPACE.md, run 295).
 PAGE_PREFETCH_TILES = 1
 # Pages holding whole key tiles (P a multiple of block_s): each tile reads one page-table
 # entry, a scalar, instead of one a key.
@@ -359,7 +360,8 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     slice_dims = [jnp.arange(c, c + width, dtype=jnp.int32) for c, width in slices]
 
     # A key range's tiles over a cache of pages that hold whole tiles: one page-table
-    # entry a tile (a scalar), and rows the compiler can see are contiguous.
+    # entry a tile (a scalar), not one a key (FP8 64 × 64K at P 64: 300 → 243 µs,
+    # dense 225; WORKSPACE.md, runs 293-294).
     whole_tile_pages = (
         bool(p.page_size) and not p.key_list and p.page_size % bs == 0 and WHOLE_TILE_PAGES
     )
