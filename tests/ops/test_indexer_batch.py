@@ -126,14 +126,21 @@ def test_paged_base_equals_dense_base(page, kernel_impl):
     assert_matches_oracle(ref, batch)
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
-@pytest.mark.parametrize("page", PAGE_SIZES)
-@pytest.mark.parametrize("splits", [1, 2])
-def test_paged_base_walks_several_tiles_a_program(splits, page, ahead, kernel_impl, monkeypatch):
-    # A program reads each tile's pages one or two tiles ahead: with every sequence's 5
-    # tiles in one or two programs, a wrong prefetch would read another tile's keys.
+@pytest.mark.parametrize(
+    "splits, page, ahead, before",
+    [(s, p, 1, False) for s in (1, 2) for p in PAGE_SIZES]
+    + [(2, p, 2, False) for p in PAGE_SIZES]
+    + [(2, PAGE_SIZES[1], 1, True), (2, PAGE_SIZES[0], 2, True)],
+)
+def test_paged_base_walks_several_tiles_a_program(
+    splits, page, ahead, before, kernel_impl, monkeypatch
+):
+    # A program reads each tile's pages one or two tiles ahead, the load placed before or
+    # after the tile's own: with every sequence's 5 tiles in one or two programs, a wrong
+    # prefetch would read another tile's keys.
     monkeypatch.setattr(scorer, "batch_splits", lambda *args: splits)
     monkeypatch.setattr(scorer, "PAGE_PREFETCH_TILES", ahead)
+    monkeypatch.setattr(scorer, "PREFETCH_BEFORE_TILE", before)
     batch = make_batch(jnp.bfloat16, seed=5)
     dense = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
     from_pages = jsparse.indexer_topk_batch(

@@ -306,6 +306,11 @@ PREFETCH_PAGES = True
 # How many tiles ahead the prefetch loads pages (1 measured; 2 is the open question of
 # P = block_s, WORKSPACE.md, run 295).
 PAGE_PREFETCH_TILES = 1
+# Where the prefetch's load sits in the loop body. False (measured, runs 293-296): after
+# the tile's score stores, which the compiler cannot move it above (they might alias),
+# so the next tile's key loads may wait on it; True: before the tile's key loads, as
+# run 120 measured for an entry a key. Unmeasured for an entry a tile (run 297).
+PREFETCH_BEFORE_TILE = False
 # Pages holding whole key tiles (P a multiple of block_s): each tile reads one page-table
 # entry, a scalar, instead of one a key.
 WHOLE_TILE_PAGES = True
@@ -497,7 +502,10 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     ahead = PAGE_PREFETCH_TILES
 
     def dense_body(j, pages):
-        if prefetch:  # pages of tile j + ahead, loaded while this tile's keys are
+        if prefetch and PREFETCH_BEFORE_TILE:  # issued before the tile's loads and stores
+            current, pages = pages[0], (*pages[1:], tile_pages(j + ahead))
+            ids, scores, visible = tile_scores(j, current)
+        elif prefetch:  # pages of tile j + ahead, loaded after this tile's stores
             ids, scores, visible = tile_scores(j, pages[0])
             pages = (*pages[1:], tile_pages(j + ahead))
         else:
