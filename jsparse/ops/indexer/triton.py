@@ -307,9 +307,9 @@ PREFETCH_PAGES = True
 # P = block_s, WORKSPACE.md, run 295).
 PAGE_PREFETCH_TILES = 1
 # Where the prefetch's load sits in the loop body. False (measured, runs 293-296): after
-# the tile's score stores, which the compiler cannot move it above (they might alias),
-# so the next tile's key loads may wait on it; True: before the tile's key loads, as
-# run 120 measured for an entry a key. Unmeasured for an entry a tile (run 297).
+# the tile's key loads and dot, before its score stores, so it may still be in flight
+# when the next tile's key loads need it; True: before the tile's key loads, as run 120
+# measured for an entry a key. Unmeasured for an entry a tile (run 297).
 PREFETCH_BEFORE_TILE = False
 # Pages holding whole key tiles (P a multiple of block_s): each tile reads one page-table
 # entry, a scalar, instead of one a key.
@@ -498,14 +498,13 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
 
     # (Key ranges only: a list's tile past its last would be read out of bounds.)
     prefetch = bool(p.page_size) and not p.key_list and PREFETCH_PAGES
-
     ahead = PAGE_PREFETCH_TILES
 
     def dense_body(j, pages):
-        if prefetch and PREFETCH_BEFORE_TILE:  # issued before the tile's loads and stores
+        if prefetch and PREFETCH_BEFORE_TILE:  # issued before the tile's key loads
             current, pages = pages[0], (*pages[1:], tile_pages(j + ahead))
             ids, scores, visible = tile_scores(j, current)
-        elif prefetch:  # pages of tile j + ahead, loaded after this tile's stores
+        elif prefetch:  # pages of tile j + ahead, issued after this tile's loads and dot
             ids, scores, visible = tile_scores(j, pages[0])
             pages = (*pages[1:], tile_pages(j + ahead))
         else:
