@@ -42,9 +42,10 @@ def make_batch(dtype, seed=0):
     )
 
 
-# Page sizes of the paged tests: pages smaller than the decode tile (64 keys: one
-# page-table entry a key) and pages of two whole tiles (one entry a tile).
-PAGE_SIZES = [P, 128]
+# Page sizes of the paged tests, against the decode tile of 64 keys: pages that do not
+# divide it (one page-table entry a key), half-tile pages (a tile's two entries as
+# scalars) and pages of two whole tiles (one entry a tile).
+PAGE_SIZES = [P, 32, 128]
 
 
 def paged(batch, seed=0, page=P):
@@ -130,7 +131,7 @@ def test_paged_base_equals_dense_base(page, kernel_impl):
     "splits, page, ahead, before",
     [(s, p, 1, False) for s in (1, 2) for p in PAGE_SIZES]
     + [(2, p, 2, False) for p in PAGE_SIZES]
-    + [(2, PAGE_SIZES[1], 1, True), (2, PAGE_SIZES[0], 2, True)],
+    + [(2, 128, 1, True), (2, 32, 1, True), (2, P, 2, True), (2, 32, 2, True)],
 )
 def test_paged_base_walks_several_tiles_a_program(
     splits, page, ahead, before, kernel_impl, monkeypatch

@@ -314,6 +314,10 @@ PREFETCH_BEFORE_TILE = False
 # Pages holding whole key tiles (P a multiple of block_s): each tile reads one page-table
 # entry, a scalar, instead of one a key.
 WHOLE_TILE_PAGES = True
+# Pages holding a whole fraction of a tile (block_s a multiple of P): each tile reads its
+# block_s / P entries as scalars and selects each key's among them, instead of loading
+# one a key (unmeasured: run 298).
+TILE_FRACTION_PAGES = True
 
 
 # Records of launches whose splits share a query. False: every tile reserves room in
@@ -367,16 +371,26 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     # A key range's tiles over a cache of pages that hold whole tiles: one page-table
     # entry a tile (a scalar), not one a key (FP8 64 × 64K at P 64: 300 → 243 µs,
     # dense 225; WORKSPACE.md, runs 293-294).
-    whole_tile_pages = (
-        bool(p.page_size) and not p.key_list and p.page_size % bs == 0 and WHOLE_TILE_PAGES
+    # Pages a whole fraction of a tile: its bs / P entries, as scalars.
+    scalar_pages = (
+        bool(p.page_size)
+        and not p.key_list
+        and (
+            (p.page_size % bs == 0 and WHOLE_TILE_PAGES)
+            or (bs % p.page_size == 0 and TILE_FRACTION_PAGES)
+        )
     )
+    entries_a_tile = max(bs // p.page_size, 1) if scalar_pages else 0
 
     def tile_pages(j):
-        """Key tile j's physical pages (-1: none): [BS], or one scalar for the tile when
-        pages hold whole tiles. Tiles past the last read the last entry (never used)."""
-        if whole_tile_pages:
-            last = p.s // p.page_size - 1
-            return plt.load(pages_ref.at[jnp.minimum(j * bs // p.page_size, last)])
+        """Key tile j's physical pages (-1: none): [BS], or a tuple of the tile's
+        entries as scalars when pages hold whole tiles or whole fractions of one. Tiles
+        past the last read the last entry (never used)."""
+        if scalar_pages:
+            first, last = j * bs // p.page_size, p.s // p.page_size - 1
+            return tuple(
+                plt.load(pages_ref.at[jnp.minimum(first + e, last)]) for e in range(entries_a_tile)
+            )
         ids = tile_ids(j)
         ok = (ids >= 0) & (ids < p.s)
         return plt.load(pages_ref.at[jnp.where(ok, ids, 0) // p.page_size], mask=ok, other=-1)
@@ -389,11 +403,20 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         safe = jnp.where(ok, ids, 0)
         if p.page_size:
             page = tile_pages(j) if page is None else page
-            ok = ok & (page >= 0)
-            if whole_tile_pages:  # the tile's first row, then consecutive rows
+            lane = jnp.arange(bs, dtype=jnp.int32)
+            if entries_a_tile == 1:  # the tile's first row, then consecutive rows
+                page = page[0]
                 first_row = jnp.where(page >= 0, page * p.page_size + j * bs % p.page_size, 0)
-                row = first_row + jnp.arange(bs, dtype=jnp.int32)
+                row = first_row + lane  # (a scalar plus a range: known contiguous)
+                ok = ok & (page >= 0)
+            elif entries_a_tile:  # each key's entry among the tile's, then its offset
+                entries, page = page, page[0]
+                for e in range(1, entries_a_tile):
+                    page = jnp.where(lane >= e * p.page_size, entries[e], page)
+                ok = ok & (page >= 0)
+                row = jnp.where(ok, page * p.page_size + lane % p.page_size, 0)
             else:
+                ok = ok & (page >= 0)
                 row = jnp.where(ok, page * p.page_size + safe % p.page_size, 0)
         else:
             row = safe
