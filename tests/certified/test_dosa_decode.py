@@ -9,6 +9,7 @@ import pytest
 
 import jsparse
 from jsparse.certified import indexer_topk_decode
+from jsparse.ops.indexer import triton as indexer_triton
 from jsparse.ops.topk.codes import EMPTY_CODE
 from tests.paging import shuffled_pages
 
@@ -94,28 +95,32 @@ def test_decode_validates_inputs():
 
 
 P = 16  # page size of the paged tests (S_MAX = 10 pages)
-# Pages smaller than the decode tile (an entry a key) and pages of whole 64-key tiles
-# (an entry a tile, the scorer's other way of reading pages).
-PAGE_SIZES = [P, 64]
+# (page size, scorer.TILE_FRACTION_PAGES): pages a quarter of the 64-key decode tile,
+# an entry a key (the default until measured on the GPU) or the tile's four entries as
+# scalars, and pages of whole tiles (an entry a tile).
+PAGE_LAYOUTS = [(P, False), (P, True), (64, False)]
+PAGE_IDS = ["P16", "P16-scalars", "P64"]
 
 
 def _paged(k_cache, scale, lengths, seed=0, page=P):
     return shuffled_pages(k_cache, scale, lengths, page, spare_pages=5, seed=seed)
 
 
-@pytest.mark.parametrize("page", PAGE_SIZES)
+@pytest.mark.parametrize("page, scalars", PAGE_LAYOUTS, ids=PAGE_IDS)
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_paged_decode_equals_dense_decode(impl, page, request):
+def test_paged_decode_equals_dense_decode(impl, page, scalars, request, monkeypatch):
     # The same keys in a shuffled page pool: every step's ids, scores, records and
     # witnesses equal the dense cache's (the scorer reads each key in its page).
     if impl == "triton":
         request.getfixturevalue("interpret")
+    monkeypatch.setattr(indexer_triton, "TILE_FRACTION_PAGES", scalars)
     _check_paged_equals_dense(impl, page)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", PAGE_SIZES)
-def test_gpu_paged_decode_equals_dense_decode(page):
+@pytest.mark.parametrize("page, scalars", PAGE_LAYOUTS, ids=PAGE_IDS)
+def test_gpu_paged_decode_equals_dense_decode(page, scalars, monkeypatch):
+    monkeypatch.setattr(indexer_triton, "TILE_FRACTION_PAGES", scalars)
     _check_paged_equals_dense("triton", page)  # compiled
 
 

@@ -314,10 +314,11 @@ PREFETCH_BEFORE_TILE = False
 # Pages holding whole key tiles (P a multiple of block_s): each tile reads one page-table
 # entry, a scalar, instead of one a key.
 WHOLE_TILE_PAGES = True
-# Pages holding a whole fraction of a tile (block_s a multiple of P): each tile reads its
-# block_s / P entries as scalars and selects each key's among them, instead of loading
-# one a key (unmeasured: run 298).
-TILE_FRACTION_PAGES = True
+# Pages holding a whole fraction of a tile (block_s a multiple of P): True, each tile
+# reads its block_s / P entries as scalars and selects each key's among them; False, one
+# entry a key. Off until measured on the GPU (tested interpreted and lowered; WORKSPACE.md,
+# run 298 planned).
+TILE_FRACTION_PAGES = False
 
 
 # Records of launches whose splits share a query. False: every tile reserves room in
