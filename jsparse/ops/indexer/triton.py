@@ -369,10 +369,10 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     w = plt.load(w_ref.at[pl.ds(i * bt, bt), :], mask=row_ok[:, None], other=0.0)
     slice_dims = [jnp.arange(c, c + width, dtype=jnp.int32) for c, width in slices]
 
-    # A key range's tiles over a cache of pages that hold whole tiles: one page-table
-    # entry a tile (a scalar), not one a key (FP8 64 × 64K at P 64: 300 → 243 µs,
-    # dense 225; WORKSPACE.md, runs 293-294).
-    # Pages a whole fraction of a tile: its bs / P entries, as scalars.
+    # A key range's tiles over pages that hold whole tiles read one page-table entry a
+    # tile, a scalar, not one a key (FP8 64 × 64K at P 64: 300 → 243 µs, dense 225;
+    # WORKSPACE.md, runs 293-294). Pages a whole fraction of a tile read the tile's
+    # bs / P entries as scalars (TILE_FRACTION_PAGES).
     scalar_pages = (
         bool(p.page_size)
         and not p.key_list
