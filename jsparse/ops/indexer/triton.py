@@ -383,16 +383,17 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     )
     entries_a_tile = max(bs // p.page_size, 1) if scalar_pages else 0
 
-    def tile_pages(j):
+    def tile_pages(j, ids=None):
         """Key tile j's physical pages (-1: none): [BS], or a tuple of the tile's
         entries as scalars when pages hold whole tiles or whole fractions of one. Tiles
-        past the last read the last entry (never used)."""
+        past the last read the last entry (never used). ``ids``: the tile's ids when
+        already loaded (a key list's are a load)."""
         if scalar_pages:
             first, last = j * bs // p.page_size, p.s // p.page_size - 1
             return tuple(
                 plt.load(pages_ref.at[jnp.minimum(first + e, last)]) for e in range(entries_a_tile)
             )
-        ids = tile_ids(j)
+        ids = tile_ids(j) if ids is None else ids
         ok = (ids >= 0) & (ids < p.s)
         return plt.load(pages_ref.at[jnp.where(ok, ids, 0) // p.page_size], mask=ok, other=-1)
 
@@ -403,7 +404,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         ok = (ids >= 0) & (ids < p.s)
         safe = jnp.where(ok, ids, 0)
         if p.page_size:
-            page = tile_pages(j) if page is None else page
+            page = tile_pages(j, ids) if page is None else page
             lane = jnp.arange(bs, dtype=jnp.int32)
             if entries_a_tile == 1:  # the tile's first row, then consecutive rows
                 page = page[0]
