@@ -9,9 +9,8 @@ import pytest
 
 import jsparse
 from jsparse.certified import indexer_topk_decode
-from jsparse.ops.indexer import triton as indexer_triton
 from jsparse.ops.topk.codes import EMPTY_CODE
-from tests.paging import shuffled_pages
+from tests.paging import shuffled_pages, use_page_layout
 
 B, S_MAX, H, D, K = 3, 160, 8, 16, 8
 
@@ -113,14 +112,14 @@ def test_paged_decode_equals_dense_decode(impl, page, scalars, request, monkeypa
     # witnesses equal the dense cache's (the scorer reads each key in its page).
     if impl == "triton":
         request.getfixturevalue("interpret")
-    monkeypatch.setattr(indexer_triton, "TILE_FRACTION_PAGES", scalars)
+    use_page_layout(monkeypatch, scalars)
     _check_paged_equals_dense(impl, page)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page, scalars", PAGE_LAYOUTS, ids=PAGE_IDS)
 def test_gpu_paged_decode_equals_dense_decode(page, scalars, monkeypatch):
-    monkeypatch.setattr(indexer_triton, "TILE_FRACTION_PAGES", scalars)
+    use_page_layout(monkeypatch, scalars)
     _check_paged_equals_dense("triton", page)  # compiled
 
 

@@ -14,7 +14,7 @@ from jsparse import backend
 from jsparse.ops.indexer import triton as scorer
 from jsparse.testing import topk_mismatches
 from tests.lowering import lower_for_h200
-from tests.paging import shuffled_pages
+from tests.paging import shuffled_pages, use_page_layout
 
 FP8 = jnp.float8_e4m3fn
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}
@@ -49,10 +49,6 @@ def make_batch(dtype, seed=0):
 # tile).
 PAGE_LAYOUTS = [(P, False), (32, True), (128, False)]
 PAGE_IDS = ["P20", "P32-scalars", "P128"]
-
-
-def use_page_layout(monkeypatch, scalars):
-    monkeypatch.setattr(scorer, "TILE_FRACTION_PAGES", scalars)
 
 
 def paged(batch, seed=0, page=P):
