@@ -1,5 +1,4 @@
-"""What the paged tests need: a dense test cache scattered into a shuffled page pool,
-and the scorer's page-entry setting."""
+"""What the paged tests need: a dense test cache scattered into a shuffled page pool."""
 
 from __future__ import annotations
 
@@ -31,12 +30,3 @@ def shuffled_pages(k_cache, scale, lengths, page_size, *, spare_pages, seed=0):
             if i * page_size < lengths[row]:
                 table[row, i] = slots[row, i]
     return jnp.asarray(pool, k_cache.dtype), jnp.asarray(pool_scale), jnp.asarray(table)
-
-
-def use_page_layout(monkeypatch, scalars):
-    """The scorer's ``TILE_FRACTION_PAGES`` for one test: a tile's page entries as
-    scalars (True) or one a key, where pages divide the tile (the ``monkeypatch``
-    fixture clears JAX's traces, which read it)."""
-    from jsparse.ops.indexer import triton as scorer
-
-    monkeypatch.setattr(scorer, "TILE_FRACTION_PAGES", scalars)

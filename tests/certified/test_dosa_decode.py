@@ -10,7 +10,7 @@ import pytest
 import jsparse
 from jsparse.certified import indexer_topk_decode
 from jsparse.ops.topk.codes import EMPTY_CODE
-from tests.paging import shuffled_pages, use_page_layout
+from tests.paging import shuffled_pages
 
 B, S_MAX, H, D, K = 3, 160, 8, 16, 8
 
@@ -94,32 +94,30 @@ def test_decode_validates_inputs():
 
 
 P = 16  # page size of the paged tests (S_MAX = 10 pages)
-# (page size, scorer.TILE_FRACTION_PAGES): pages a quarter of the 64-key decode tile,
-# an entry a key (the default until measured on the GPU) or the tile's four entries as
-# scalars, and pages of whole tiles (an entry a tile).
-PAGE_LAYOUTS = [(P, False), (P, True), (64, False)]
-PAGE_IDS = ["P16", "P16-scalars", "P64"]
+# Page sizes against the 64-key decode tile: a quarter of it (the tile's four entries
+# as scalars), one that does not divide it (an entry a key) and a whole tile (an entry a
+# tile). The seed launch over key lists always reads an entry a key.
+PAGE_SIZES = [P, 20, 64]
+PAGE_IDS = ["P16", "P20", "P64"]
 
 
 def _paged(k_cache, scale, lengths, seed=0, page=P):
     return shuffled_pages(k_cache, scale, lengths, page, spare_pages=5, seed=seed)
 
 
-@pytest.mark.parametrize("page, scalars", PAGE_LAYOUTS, ids=PAGE_IDS)
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=PAGE_IDS)
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_paged_decode_equals_dense_decode(impl, page, scalars, request, monkeypatch):
+def test_paged_decode_equals_dense_decode(impl, page, request):
     # The same keys in a shuffled page pool: every step's ids, scores, records and
     # witnesses equal the dense cache's (the scorer reads each key in its page).
     if impl == "triton":
         request.getfixturevalue("interpret")
-    use_page_layout(monkeypatch, scalars)
     _check_paged_equals_dense(impl, page)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page, scalars", PAGE_LAYOUTS, ids=PAGE_IDS)
-def test_gpu_paged_decode_equals_dense_decode(page, scalars, monkeypatch):
-    use_page_layout(monkeypatch, scalars)
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=PAGE_IDS)
+def test_gpu_paged_decode_equals_dense_decode(page):
     _check_paged_equals_dense("triton", page)  # compiled
 
 

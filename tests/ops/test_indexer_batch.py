@@ -14,7 +14,7 @@ from jsparse import backend
 from jsparse.ops.indexer import triton as scorer
 from jsparse.testing import topk_mismatches
 from tests.lowering import lower_for_h200
-from tests.paging import shuffled_pages, use_page_layout
+from tests.paging import shuffled_pages
 
 FP8 = jnp.float8_e4m3fn
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}
@@ -42,13 +42,11 @@ def make_batch(dtype, seed=0):
     )
 
 
-# Page layouts of the paged tests, (page size, scorer.TILE_FRACTION_PAGES), against the
-# decode tile of 64 keys: pages that do not divide it (one page-table entry a key),
-# half-tile pages with the tile's two entries as scalars (off by default until measured
-# on the GPU; off, P 32 takes P 20's path) and pages of two whole tiles (one entry a
-# tile).
-PAGE_LAYOUTS = [(P, False), (32, True), (128, False)]
-PAGE_IDS = ["P20", "P32-scalars", "P128"]
+# Page sizes of the paged tests against the decode tile of 64 keys: pages that do not
+# divide it (one page-table entry a key), half-tile pages (the tile's two entries as
+# scalars) and pages of two whole tiles (one entry a tile, at an offset in its page).
+PAGE_SIZES = [P, 32, 128]
+PAGE_IDS = ["P20", "P32", "P128"]
 
 
 def paged(batch, seed=0, page=P):
@@ -116,10 +114,9 @@ def test_base_kernels_match_the_oracle(dtype, kernel_impl):
         )
 
 
-@pytest.mark.parametrize("page, scalars", PAGE_LAYOUTS, ids=PAGE_IDS)
-def test_paged_base_equals_dense_base(page, scalars, kernel_impl, monkeypatch):
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=PAGE_IDS)
+def test_paged_base_equals_dense_base(page, kernel_impl):
     # The scorer reads each key in its page: every id and score equals the dense cache's.
-    use_page_layout(monkeypatch, scalars)
     batch = make_batch(jnp.bfloat16, seed=2)
     pages = paged(batch, page=page)
     dense = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
@@ -131,23 +128,13 @@ def test_paged_base_equals_dense_base(page, scalars, kernel_impl, monkeypatch):
     assert_matches_oracle(ref, batch)
 
 
-@pytest.mark.parametrize(
-    "splits, page, scalars, ahead, before",
-    [(s, *layout, 1, False) for s in (1, 2) for layout in PAGE_LAYOUTS]
-    + [(2, *layout, 2, False) for layout in PAGE_LAYOUTS]
-    + [(2, 128, False, 1, True), (2, 32, True, 1, True), (2, P, False, 2, True)]
-    + [(2, 32, True, 2, True)],
-)
-def test_paged_base_walks_several_tiles_a_program(
-    splits, page, scalars, ahead, before, kernel_impl, monkeypatch
-):
-    # A program reads each tile's pages one or two tiles ahead, the load placed before or
-    # after the tile's own: with every sequence's 5 tiles in one or two programs, a wrong
-    # prefetch would read another tile's keys.
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=PAGE_IDS)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_base_walks_several_tiles_a_program(splits, page, kernel_impl, monkeypatch):
+    # A program loads each tile's pages one tile ahead (scalar entries before the tile's
+    # own loads, per-key ones after): with every sequence's 5 tiles in one or two
+    # programs, a wrong prefetch would read another tile's keys.
     monkeypatch.setattr(scorer, "batch_splits", lambda *args: splits)
-    monkeypatch.setattr(scorer, "PAGE_PREFETCH_TILES", ahead)
-    monkeypatch.setattr(scorer, "PREFETCH_BEFORE_TILE", before)
-    use_page_layout(monkeypatch, scalars)
     batch = make_batch(jnp.bfloat16, seed=5)
     dense = jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **batch)
     from_pages = jsparse.indexer_topk_batch(
@@ -261,27 +248,22 @@ def test_bad_input_raises_value_errors():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize(
-    "p, scalars",
-    [(0, False), (32, False), (32, True), (128, False)],
-    ids=["dense", "paged32", "paged32-scalars", "paged128"],
-)
-def test_batch_base_lowers_to_cuda(dtype, p, scalars, monkeypatch):
+@pytest.mark.parametrize("p", [0, 20, 32, 128], ids=["dense", "paged20", "paged32", "paged128"])
+def test_batch_base_lowers_to_cuda(dtype, p):
     from jsparse.ops.indexer import batch as batch_lib
-
-    use_page_layout(monkeypatch, scalars)
 
     b, s_max, h, d = 8, 8192, 64, 128
     paged_cache = p > 0
     f32, i32 = jnp.float32, jnp.int32
-    shape = (b * s_max // p, p, d) if paged_cache else (b, s_max, d)
+    pages_a_row = -(-s_max // p) if paged_cache else 0
+    shape = (b * pages_a_row, p, d) if paged_cache else (b, s_max, d)
     args = [
         jax.ShapeDtypeStruct((b, h, d), dtype),
         jax.ShapeDtypeStruct((b, h), f32),
         jax.ShapeDtypeStruct(shape, dtype),
         jax.ShapeDtypeStruct(shape[:2], f32),
         jax.ShapeDtypeStruct((b,), i32),
-        jax.ShapeDtypeStruct((b, s_max // p), i32) if paged_cache else None,
+        jax.ShapeDtypeStruct((b, pages_a_row), i32) if paged_cache else None,
     ]
 
     def fn(q, w, kc, ks, n, table=None):
@@ -344,14 +326,11 @@ def test_traced_lengths_past_s_max_are_clamped(kernel_impl):
     assert int(run(over).visible[0]) == S_MAX
 
 
-@pytest.mark.parametrize("page, scalars", PAGE_LAYOUTS, ids=PAGE_IDS)
-def test_traced_pages_outside_the_pool_or_missing_are_never_read(
-    page, scalars, kernel_impl, monkeypatch
-):
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=PAGE_IDS)
+def test_traced_pages_outside_the_pool_or_missing_are_never_read(page, kernel_impl):
     """Under jit a page table cannot be checked: an entry outside [-1, n_pages) is no
     page, and a key on no page (even below its sequence's length) is never read: it
     scores -inf, in the kernels and the references alike."""
-    use_page_layout(monkeypatch, scalars)
     batch = paged(make_batch(jnp.bfloat16, seed=3), page=page)
     table, n_pages = batch["page_table"], batch["k_cache"].shape[0]
     bad = table.at[0, 2].set(n_pages + 7).at[3, 0].set(-4).at[2, 0].set(-1)

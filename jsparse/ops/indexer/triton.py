@@ -301,24 +301,12 @@ class _Plan:
 
 
 # Dense launches over a paged cache load each tile's page-table entries one tile ahead,
-# so the key loads do not wait on them (see WORKSPACE.md, run 120).
+# so the key loads do not wait on them (see WORKSPACE.md, run 120). Two tiles ahead was
+# slower (FP8 64 × 64K at P 64: 253 against 238 µs, run 298). Where a tile reads its
+# entries as scalars the next tile's are loaded before the tile's own key loads (P 64:
+# 242 → 238 µs, P 128 218 → 216); an entry a key is loaded after them (before: P 32
+# 295 → 306 µs, runs 298 and 301).
 PREFETCH_PAGES = True
-# How many tiles ahead the prefetch loads pages (1 measured; 2 is the open question of
-# P = block_s, WORKSPACE.md, run 295).
-PAGE_PREFETCH_TILES = 1
-# Where the prefetch's load sits in the loop body. False (measured, runs 293-296): after
-# the tile's key loads and dot, before its score stores, so it may still be in flight
-# when the next tile's key loads need it; True: before the tile's key loads, as run 120
-# measured for an entry a key. Unmeasured for an entry a tile (run 297).
-PREFETCH_BEFORE_TILE = False
-# Pages holding whole key tiles (P a multiple of block_s): each tile reads one page-table
-# entry, a scalar, instead of one a key.
-WHOLE_TILE_PAGES = True
-# Pages holding a whole fraction of a tile (block_s a multiple of P): True, each tile
-# reads its block_s / P entries as scalars and selects each key's among them; False, one
-# entry a key. Off until measured on the GPU (tested interpreted and lowered; WORKSPACE.md,
-# run 298 planned).
-TILE_FRACTION_PAGES = False
 
 
 # Records of launches whose splits share a query. False: every tile reserves room in
@@ -370,16 +358,12 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
     slice_dims = [jnp.arange(c, c + width, dtype=jnp.int32) for c, width in slices]
 
     # A key range's tiles over pages that hold whole tiles read one page-table entry a
-    # tile, a scalar, not one a key (FP8 64 × 64K at P 64: 300 → 243 µs, dense 225;
-    # WORKSPACE.md, runs 293-294). Pages a whole fraction of a tile read the tile's
-    # bs / P entries as scalars (TILE_FRACTION_PAGES).
+    # tile, a scalar, not one a key; pages a whole fraction of a tile read the tile's
+    # bs / P entries as scalars. FP8 64 × 64K (WORKSPACE.md, runs 293-294 and 298; dense
+    # 220 µs): P 64 300 → 242, P 32 295 → 249, P 16 301 → 262. Other sizes (P 20) read an
+    # entry a key.
     scalar_pages = (
-        bool(p.page_size)
-        and not p.key_list
-        and (
-            (p.page_size % bs == 0 and WHOLE_TILE_PAGES)
-            or (bs % p.page_size == 0 and TILE_FRACTION_PAGES)
-        )
+        bool(p.page_size) and not p.key_list and (p.page_size % bs == 0 or bs % p.page_size == 0)
     )
     entries_a_tile = max(bs // p.page_size, 1) if scalar_pages else 0
 
@@ -523,15 +507,14 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
 
     # (Key ranges only: a list's tile past its last would be read out of bounds.)
     prefetch = bool(p.page_size) and not p.key_list and PREFETCH_PAGES
-    ahead = PAGE_PREFETCH_TILES
 
     def dense_body(j, pages):
-        if prefetch and PREFETCH_BEFORE_TILE:  # issued before the tile's key loads
-            current, pages = pages[0], (*pages[1:], tile_pages(j + ahead))
+        if prefetch and scalar_pages:  # tile j + 1's entries, before this tile's loads
+            current, pages = pages, tile_pages(j + 1)
             ids, scores, visible = tile_scores(j, current)
-        elif prefetch:  # pages of tile j + ahead, issued after this tile's loads and dot
-            ids, scores, visible = tile_scores(j, pages[0])
-            pages = (*pages[1:], tile_pages(j + ahead))
+        elif prefetch:  # tile j + 1's entries, after this tile's loads and dot
+            ids, scores, visible = tile_scores(j, pages)
+            pages = tile_pages(j + 1)
         else:
             ids, scores, visible = tile_scores(j)
         scores = jnp.where(visible, scores, _NEG_INF)
@@ -546,7 +529,7 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         return pages
 
     if not p.fill_only:
-        pages = tuple(tile_pages(begin + a) for a in range(ahead)) if prefetch else 0
+        pages = tile_pages(begin) if prefetch else 0
         jax.lax.fori_loop(begin, stop, dense_body, pages)
     else:
         # Tiles outside [first, last) are invisible to every query of the block.
