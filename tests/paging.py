@@ -1,4 +1,4 @@
-"""What the paged tests need: a dense test cache scattered into a shuffled page pool."""
+"""A dense test cache scattered into a shuffled page pool, the way the paged tests need it."""
 
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ P = 16  # page size of the paged tests (S_MAX = 10 pages)
 # as scalars), one that does not divide it (an entry a key) and a whole tile (an entry a
 # tile). The seed launch over key lists always reads an entry a key.
 PAGE_SIZES = [P, 20, 64]
-PAGE_IDS = ["P16", "P20", "P64"]
+PAGE_IDS = [f"P{page}" for page in PAGE_SIZES]
 
 
 def _paged(k_cache, scale, lengths, seed=0, page=P):

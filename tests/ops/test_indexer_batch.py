@@ -46,7 +46,7 @@ def make_batch(dtype, seed=0):
 # divide it (one page-table entry a key), half-tile pages (the tile's two entries as
 # scalars) and pages of two whole tiles (one entry a tile, at an offset in its page).
 PAGE_SIZES = [P, 32, 128]
-PAGE_IDS = ["P20", "P32", "P128"]
+PAGE_IDS = [f"P{page}" for page in PAGE_SIZES]
 
 
 def paged(batch, seed=0, page=P):
