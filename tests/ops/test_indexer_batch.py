@@ -248,7 +248,7 @@ def test_bad_input_raises_value_errors():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("p", [0, 20, 32, 128], ids=["dense", "paged20", "paged32", "paged128"])
+@pytest.mark.parametrize("p", [0, 20, 32, 128], ids=lambda p: f"paged{p}" if p else "dense")
 def test_batch_base_lowers_to_cuda(dtype, p):
     from jsparse.ops.indexer import batch as batch_lib
 
