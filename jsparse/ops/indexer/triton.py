@@ -308,6 +308,10 @@ class _Plan:
 # 295 → 306 µs, runs 298 and 301).
 PREFETCH_PAGES = True
 
+# Dense launches over an unpaged, scaled cache load the next tile's k_scale one tile
+# ahead, carried through the loop (the MMA's epilogue waited on this tile's scales).
+SCALE_PREFETCH = True
+
 
 # Records of launches whose splits share a query. False: every tile reserves room in
 # its rows' buffers with a scalar fetch-and-add, whose answer the tile's stores wait on.
@@ -381,9 +385,10 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         ok = (ids >= 0) & (ids < p.s)
         return plt.load(pages_ref.at[jnp.where(ok, ids, 0) // p.page_size], mask=ok, other=-1)
 
-    def tile_scores(j, page=None):
+    def tile_scores(j, page=None, scale=None):
         """Key tile j -> (ids [BS] (-1 or ≥ S: no key), scores [BT, BS], visible
-        [BT, BS]). ``page``: the tile's pages when already loaded (paged caches)."""
+        [BT, BS]). ``page``: the tile's pages when already loaded (paged caches);
+        ``scale``: its k_scale when already loaded (``tile_scale``)."""
         ids = tile_ids(j)
         ok = (ids >= 0) & (ids < p.s)
         safe = jnp.where(ok, ids, 0)
@@ -414,7 +419,8 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             )
             for dims in slice_dims
         ]
-        scale = plt.load(scale_ref.at[row], mask=ok, other=0.0) if p.has_scale else None
+        if p.has_scale and scale is None:
+            scale = plt.load(scale_ref.at[row], mask=ok, other=0.0)
         k_parts = [part.astype(p.compute) for part in k_parts]
         scores = _score_tile(q_parts, w, k_parts, scale, block_t=bt, heads=p.heads)
         visible = ok[None, :] & (ids[None, :] >= start[:, None]) & (ids[None, :] < end[:, None])
@@ -507,14 +513,24 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
 
     # (Key ranges only: a list's tile past its last would be read out of bounds.)
     prefetch = bool(p.page_size) and not p.key_list and PREFETCH_PAGES
+    prefetch_scale = p.has_scale and not p.page_size and not p.key_list and SCALE_PREFETCH
 
-    def dense_body(j, pages):
-        if prefetch and scalar_pages:  # tile j + 1's entries, before this tile's loads
-            current, pages = pages, tile_pages(j + 1)
+    def tile_scale(j):
+        """Unpaged key tile j's k_scale [BS] (0 past the keys)."""
+        ids = tile_ids(j)
+        ok = ids < p.s
+        return plt.load(scale_ref.at[jnp.where(ok, ids, 0)], mask=ok, other=0.0)
+
+    def dense_body(j, ahead):
+        if prefetch_scale:  # tile j + 1's scales, before this tile's loads
+            current, ahead = ahead, tile_scale(j + 1)
+            ids, scores, visible = tile_scores(j, scale=current)
+        elif prefetch and scalar_pages:  # tile j + 1's entries, before this tile's loads
+            current, ahead = ahead, tile_pages(j + 1)
             ids, scores, visible = tile_scores(j, current)
         elif prefetch:  # tile j + 1's entries, after this tile's loads and dot
-            ids, scores, visible = tile_scores(j, pages)
-            pages = tile_pages(j + 1)
+            ids, scores, visible = tile_scores(j, ahead)
+            ahead = tile_pages(j + 1)
         else:
             ids, scores, visible = tile_scores(j)
         scores = jnp.where(visible, scores, _NEG_INF)
@@ -526,11 +542,11 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             in_bounds = row_ok[:, None] & (ids[None, :] < p.s)
             col = jnp.where(in_bounds, ids[None, :], p.s)
         plt.store(out_ref.at[rows[:, None], col], scores, mask=in_bounds)
-        return pages
+        return ahead
 
     if not p.fill_only:
-        pages = tile_pages(begin) if prefetch else 0
-        jax.lax.fori_loop(begin, stop, dense_body, pages)
+        ahead = tile_scale(begin) if prefetch_scale else tile_pages(begin) if prefetch else 0
+        jax.lax.fori_loop(begin, stop, dense_body, ahead)
     else:
         # Tiles outside [first, last) are invisible to every query of the block.
         n_all = (p.s + bs - 1) // bs
