@@ -308,8 +308,12 @@ class _Plan:
 # 295 → 306 µs, runs 298 and 301).
 PREFETCH_PAGES = True
 
-# Dense launches over an unpaged, scaled cache load the next tile's k_scale one tile
-# ahead, carried through the loop (the MMA's epilogue waited on this tile's scales).
+# Dense launches over a scaled cache (unpaged, or pages read a tile ahead as scalars)
+# load the next tile's k_scale at the end of a tile and carry it. Loaded inside the
+# tile, the scales' first reader came ~165 instructions after the load, and the MMA's
+# epilogue waited on them (7-11% of the FP8 scorer's stall samples, WORKSPACE.md, run
+# 303); now ~240. Loaded at the top of the tile, the pipeliner moved them between
+# registers (sm_90 SASS of the CPU cross-lowering, session 70).
 SCALE_PREFETCH = True
 
 
@@ -385,10 +389,9 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
         ok = (ids >= 0) & (ids < p.s)
         return plt.load(pages_ref.at[jnp.where(ok, ids, 0) // p.page_size], mask=ok, other=-1)
 
-    def tile_scores(j, page=None, scale=None):
-        """Key tile j -> (ids [BS] (-1 or ≥ S: no key), scores [BT, BS], visible
-        [BT, BS]). ``page``: the tile's pages when already loaded (paged caches);
-        ``scale``: its k_scale when already loaded (``tile_scale``)."""
+    def tile_rows(j, page=None):
+        """Key tile j -> (ids [BS] (-1 or ≥ S: no key), rows of k [BS], row readable
+        [BS]). ``page``: the tile's pages when already loaded (paged caches)."""
         ids = tile_ids(j)
         ok = (ids >= 0) & (ids < p.s)
         safe = jnp.where(ok, ids, 0)
@@ -411,6 +414,18 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
                 row = jnp.where(ok, page * p.page_size + safe % p.page_size, 0)
         else:
             row = safe
+        return ids, row, ok
+
+    def tile_scale(j, page=None):
+        """Key tile j's k_scale [BS] (0 where no key)."""
+        _, row, ok = tile_rows(j, page)
+        return plt.load(scale_ref.at[row], mask=ok, other=0.0)
+
+    def tile_scores(j, page=None, scale=None):
+        """Key tile j -> (ids [BS] (-1 or ≥ S: no key), scores [BT, BS], visible
+        [BT, BS]). ``page``: the tile's pages when already loaded (paged caches);
+        ``scale``: its k_scale when already loaded (``tile_scale``)."""
+        ids, row, ok = tile_rows(j, page)
         k_parts = [
             plt.load(
                 k_ref.at[row[:, None], dims[None, :]],
@@ -513,26 +528,22 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
 
     # (Key ranges only: a list's tile past its last would be read out of bounds.)
     prefetch = bool(p.page_size) and not p.key_list and PREFETCH_PAGES
-    prefetch_scale = p.has_scale and not p.page_size and not p.key_list and SCALE_PREFETCH
-
-    def tile_scale(j):
-        """Unpaged key tile j's k_scale [BS] (0 past the keys)."""
-        ids = tile_ids(j)
-        ok = ids < p.s
-        return plt.load(scale_ref.at[jnp.where(ok, ids, 0)], mask=ok, other=0.0)
+    # (Scales ahead need the next tile's rows early: unpaged, or entries loaded ahead.)
+    scale_ahead = (
+        p.has_scale and not p.key_list and SCALE_PREFETCH
+        and (not p.page_size or (prefetch and scalar_pages))
+    )  # fmt: skip
 
     def dense_body(j, ahead):
-        if prefetch_scale:  # tile j + 1's scales, before this tile's loads
-            current, ahead = ahead, tile_scale(j + 1)
-            ids, scores, visible = tile_scores(j, scale=current)
-        elif prefetch and scalar_pages:  # tile j + 1's entries, before this tile's loads
-            current, ahead = ahead, tile_pages(j + 1)
-            ids, scores, visible = tile_scores(j, current)
+        pages, scale = ahead
+        if prefetch and scalar_pages:  # tile j + 1's entries, before this tile's loads
+            current, pages = pages, tile_pages(j + 1)
+            ids, scores, visible = tile_scores(j, current, scale)
         elif prefetch:  # tile j + 1's entries, after this tile's loads and dot
-            ids, scores, visible = tile_scores(j, ahead)
-            ahead = tile_pages(j + 1)
+            ids, scores, visible = tile_scores(j, pages)
+            pages = tile_pages(j + 1)
         else:
-            ids, scores, visible = tile_scores(j)
+            ids, scores, visible = tile_scores(j, scale=scale)
         scores = jnp.where(visible, scores, _NEG_INF)
         if p.row_cols:
             col = ids[None, :] - start[:, None]
@@ -542,11 +553,14 @@ def _kernel(q_ref, w_ref, k_ref, start_ref, end_ref, *refs, p):
             in_bounds = row_ok[:, None] & (ids[None, :] < p.s)
             col = jnp.where(in_bounds, ids[None, :], p.s)
         plt.store(out_ref.at[rows[:, None], col], scores, mask=in_bounds)
-        return ahead
+        if scale_ahead:  # tile j + 1's, last (see SCALE_PREFETCH)
+            scale = tile_scale(j + 1, pages if prefetch else None)
+        return pages, scale
 
     if not p.fill_only:
-        ahead = tile_scale(begin) if prefetch_scale else tile_pages(begin) if prefetch else 0
-        jax.lax.fori_loop(begin, stop, dense_body, ahead)
+        pages = tile_pages(begin) if prefetch else None
+        scale = tile_scale(begin, pages) if scale_ahead else None
+        jax.lax.fori_loop(begin, stop, dense_body, (pages, scale))
     else:
         # Tiles outside [first, last) are invisible to every query of the block.
         n_all = (p.s + bs - 1) // bs
