@@ -113,6 +113,7 @@ def normalize_trace(gram: Float[Array, "*L D D"]) -> Float[Array, "*L D D"]:
     # XLA divides by multiplying with the reciprocal, which flushes to 0 past a trace of
     # ~8.5e37 (every entry came out 0), and a trace can overflow to inf: a Gram matrix
     # with a diagonal entry past 2^90 is first scaled by 2^-64, exactly.
+    gram = jnp.asarray(gram)  # (a NumPy f64 input: its dtype is jax's, not NumPy's)
     diagonal = jnp.diagonal(gram, axis1=-2, axis2=-1)[..., None]
     shrink = jnp.where(jnp.max(diagonal, axis=-2, keepdims=True) > 2.0**90, 2.0**-64, 1.0)
     gram = gram * shrink.astype(gram.dtype)

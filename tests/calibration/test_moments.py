@@ -1,6 +1,9 @@
 """Streaming second moments against numpy."""
 
+import warnings
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -82,6 +85,15 @@ def test_group_mean_and_trace():
         np.trace(normalize_trace(g), axis1=-2, axis2=-1), [1.0, 1.0], rtol=1e-6
     )
     np.testing.assert_array_equal(normalize_trace(np.zeros((3, 3), np.float32)), 0.0)
+
+
+def test_trace_of_a_numpy_f64_gram_without_a_warning():
+    # jax's f32, as for any NumPy f64 input; no "float64 truncated" warning on the way
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = normalize_trace(2.0 * np.eye(3))
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, np.eye(3) / 3, rtol=1e-6)
 
 
 def test_bad_inputs():
