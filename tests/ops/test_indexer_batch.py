@@ -145,6 +145,24 @@ def test_paged_base_walks_several_tiles_a_program(splits, page, kernel_impl, mon
     assert_matches_oracle(dense, batch)
 
 
+@pytest.mark.parametrize("page", [0, *PAGE_SIZES], ids=["dense", *PAGE_IDS])
+def test_scales_loaded_a_tile_ahead_change_nothing(page, kernel_impl, monkeypatch):
+    # SCALE_PREFETCH carries each tile's k_scale from the tile before (dense caches and
+    # pages read a tile ahead as scalars; P 20 keeps loading them in the tile). One
+    # program walks each sequence's 5 tiles, so a scale from the wrong tile would show.
+    monkeypatch.setattr(scorer, "batch_splits", lambda *args: 1)
+    batch = make_batch(FP8, seed=6)
+    cache = paged(batch, page=page) if page else batch
+    results = []
+    for ahead in (False, True):
+        monkeypatch.setattr(scorer, "SCALE_PREFETCH", ahead)
+        jax.clear_caches()  # the switch is read when the launch is traced
+        results.append(jsparse.indexer_topk_batch(top_k=K, implementation=kernel_impl, **cache))
+    for field in ("indices", "scores"):
+        np.testing.assert_array_equal(*(np.asarray(getattr(r, field)) for r in results))
+    assert_matches_oracle(results[1], batch)
+
+
 def _assert_batch_equals_one_sequence_calls(q, w, cache, k, scale, lengths, implementation):
     """Each sequence of a batch call selects, id for id and score for score (bitwise),
     what a call on that sequence alone selects: the two share the one-query scorer."""
@@ -249,8 +267,11 @@ def test_bad_input_raises_value_errors():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("p", [0, 20, 32, 128], ids=lambda p: f"paged{p}" if p else "dense")
-def test_batch_base_lowers_to_cuda(dtype, p):
+@pytest.mark.parametrize("scale_ahead", [False, True], ids=["scales-in-tile", "scales-ahead"])
+def test_batch_base_lowers_to_cuda(dtype, p, scale_ahead, monkeypatch):
     from jsparse.ops.indexer import batch as batch_lib
+
+    monkeypatch.setattr(scorer, "SCALE_PREFETCH", scale_ahead)
 
     b, s_max, h, d = 8, 8192, 64, 128
     paged_cache = p > 0

@@ -308,13 +308,14 @@ class _Plan:
 # 295 → 306 µs, runs 298 and 301).
 PREFETCH_PAGES = True
 
-# Dense launches over a scaled cache (unpaged, or pages read a tile ahead as scalars)
-# load the next tile's k_scale at the end of a tile and carry it. Loaded inside the
-# tile, the scales' first reader came ~165 instructions after the load, and the MMA's
-# epilogue waited on them (7-11% of the FP8 scorer's stall samples, WORKSPACE.md, run
-# 303); now ~240. Loaded at the top of the tile, the pipeliner moved them between
-# registers (sm_90 SASS of the CPU cross-lowering, session 70).
-SCALE_PREFETCH = True
+# True: dense launches over a scaled cache (unpaged, or pages read a tile ahead as
+# scalars) load the next tile's k_scale at the end of a tile and carry it. Loaded inside
+# the tile, the scales' first reader comes ~165 instructions after the load, and the
+# MMA's epilogue waits on them (7-11% of the FP8 scorer's stall samples, WORKSPACE.md,
+# run 303); ahead, ~240 (sm_90 SASS of the CPU cross-lowering, session 70; loaded at
+# the top of a tile, the pipeliner moved them between registers instead). Off until a
+# GPU run measures it: False builds the same kernels as before the switch existed.
+SCALE_PREFETCH = False
 
 
 # Records of launches whose splits share a query. False: every tile reserves room in
