@@ -14,8 +14,8 @@ import pytest
 import jsparse
 from jsparse.certified import dosa_topk, planner
 from jsparse.certified import triton as ctriton
+from jsparse.testing import lower_for_h200
 from tests.certified.dosa_cases import ADVERSARIAL, CONFIGS, Config, make_inputs, times_pow2
-from tests.lowering import lower_for_h200
 
 CFG = Config(5, 8, 16, 192, 8, "bfloat16", "float8_e4m3fn", scaled=True)
 R_TWO_WIDTHS = np.array([1, 6, 14, 3, 6])  # per-query r over two width classes (8 and 16 rows)

@@ -21,10 +21,9 @@ from jsparse.nn import (
     distillation_loss,
 )
 from jsparse.ops.indexer.prepare import hadamard
-from jsparse.testing import topk_mismatches
+from jsparse.testing import lower_for_h200, topk_mismatches
 from tests.gradients import assert_kernels_differentiate_like_the_reference, weight_gradient
 from tests.implementations import running
-from tests.lowering import lower_for_h200
 from tests.paging import shuffled_pages
 
 D_MODEL, HEADS, DIM, ROPE = 48, 4, 16, 8

@@ -11,7 +11,7 @@ import pytest
 
 import jsparse
 from jsparse.ops.attention import triton as attention_triton
-from tests.lowering import lower_for_h200
+from jsparse.testing import lower_for_h200
 from tests.ops.decode_dtypes import DECODE_DTYPES
 from tests.paging import shuffled_pages
 

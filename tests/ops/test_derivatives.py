@@ -336,7 +336,7 @@ def test_a_kernel_without_a_derivative_refuses_by_name(interpret):
 def test_gradients_lower_to_cuda(op, monkeypatch):
     """The differentiated step still runs the kernels forward on a GPU: lowered for an
     H200, the gradient holds the Triton launch and lowers (no interpret-only path)."""
-    from tests.lowering import lower_for_h200
+    from jsparse.testing import lower_for_h200
 
     monkeypatch.setattr(backend, "has_nvidia_gpu", lambda: True)
     bf16 = jnp.bfloat16

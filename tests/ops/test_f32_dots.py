@@ -21,8 +21,8 @@ from jsparse.ops.attention import triton as attention_triton
 from jsparse.ops.indexer import backward
 from jsparse.ops.indexer import triton as indexer_triton
 from jsparse.ops.mla import triton as mla_triton
+from jsparse.testing import lower_for_h200
 from tests.implementations import running
-from tests.lowering import lower_for_h200
 
 F32, I32 = jnp.float32, jnp.int32
 SDS = jax.ShapeDtypeStruct

@@ -12,8 +12,7 @@ import pytest
 import jsparse
 from jsparse import backend
 from jsparse.ops.indexer import triton as scorer
-from jsparse.testing import topk_mismatches
-from tests.lowering import lower_for_h200
+from jsparse.testing import lower_for_h200, topk_mismatches
 from tests.paging import shuffled_pages
 
 FP8 = jnp.float8_e4m3fn

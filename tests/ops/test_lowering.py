@@ -10,7 +10,7 @@ import jsparse
 from jsparse.ops.indexer import backward, methods
 from jsparse.ops.indexer import triton as indexer_triton
 from jsparse.ops.topk import triton as select
-from tests.lowering import lower_for_h200
+from jsparse.testing import lower_for_h200
 
 T, H, D, S, K = 64, 64, 128, 8192, 2048
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn]

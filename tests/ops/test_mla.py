@@ -12,7 +12,7 @@ import pytest
 import jsparse
 from jsparse.ops.attention import triton as attention_triton
 from jsparse.ops.mla import triton as mla_triton
-from tests.lowering import lower_for_h200
+from jsparse.testing import lower_for_h200
 from tests.ops.decode_dtypes import DECODE_DTYPES
 from tests.paging import shuffled_pages
 

@@ -10,7 +10,7 @@ from jsparse import backend
 from jsparse.ops.projected import projected_scores, projected_step
 from jsparse.ops.projected import triton as projected_triton
 from jsparse.ops.projected.triton import projected_scores_triton, projected_step_triton
-from tests.lowering import lower_for_h200
+from jsparse.testing import lower_for_h200
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 

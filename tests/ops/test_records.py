@@ -12,7 +12,7 @@ import pytest
 from jsparse import backend
 from jsparse.ops.indexer import triton as scorer
 from jsparse.ops.topk import codes as codes_lib
-from tests.lowering import lower_for_h200
+from jsparse.testing import lower_for_h200
 
 
 def _inputs(t=3, h=4, d=16, s=1500, seed=0):

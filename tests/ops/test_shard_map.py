@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jsparse
 from jsparse import backend
 from jsparse.ops.topk import topk_prefix
-from tests.lowering import h200_mesh, lower_for_h200
+from jsparse.testing import h200_mesh, lower_for_h200
 
 shard_map = getattr(jax, "shard_map", None)
 if shard_map is None:  # jax < 0.7
