@@ -150,6 +150,7 @@ def _case(args):
 def triton_modules(fn, structs) -> list[dict]:
     """Lowers ``fn`` for an abstract H200 and returns each Pallas Triton kernel as
     {name, warps, stages, ir} (the IR as text) in launch order."""
+    import jax
     from jax._src.pallas.triton import pallas_call_registration as registration
 
     from jsparse.testing import lower_for_h200
@@ -165,6 +166,7 @@ def triton_modules(fn, structs) -> list[dict]:
         return result
 
     registration.lowering.lower_jaxpr_to_triton_module = keep_text
+    jax.clear_caches()  # a kernel lowered before in this process must be lowered again
     try:
         lowered = lower_for_h200(fn, *structs).as_text()
     finally:
@@ -184,12 +186,12 @@ def triton_modules(fn, structs) -> list[dict]:
     return modules
 
 
-def compile_module(module: dict, workdir: Path) -> dict:
-    """Compiles one module for sm_90: registers, local and shared bytes, and its SASS."""
+def compile_module(module: dict, stem: Path) -> dict:
+    """Compiles one module for sm_90 (its IR, cubin and SASS at ``stem``.*): registers,
+    local and shared bytes, and the SASS."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    stem = workdir / module["name"]
     stem.with_suffix(".ttir").write_text(module["ir"])
     kernel = triton.compile(
         str(stem.with_suffix(".ttir")),
@@ -246,8 +248,8 @@ def main(argv=None) -> int:
     modules = [m for m in triton_modules(*_case(args)) if args.kernel in m["name"]]
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="jsparse_sass_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    for module in modules:
-        built = compile_module(module, workdir)
+    for n, module in enumerate(modules):  # (a kernel may launch more than once)
+        built = compile_module(module, workdir / f"{n}_{module['name']}")
         loop = main_loop(built["sass"])
         print(
             f"{module['name']}: {module['warps']} warps, {module['stages']} stages, "

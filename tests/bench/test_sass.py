@@ -50,6 +50,8 @@ def test_the_case_lowers_to_named_triton_kernels(batch):
     modules = sass.triton_modules(*sass._case(args))
     names = [m["name"] for m in modules]
     assert names[0] == "jsparse_indexer_scores" and len(names) > 1
+    # a second time in one process: the kernels are lowered again, not taken from a cache
+    assert [m["name"] for m in sass.triton_modules(*sass._case(args))] == names
     for module in modules:
         assert f"@{module['name']}" in module["ir"]
         assert module["warps"] in (1, 2, 4, 8, 16) and module["stages"] >= 1
